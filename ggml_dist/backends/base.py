@@ -1,0 +1,153 @@
+"""The device protocol: device -> buffer type -> buffer -> backend (ggml-backend-impl.h).
+
+Each level is a small Protocol; implementations do not inherit from each other. The one place where a
+tensor's (buffer, data) becomes an array with ggml's strides is `tensor_array`: `ne`/`nb` are reversed
+into a numpy shape/strides there and nowhere else.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ..core.graph import Graph
+from ..core.tensor import Tensor, nbytes
+from ..core.types import GGMLType, TYPE_TRAITS
+
+# element types that map to a numpy dtype; BF16 is raw uint16 bits (numpy has no bfloat16)
+NP_DTYPE: dict[GGMLType, np.dtype] = {
+    GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16),
+    GGMLType.BF16: np.dtype(np.uint16), GGMLType.F64: np.dtype(np.float64),
+    GGMLType.I8: np.dtype(np.int8), GGMLType.I16: np.dtype(np.int16),
+    GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64),
+}
+
+
+class DeviceType(enum.IntEnum):
+    """ggml_backend_dev_type."""
+    CPU = 0
+    GPU = 1
+    ACCEL = 2
+
+
+class BufferUsage(enum.IntEnum):
+    """ggml_backend_buffer_usage."""
+    ANY = 0
+    WEIGHTS = 1
+    COMPUTE = 2
+
+
+class UnsupportedOpError(RuntimeError):
+    """A backend was asked to compute an op it does not implement."""
+
+
+@runtime_checkable
+class Buffer(Protocol):
+    """ggml_backend_buffer: a byte arena. Host buffers expose `base`, a uint8 numpy array."""
+    buft: "BufferType"
+    size: int
+    usage: BufferUsage
+
+    def set_tensor(self, t: Tensor, data: np.ndarray, offset: int = 0) -> None: ...
+    def get_tensor(self, t: Tensor) -> np.ndarray: ...
+    def clear(self, value: int = 0) -> None: ...
+
+
+@runtime_checkable
+class BufferType(Protocol):
+    """ggml_backend_buffer_type."""
+    name: str
+    alignment: int      # power of two; the allocator pads every size to it
+    max_size: int       # bytes per chunk; one oversize tensor may still get a larger chunk
+    is_host: bool       # an array of the buffer can be read by the CPU directly
+
+    def alloc_buffer(self, size: int) -> Buffer: ...
+    def get_alloc_size(self, t: Tensor) -> int: ...   # default: nbytes(t)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """ggml_backend: computes graphs whose tensors live in buffers it can use."""
+    name: str
+    device: "Device"
+
+    def graph_compute(self, graph: Graph) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class Device(Protocol):
+    """ggml_backend_device: what the scheduler asks before placing work."""
+    name: str
+    type: DeviceType
+
+    def get_buffer_type(self) -> BufferType: ...
+    def supports_op(self, t: Tensor) -> bool: ...
+    def supports_buft(self, buft: BufferType) -> bool: ...
+    def offload_op(self, t: Tensor) -> bool: ...          # optional: default False
+    def memory(self) -> tuple[int, int]: ...              # (free, total) bytes
+    def init_backend(self) -> Backend: ...
+
+
+# -- binding tensors to arrays ----------------------------------------------------------------------
+def shape_strides(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], np.dtype]:
+    """ggml (ne, nb) -> numpy (shape, strides, dtype). Block types become uint8 rows of blocks:
+    shape (ne3, ne2, ne1, row_bytes)."""
+    if t.type in NP_DTYPE:
+        return (t.ne[3], t.ne[2], t.ne[1], t.ne[0]), (t.nb[3], t.nb[2], t.nb[1], t.nb[0]), NP_DTYPE[t.type]
+    tt = TYPE_TRAITS[t.type]
+    row_bytes = t.ne[0] // tt.blck_size * tt.type_size
+    return (t.ne[3], t.ne[2], t.ne[1], row_bytes), (t.nb[3], t.nb[2], t.nb[1], 1), np.dtype(np.uint8)
+
+
+def array_at(base: np.ndarray, offset: int, t: Tensor) -> np.ndarray:
+    """A zero-copy view of `t` at byte `offset` of the uint8 array `base`."""
+    shape, strides, dtype = shape_strides(t)
+    size = nbytes(t)
+    if offset < 0 or offset + size > base.nbytes:
+        raise ValueError(f"'{t.name}' ({size} B at offset {offset}) lies outside its "
+                         f"{base.nbytes} B buffer")
+    if size == 0:
+        return np.zeros(shape, dtype)
+    return np.ndarray(shape, dtype=dtype, buffer=base.data, offset=offset, strides=strides)
+
+
+def tensor_array(t: Tensor) -> np.ndarray:
+    """The array of an allocated tensor on a host buffer: 4-d, numpy order (ne reversed)."""
+    if t.buffer is None or t.data is None:
+        raise ValueError(f"tensor '{t.name}' is not allocated")
+    return array_at(t.buffer.base, t.data, t)
+
+
+def tensor_alloc(buffer: Any, t: Tensor, offset: int) -> None:
+    """ggml_backend_tensor_alloc: place t at offset in buffer."""
+    assert t.view_src is None, f"'{t.name}' is a view; use view_init"
+    t.buffer, t.data = buffer, offset
+
+
+def view_init(t: Tensor) -> None:
+    """ggml_backend_view_init: a view shares its root's buffer at root.data + view_offs."""
+    root = t.view_src
+    assert root is not None and root.buffer is not None and root.data is not None, \
+        f"view '{t.name}' initialised before its source"
+    t.buffer, t.data = root.buffer, root.data + t.view_offs
+
+
+def tensor_set(t: Tensor, value: np.ndarray) -> None:
+    """ggml_backend_tensor_set for a whole tensor; value is in numpy order (ne reversed) or flat."""
+    t.buffer.set_tensor(t, np.asarray(value))
+
+
+def tensor_get(t: Tensor) -> np.ndarray:
+    """ggml_backend_tensor_get: a copy of the tensor's contents, shape ne reversed (4-d)."""
+    return t.buffer.get_tensor(t)
+
+
+def squeeze_shape(t: Tensor) -> tuple[int, ...]:
+    """The numpy shape of t without the unused leading dims (n_dims of them kept)."""
+    return tuple(reversed(t.ne[: t.n_dims]))
+
+
+def srcs_of(t: Tensor) -> Sequence[Tensor | None]:
+    return t.src

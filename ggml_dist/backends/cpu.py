@@ -1,0 +1,190 @@
+"""The CPU backend: host buffers of numpy bytes, kernels from cpu_ops, optional asynchronous compute.
+
+With `async_compute=True` the backend runs its graphs on one worker thread, in submission order, and
+exposes ggml's event calls (record / wait / synchronize) on that queue. numpy releases the GIL in its
+kernels, so two such backends overlap on two cores: that is how the scheduler's n_copies pipelining is
+tested on one machine.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable
+
+import numpy as np
+
+from ..core.graph import Graph
+from ..core.tensor import Op, Tensor, TensorFlag, nbytes
+from ..core.types import is_quantized
+from .base import BufferUsage, DeviceType, UnsupportedOpError, array_at, tensor_array
+from .cpu_ops import KERNELS, QUANT_SRC_OPS, ComputeOptions
+
+TENSOR_ALIGNMENT = 32               # ggml's CPU buffer alignment
+
+
+class CPUBuffer:
+    """ggml_backend_cpu_buffer: a numpy uint8 arena (`base`)."""
+
+    def __init__(self, buft: "CPUBufferType", size: int) -> None:
+        self.buft = buft
+        self.size = size
+        self.usage = BufferUsage.ANY
+        self.base = np.zeros(max(size, 1), dtype=np.uint8)   # zeroed lazily by the OS
+
+    def __repr__(self) -> str:
+        return f"{self.buft.name} buffer ({self.size} B)"
+
+    def set_tensor(self, t: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        arr = array_at(self.base, t.data, t)                    # type: ignore[arg-type]
+        src = np.asarray(data)
+        if src.dtype == np.uint8 and arr.dtype != np.uint8 and src.nbytes == nbytes(t):
+            src = src.view(arr.dtype)                           # raw bytes of a dense tensor
+        arr[...] = src.reshape(arr.shape) if src.size == arr.size else src
+
+    def get_tensor(self, t: Tensor) -> np.ndarray:
+        return array_at(self.base, t.data, t).copy()            # type: ignore[arg-type]
+
+    def clear(self, value: int = 0) -> None:
+        self.base.fill(value)
+
+
+class CPUBufferType:
+    """ggml_backend_cpu_buffer_type: host memory, 32-byte alignment, no size limit."""
+
+    def __init__(self, name: str = "CPU", alignment: int = TENSOR_ALIGNMENT,
+                 max_size: int = 2**62, is_host: bool = True) -> None:
+        self.name = name
+        self.alignment = alignment
+        self.max_size = max_size
+        self.is_host = is_host
+
+    def __repr__(self) -> str:
+        return f"BufferType({self.name})"
+
+    def alloc_buffer(self, size: int) -> CPUBuffer:
+        return CPUBuffer(self, size)
+
+    def get_alloc_size(self, t: Tensor) -> int:
+        return nbytes(t)
+
+
+def cpu_supports_op(t: Tensor) -> bool:
+    """What the CPU kernels implement: every op in KERNELS; quantized operands only where the kernel
+    dequantizes blocks; quantized destinations only for copies."""
+    if t.op not in KERNELS:
+        return False
+    if t.op in QUANT_SRC_OPS:
+        return True
+    return not any(s is not None and is_quantized(s.type) for s in t.src)
+
+
+class CPUBackend:
+    """ggml_backend_cpu: graph_compute walks the nodes and runs each COMPUTE node's kernel."""
+
+    def __init__(self, device: "CPUDevice", async_compute: bool = False,
+                 opts: ComputeOptions = ComputeOptions()) -> None:
+        self.device = device
+        self.name = device.name
+        self.opts = opts
+        self.eval_callback: Callable[[Tensor, bool], bool] | None = None
+        self._queue: queue.Queue | None = None
+        self._error: BaseException | None = None
+        if async_compute:
+            self._queue = queue.Queue()
+            threading.Thread(target=self._worker, name=f"{self.name}-worker", daemon=True).start()
+
+    # -- compute -----------------------------------------------------------------------------------
+    def graph_compute(self, graph: Graph) -> None:
+        """Synchronous backends compute now; asynchronous ones enqueue (ggml_backend_graph_compute_async)."""
+        if self._queue is None:
+            compute_graph(graph, self.opts)
+        else:
+            self._queue.put(lambda: compute_graph(graph, self.opts))
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run fn in this backend's stream order (a copy into this backend's buffers, say)."""
+        if self._queue is None:
+            fn()
+        else:
+            self._queue.put(fn)
+
+    def synchronize(self) -> None:
+        if self._queue is not None:
+            done = threading.Event()
+            self._queue.put(done.set)
+            done.wait()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    # -- events (ggml_backend_event_*) ---------------------------------------------------------------
+    def event_record(self) -> threading.Event:
+        """An event that is set once everything submitted so far has run."""
+        ev = threading.Event()
+        self.submit(ev.set)
+        return ev
+
+    def event_wait(self, ev: threading.Event) -> None:
+        """Make this backend's later work wait for ev (recorded on another backend)."""
+        self.submit(ev.wait)
+
+    def _worker(self) -> None:
+        assert self._queue is not None
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised on synchronize
+                self._error = e
+
+
+def compute_graph(graph: Graph, opts: ComputeOptions = ComputeOptions()) -> None:
+    """Run every COMPUTE node of a graph whose tensors are bound to host buffers."""
+    for t in graph.nodes:
+        if t.op in (Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE):
+            continue
+        if not t.flags & TensorFlag.COMPUTE:
+            continue
+        compute_node(t, opts)
+
+
+def compute_node(t: Tensor, opts: ComputeOptions = ComputeOptions()) -> None:
+    kernel = KERNELS.get(t.op)
+    if kernel is None:
+        raise UnsupportedOpError(f"CPU backend has no kernel for {t.op.name} ('{t.name}')")
+    srcs = [tensor_array(s) if s is not None else None for s in t.src]
+    kernel(t, tensor_array(t), srcs, opts)
+
+
+class CPUDevice:
+    """ggml_backend_cpu_device."""
+    type = DeviceType.CPU
+
+    def __init__(self, name: str = "CPU") -> None:
+        self.name = name
+        self.buft = CPUBufferType(name)
+
+    def get_buffer_type(self) -> CPUBufferType:
+        return self.buft
+
+    def supports_op(self, t: Tensor) -> bool:
+        return cpu_supports_op(t)
+
+    def supports_buft(self, buft) -> bool:
+        return bool(getattr(buft, "is_host", False))
+
+    def offload_op(self, t: Tensor) -> bool:
+        return False
+
+    def memory(self) -> tuple[int, int]:
+        try:
+            pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
+            size = os.sysconf("SC_PAGE_SIZE")
+            return avail * size, pages * size
+        except (ValueError, OSError):
+            return 0, 0
+
+    def init_backend(self, async_compute: bool = False,
+                     opts: ComputeOptions = ComputeOptions()) -> CPUBackend:
+        return CPUBackend(self, async_compute, opts)

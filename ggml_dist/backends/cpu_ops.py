@@ -1,0 +1,288 @@
+"""CPU kernels, one per op, on strided numpy views (ggml-cpu/ops.cpp, reference path).
+
+Every kernel has the signature `kernel(t, dst, srcs, opts)`: `t` is the node (types and op_params), `dst`
+and `srcs` are 4-d arrays in numpy order (ne reversed) bound to the tensors' bytes; quantized tensors are
+uint8 arrays of rows of blocks. Kernels write into `dst` and allocate only temporaries. They follow ggml's
+CPU numerics (ggml-numerics.md): float32 steps, sums in double where ggml uses ggml_float.
+
+Ops that may run in place (gallocr's in-place set) must allow `dst` to alias `srcs[0]`: every kernel here
+reads its sources completely before writing, or works row by row on the same row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..core.tensor import GLUOp, Op, Tensor, UnaryOp
+from ..core.types import GGMLType, is_quantized
+from . import numerics as nm
+from . import quants
+
+F32 = np.float32
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeOptions:
+    """exact=True keeps f32 activations in MUL_MAT instead of ggml's vec_dot_type conversion."""
+    exact: bool = False
+
+
+Kernel = Callable[[Tensor, np.ndarray, list, ComputeOptions], None]
+
+
+def to_f32(a: np.ndarray, type: GGMLType, ne0: int) -> np.ndarray:
+    """Read any tensor's values as float32 (dequantizing block types, widening f16/bf16)."""
+    if type == GGMLType.F32:
+        return a
+    if type == GGMLType.BF16:
+        return (a.astype(np.uint32) << 16).view(F32)
+    if is_quantized(type):
+        return quants.dequantize(type, a, ne0)
+    return a.astype(F32)
+
+
+def convert(values: np.ndarray, type: GGMLType) -> np.ndarray:
+    """float32 values as the bytes/dtype of `type` (f16: RNE; bf16 and block types: quants.quantize)."""
+    if type == GGMLType.BF16:
+        v = np.ascontiguousarray(values, F32)
+        return quants.quantize(GGMLType.BF16, v).view(np.uint16).reshape(v.shape)
+    if is_quantized(type):
+        v = np.ascontiguousarray(values, F32)
+        return quants.quantize(type, v)
+    return values
+
+
+def store(dst: np.ndarray, type: GGMLType, values: np.ndarray) -> None:
+    """Write float32 values into the view dst, converting to dst's type as ggml does."""
+    np.copyto(dst, convert(values, type).reshape(dst.shape) if type == GGMLType.BF16 or is_quantized(type)
+              else values, casting="unsafe")
+
+
+def _repeat(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """ggml's broadcast: b's index is the destination index modulo b's extent."""
+    if all(sb == sd or sb == 1 for sb, sd in zip(b.shape, shape)):
+        return b
+    return np.tile(b, tuple(sd // sb for sb, sd in zip(b.shape, shape)))
+
+
+def _src(t: Tensor, srcs: list, i: int) -> np.ndarray:
+    s = t.src[i]
+    assert s is not None
+    return to_f32(srcs[i], s.type, s.ne[0])
+
+
+# -- element-wise ----------------------------------------------------------------------------------
+def _add(t, dst, srcs, opts):
+    a, b = _src(t, srcs, 0), _src(t, srcs, 1)
+    store(dst, t.type, (a + _repeat(b, a.shape)).astype(F32))
+
+
+def _mul(t, dst, srcs, opts):
+    a, b = _src(t, srcs, 0), _src(t, srcs, 1)
+    store(dst, t.type, (a * _repeat(b, a.shape)).astype(F32))
+
+
+def _scale(t, dst, srcs, opts):
+    s, b = F32(t.op_param(0, 1.0)), F32(t.op_param(1, 0.0))
+    a = _src(t, srcs, 0)
+    y = (a * s).astype(F32) if b == 0 else nm.fma32(a, s, b)
+    store(dst, t.type, y)
+
+
+def _rms_norm(t, dst, srcs, opts):
+    x = _src(t, srcs, 0)
+    sq = (x * x).astype(F32)
+    mean = (sq.astype(np.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(F32)
+    scale = (F32(1) / np.sqrt((mean + F32(t.op_param(0))).astype(F32))).astype(F32)
+    store(dst, t.type, (x * scale).astype(F32))
+
+
+def _norm(t, dst, srcs, opts):
+    x = _src(t, srcs, 0)
+    mean = (x.astype(np.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(F32)
+    v = (x - mean).astype(F32)
+    var = ((v * v).astype(F32).astype(np.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(F32)
+    scale = (F32(1) / np.sqrt((var + F32(t.op_param(0))).astype(F32))).astype(F32)
+    store(dst, t.type, (v * scale).astype(F32))
+
+
+def _unary(t, dst, srcs, opts):
+    x = _src(t, srcs, 0)
+    uop = UnaryOp(t.op_param(0))
+    store(dst, t.type, nm.silu(x) if uop == UnaryOp.SILU else nm.gelu(x))
+
+
+def _glu(t, dst, srcs, opts):
+    gop, swapped = GLUOp(t.op_param(0)), bool(t.op_param(1))
+    a = _src(t, srcs, 0)
+    if len(t.src) > 1 and t.src[1] is not None:
+        g, u = a, _src(t, srcs, 1)
+    else:
+        n = a.shape[-1] // 2
+        g, u = a[..., :n], a[..., n:]
+    if swapped:
+        g, u = u, g
+    if gop == GLUOp.SWIGLU:
+        act = nm.silu(g)
+    elif gop == GLUOp.GEGLU:
+        act = nm.gelu(g)
+    else:
+        act = np.maximum(g, F32(0))
+    store(dst, t.type, (act * u).astype(F32))
+
+
+# -- matrix ----------------------------------------------------------------------------------------
+def _mul_mat(t, dst, srcs, opts):
+    """dst[i3, i2, j, i] = W[i3', i2', i, :] . X[i3, i2, j, :]; W broadcasts over dims 2, 3."""
+    a_t, b_t = t.src[0], t.src[1]
+    assert a_t is not None and b_t is not None
+    w, x = srcs[0], srcs[1]
+    r2, r3 = b_t.ne[2] // a_t.ne[2], b_t.ne[3] // a_t.ne[3]
+    for i3 in range(b_t.ne[3]):
+        for i2 in range(b_t.ne[2]):
+            wm = w[i3 // r3, i2 // r2]
+            if a_t.type in (GGMLType.F16, GGMLType.BF16):    # quants.mul_mat takes raw rows
+                wm = (wm if wm.strides[-1] == 2 else np.ascontiguousarray(wm)).view(np.uint8)
+            xm = to_f32(x[i3, i2], b_t.type, b_t.ne[0])
+            dst[i3, i2] = quants.mul_mat(a_t.type, wm, np.ascontiguousarray(xm, F32), exact=opts.exact)
+
+
+def _get_rows(t, dst, srcs, opts):
+    a_t = t.src[0]
+    assert a_t is not None
+    a, ids = srcs[0], srcs[1]
+    for i12 in range(ids.shape[1]):
+        for i11 in range(ids.shape[2]):
+            rows = a[min(i12, a.shape[0] - 1), i11, ids[0, i12, i11]]
+            if a_t.type == GGMLType.I32:
+                dst[i12, i11] = rows
+            else:
+                store(dst[i12, i11], t.type, to_f32(rows, a_t.type, a_t.ne[0]))
+
+
+def _set_rows(t, dst, srcs, opts):
+    b, c = srcs[0], srcs[1]
+    b_t = t.src[0]
+    assert b_t is not None
+    for i03 in range(b.shape[0]):
+        for i02 in range(b.shape[1]):
+            idx = c[0, i03 % c.shape[1], i02 % c.shape[2]]
+            dst[i03, i02, idx] = convert(b[i03, i02], t.type)   # fancy index: assign, not a view
+
+
+def _argmax(t, dst, srcs, opts):
+    a = _src(t, srcs, 0)
+    dst[0, 0, 0, :] = np.argmax(a[0, 0], axis=-1)
+
+
+# -- attention -------------------------------------------------------------------------------------
+def softmax_rows(w: np.ndarray) -> np.ndarray:
+    """ggml_compute_forward_soft_max_f32 per row, after scale and mask: scalar max, vexp on chunks
+    of 8, sum of per-chunk HA sums in double, multiply by f32(1/S)."""
+    mx = w.max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        d = (w - mx).astype(F32)
+    d = np.where(np.isneginf(w), F32(-np.inf), d)
+    e = nm.exp_chunked(d)
+    n8 = w.shape[-1] // 8 * 8
+    chunks = e[..., :n8].reshape(*e.shape[:-1], n8 // 8, 8)
+    s = nm.hsum_ha(chunks).astype(np.float64).sum(axis=-1)
+    s += e[..., n8:].astype(np.float64).sum(axis=-1)
+    inv = (1.0 / s).astype(F32)
+    return (e * inv[..., None]).astype(F32)
+
+
+def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    if max_bias <= 0:
+        return np.ones(n_head, F32)
+    n_head_log2 = 1 << int(np.floor(np.log2(n_head)))
+    m0 = F32(2.0 ** (-max_bias / n_head_log2))
+    m1 = F32(2.0 ** (-(max_bias / 2.0) / n_head_log2))
+    h = np.arange(n_head)
+    return np.where(h < n_head_log2, m0 ** (h + 1), m1 ** (2 * (h - n_head_log2) + 1)).astype(F32)
+
+
+def _soft_max(t, dst, srcs, opts):
+    scale, max_bias = F32(t.op_param(0, 1.0)), float(t.op_param(1, 0.0))
+    a_t = t.src[0]
+    assert a_t is not None
+    w = (_src(t, srcs, 0) * scale).astype(F32)                 # [ne3, ne2, ne1, ne0]
+    if len(t.src) > 1 and t.src[1] is not None:
+        m = _src(t, srcs, 1)[..., : w.shape[2], :]
+        m = _repeat(m, (w.shape[0], w.shape[1], w.shape[2], w.shape[3]))
+        slope = _alibi_slopes(a_t.ne[2], max_bias)[None, :, None, None]
+        w = (w + (slope * m).astype(F32)).astype(F32)
+    store(dst, t.type, softmax_rows(w))
+
+
+def _flash_attn_ext(t, dst, srcs, opts):
+    """FLASH_ATTN_EXT, one query row at a time in f32 with Q rounded to f16 (K's vec_dot type)."""
+    q_t, k_t, v_t = t.src[0], t.src[1], t.src[2]
+    assert q_t is not None and k_t is not None and v_t is not None
+    scale, max_bias = F32(t.op_param(0, 1.0)), float(t.op_param(1, 0.0))
+    softcap = F32(t.op_param(2, 0.0))
+    q = _src(t, srcs, 0)                                        # [ne3, n_head, n_q, D]
+    k = _src(t, srcs, 1)                                        # [ne3, n_head_kv, n_kv, D]
+    v = _src(t, srcs, 2)                                        # [ne3, n_head_kv, n_kv, Dv]
+    if k_t.type == GGMLType.F16:
+        q = q.astype(np.float16).astype(F32)
+    mask = _src(t, srcs, 3) if len(t.src) > 3 and t.src[3] is not None else None
+    n_head, group = q.shape[1], q.shape[1] // k.shape[1]
+    slopes = _alibi_slopes(n_head, max_bias)
+    for i3 in range(q.shape[0]):
+        for h in range(n_head):
+            kh, vh = k[i3 % k.shape[0], h // group], v[i3 % v.shape[0], h // group]
+            s = (q[i3, h] @ kh.T).astype(F32) * scale           # [n_q, n_kv]
+            if softcap != 0:
+                s = (softcap * np.tanh(s / softcap)).astype(F32)
+            if mask is not None:
+                s = (s + slopes[h] * mask[i3 % mask.shape[0], h % mask.shape[1], : s.shape[0]]).astype(F32)
+            p = softmax_rows(s)
+            dst[i3, :, h, :] = (p @ vh).astype(F32)
+
+
+# -- copies ----------------------------------------------------------------------------------------
+def _cpy(t, dst, srcs, opts):
+    """CPY / CONT / DUP: copy element by element in row-major order, converting the type."""
+    s_t = t.src[0]
+    assert s_t is not None
+    src = srcs[0]
+    if s_t.type == t.type and not is_quantized(t.type) and src.shape == dst.shape:
+        np.copyto(dst, src)
+        return
+    vals = to_f32(src, s_t.type, s_t.ne[0])
+    if vals.shape != dst.shape and not is_quantized(t.type):
+        vals = np.ascontiguousarray(vals).reshape(dst.shape)
+    elif is_quantized(t.type):
+        vals = np.ascontiguousarray(vals).reshape(dst.shape[:-1] + (t.ne[0],))
+    store(dst, t.type, vals)
+
+
+def _concat(t, dst, srcs, opts):
+    dim = int(t.op_param(0))
+    a, b = srcs[0], srcs[1]
+    dst[...] = np.concatenate([a, b], axis=3 - dim)
+
+
+def _nop(t, dst, srcs, opts):
+    pass
+
+
+def _rope(t, dst, srcs, opts):
+    from .rope import rope_forward
+    rope_forward(t, dst, srcs)
+
+
+KERNELS: dict[Op, Kernel] = {
+    Op.NONE: _nop, Op.VIEW: _nop, Op.RESHAPE: _nop, Op.PERMUTE: _nop, Op.TRANSPOSE: _nop,
+    Op.ADD: _add, Op.MUL: _mul, Op.SCALE: _scale, Op.RMS_NORM: _rms_norm, Op.NORM: _norm,
+    Op.UNARY: _unary, Op.GLU: _glu, Op.MUL_MAT: _mul_mat, Op.GET_ROWS: _get_rows,
+    Op.SET_ROWS: _set_rows, Op.ARGMAX: _argmax, Op.SOFT_MAX: _soft_max,
+    Op.FLASH_ATTN_EXT: _flash_attn_ext, Op.CPY: _cpy, Op.CONT: _cpy, Op.DUP: _cpy,
+    Op.CONCAT: _concat, Op.ROPE: _rope,
+}
+
+# ops whose kernels accept quantized operands (any position)
+QUANT_SRC_OPS = frozenset({Op.MUL_MAT, Op.GET_ROWS, Op.CPY, Op.CONT, Op.DUP})

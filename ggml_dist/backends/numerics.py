@@ -1,0 +1,91 @@
+"""ggml's CPU float helpers, emulated in numpy (ggml-numerics.md §2).
+
+fma(a, b, c) on float32 is emulated in float64: the product of two f32 is exact there, so only the final
+add can double-round, which happens on a vanishing fraction of inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+F64 = np.float64
+
+
+def fma32(a: np.ndarray | float, b: np.ndarray | float, c: np.ndarray | float) -> np.ndarray:
+    return (np.asarray(a, F64) * np.asarray(b, F64) + np.asarray(c, F64)).astype(F32)
+
+
+def _f(bits: int) -> np.float32:
+    return np.array([bits], np.uint32).view(F32)[0]
+
+
+_C_LOG2E = F32(float.fromhex("0x1.715476p+0"))
+_C_SHIFT = F32(float.fromhex("0x1.8p23"))
+_C_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
+_C_LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))
+_C_P0 = F32(float.fromhex("0x1.0e4020p-7"))
+_C_P1 = F32(float.fromhex("0x1.573e2ep-5"))
+_C_P2 = F32(float.fromhex("0x1.555e66p-3"))
+_C_P3 = F32(float.fromhex("0x1.fffdb6p-2"))
+_C_P4 = F32(float.fromhex("0x1.ffffecp-1"))
+
+
+def vexp(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf (AVX2+FMA): the vectorised exp softmax and SiLU use on full chunks of 8."""
+    x = np.asarray(x, F32)
+    z = fma32(x, _C_LOG2E, _C_SHIFT)
+    n = (z - _C_SHIFT).astype(F32)
+    b = fma32(-n, _C_LN2_LO, fma32(-n, _C_LN2_HI, x))
+    e = z.view(np.uint32) << np.uint32(23)
+    k = (e + np.uint32(0x3F800000)).view(F32)
+    u = (b * b).astype(F32)
+    p = fma32(fma32(_C_P0, b, _C_P1), u, fma32(_C_P2, b, _C_P3))
+    j = fma32(p, u, (_C_P4 * b).astype(F32))
+    out = fma32(j, k, k)
+    big = np.abs(n) > 126
+    if np.any(big):
+        g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0)).astype(np.uint32)
+        s1 = (g + np.uint32(0x7F000000)).view(F32)
+        s2 = (e - g).view(F32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            far = (s1 * s1).astype(F32)
+            near = (fma32(s2, j, s2) * s1).astype(F32)
+        out = np.where(big, np.where(np.abs(n) > 192, far, near), out)
+    return out
+
+
+def exp_chunked(x: np.ndarray) -> np.ndarray:
+    """vexp on the leading multiple of 8 of the last axis, libm-like expf on the tail (as ggml)."""
+    n8 = x.shape[-1] // 8 * 8
+    if n8 == x.shape[-1]:
+        return vexp(x)
+    out = np.empty(x.shape, F32)
+    out[..., :n8] = vexp(x[..., :n8])
+    with np.errstate(over="ignore"):
+        out[..., n8:] = np.exp(x[..., n8:].astype(F32))
+    return out
+
+
+def hsum_ha(v: np.ndarray) -> np.ndarray:
+    """HA horizontal sum of 8 lanes (last axis): ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) in f32."""
+    v = v.astype(F32, copy=False)
+    a = (v[..., 0] + v[..., 4]).astype(F32) + (v[..., 2] + v[..., 6]).astype(F32)
+    b = (v[..., 1] + v[..., 5]).astype(F32) + (v[..., 3] + v[..., 7]).astype(F32)
+    return (a.astype(F32) + b.astype(F32)).astype(F32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """ggml_vec_silu_f32: x / (1 + exp(-x)) with vexp on chunks of 8."""
+    x = np.asarray(x, F32)
+    with np.errstate(over="ignore"):
+        return (x / (F32(1) + exp_chunked(-x)).astype(F32)).astype(F32)
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """ggml_gelu with GGML_GELU_FP16: tanh approximation, input and output rounded to f16."""
+    x = np.asarray(x, F32)
+    xh = x.astype(np.float16).astype(F32)
+    c = F32(0.7978845608028654)
+    g = (F32(0.5) * xh * (F32(1) + np.tanh(c * xh * (F32(1) + F32(0.044715) * xh * xh)))).astype(F32)
+    g = g.astype(np.float16).astype(F32)
+    return np.where(x <= -10, F32(0), np.where(x >= 10, x, g)).astype(F32)

@@ -1,0 +1,75 @@
+"""ROPE on the CPU (ggml_compute_forward_rope_flt, ggml_rope_cache_init, rope_yarn; numerics §2)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..core.tensor import Tensor
+
+F32 = np.float32
+ROPE_TYPE_NEOX = 2
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """ggml_rope_yarn_corr_dims: the dims where YaRN ramps from extrapolation to interpolation."""
+    def corr_dim(n_rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(freq_base))
+    start = math.floor(corr_dim(beta_fast))
+    end = math.ceil(corr_dim(beta_slow))
+    return float(max(0, start)), float(min(n_dims - 1, end))
+
+
+def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+               attn_factor: float, corr_dims: tuple[float, float],
+               freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n_pos, n_dims/2]: theta by the iterated f32 product, as ggml_rope_cache_init."""
+    theta_scale = F32(np.float64(freq_base) ** (-2.0 / n_dims))
+    half = n_dims // 2
+    theta = np.empty((len(pos), half), F32)
+    t = pos.astype(F32)
+    for i in range(half):                       # t_{i+1} = f32(t_i * theta_scale)
+        theta[:, i] = t
+        t = (t * theta_scale).astype(F32)
+    if freq_factors is not None:
+        theta = (theta / freq_factors[:half].astype(F32)).astype(F32)
+    theta_interp = (F32(freq_scale) * theta).astype(F32)
+    mscale = F32(attn_factor)
+    if ext_factor != 0.0:
+        i0 = np.arange(0, n_dims, 2, dtype=F32)
+        y = (i0 / 2 - corr_dims[0]) / max(0.001, corr_dims[1] - corr_dims[0])
+        ramp = ((1 - np.minimum(1, np.maximum(0, y))) * ext_factor).astype(F32)
+        theta = (theta_interp * (1 - ramp) + theta * ramp).astype(F32)
+        mscale = F32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale)))
+    else:
+        theta = theta_interp
+    cos = (np.cos(theta.astype(np.float64)).astype(F32) * mscale).astype(F32)
+    sin = (np.sin(theta.astype(np.float64)).astype(F32) * mscale).astype(F32)
+    return cos, sin
+
+
+def rope_forward(t: Tensor, dst: np.ndarray, srcs: list) -> None:
+    """x: [ne3, n_tok, n_head, head_dim]; rotates pairs (NORM: 2i, 2i+1; NEOX: i, i+n_dims/2)."""
+    _, n_dims, mode, _, n_ctx_orig = (int(v) for v in t.op_params[:5])
+    freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = \
+        (float(v) for v in t.op_params[5:11])
+    x = srcs[0].astype(F32, copy=False)
+    pos = srcs[1].reshape(-1)
+    ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
+    corr = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+    cos, sin = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]    # broadcast over ne3 and heads
+    if mode & ROPE_TYPE_NEOX:
+        x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
+    else:
+        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+    y0 = ((x0 * cos).astype(F32) - (x1 * sin).astype(F32)).astype(F32)
+    y1 = ((x0 * sin).astype(F32) + (x1 * cos).astype(F32)).astype(F32)
+    rest = x[..., n_dims:].copy() if n_dims < x.shape[-1] else None
+    if mode & ROPE_TYPE_NEOX:
+        dst[..., : n_dims // 2], dst[..., n_dims // 2: n_dims] = y0, y1
+    else:
+        dst[..., 0:n_dims:2], dst[..., 1:n_dims:2] = y0, y1
+    if rest is not None:
+        dst[..., n_dims:] = rest
