@@ -56,8 +56,9 @@ def convert(values: np.ndarray, type: GGMLType) -> np.ndarray:
 
 def store(dst: np.ndarray, type: GGMLType, values: np.ndarray) -> None:
     """Write float32 values into the view dst, converting to dst's type as ggml does."""
-    np.copyto(dst, convert(values, type).reshape(dst.shape) if type == GGMLType.BF16 or is_quantized(type)
-              else values, casting="unsafe")
+    with np.errstate(over="ignore"):     # f16 overflow to inf is ggml's behaviour too
+        np.copyto(dst, convert(values, type).reshape(dst.shape) if type == GGMLType.BF16 or is_quantized(type)
+                  else values, casting="unsafe")
 
 
 def _repeat(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -249,8 +250,9 @@ def _cpy(t, dst, srcs, opts):
     s_t = t.src[0]
     assert s_t is not None
     src = srcs[0]
-    if s_t.type == t.type and not is_quantized(t.type) and src.shape == dst.shape:
-        np.copyto(dst, src)
+    if s_t.type == t.type:             # ggml_compute_forward_dup_same_cont / dup_bytes: no conversion
+        # block types: rows of blocks are bytes in element order, so the flat byte order is shared
+        np.copyto(dst, src if src.shape == dst.shape else np.ascontiguousarray(src).reshape(dst.shape))
         return
     vals = to_f32(src, s_t.type, s_t.ne[0])
     if vals.shape != dst.shape and not is_quantized(t.type):

@@ -12,7 +12,8 @@ F64 = np.float64
 
 
 def fma32(a: np.ndarray | float, b: np.ndarray | float, c: np.ndarray | float) -> np.ndarray:
-    return (np.asarray(a, F64) * np.asarray(b, F64) + np.asarray(c, F64)).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):   # inf/nan lanes (masked -inf) are expected
+        return (np.asarray(a, F64) * np.asarray(b, F64) + np.asarray(c, F64)).astype(F32)
 
 
 def _f(bits: int) -> np.float32:

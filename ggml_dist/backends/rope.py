@@ -25,7 +25,7 @@ def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float
                attn_factor: float, corr_dims: tuple[float, float],
                freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [n_pos, n_dims/2]: theta by the iterated f32 product, as ggml_rope_cache_init."""
-    theta_scale = F32(np.float64(freq_base) ** (-2.0 / n_dims))
+    theta_scale = F32(np.float64(freq_base) ** np.float64(F32(-2.0 / n_dims)))   # powf(base, -2.0f/n_dims)
     half = n_dims // 2
     theta = np.empty((len(pos), half), F32)
     t = pos.astype(F32)
@@ -53,7 +53,7 @@ def rope_forward(t: Tensor, dst: np.ndarray, srcs: list) -> None:
     """x: [ne3, n_tok, n_head, head_dim]; rotates pairs (NORM: 2i, 2i+1; NEOX: i, i+n_dims/2)."""
     _, n_dims, mode, _, n_ctx_orig = (int(v) for v in t.op_params[:5])
     freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = \
-        (float(v) for v in t.op_params[5:11])
+        (float(F32(v)) for v in t.op_params[5:11])       # ggml stores these as f32 op_params
     x = srcs[0].astype(F32, copy=False)
     pos = srcs[1].reshape(-1)
     ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
