@@ -1,0 +1,560 @@
+"""Tokenizer from GGUF metadata: GPT-2 byte-level BPE and SentencePiece-style (SPM), as llama-vocab.cpp.
+
+Sections, bottom-up: byte-level unicode mapping, pre-tokenizer regexes, BPE session, SPM session,
+special-token partition (tokenizer_st_partition), the Tokenizer (encode/decode, ids), chat templates.
+Token ids must equal llama.cpp's for the same file and text; tests compare against ids that llama.cpp
+produced (tests/data/make_tokenizer_ref.py).
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import heapq
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import regex
+
+from ggml_dist.model.gguf import GGUFError, GGUFFile
+
+
+class TokenType(enum.IntEnum):
+    """llama_token_type as stored in tokenizer.ggml.token_type."""
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# ---------------------------------------------------------------------------------------------------
+# byte-level mapping (GPT-2's bytes_to_unicode; llama.cpp unicode_byte_to_utf8)
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+BYTE_TO_UNICODE = _bytes_to_unicode()
+UNICODE_TO_BYTE = {c: b for b, c in BYTE_TO_UNICODE.items()}
+_BYTE_ENCODE_TABLE = [BYTE_TO_UNICODE[b] for b in range(256)]
+
+
+def byte_encode(text: str) -> str:
+    return "".join(_BYTE_ENCODE_TABLE[b] for b in text.encode("utf-8"))
+
+
+def byte_decode(text: str) -> bytes:
+    """llama_decode_text: map each char back to its byte; chars outside the table pass as UTF-8."""
+    out = bytearray()
+    for c in text:
+        b = UNICODE_TO_BYTE.get(c)
+        if b is None:
+            out += c.encode("utf-8", errors="surrogateescape")
+        else:
+            out.append(b)
+    return bytes(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pre-tokenizers: the regex lists of llm_tokenizer_bpe, applied one after another. Each regex splits
+# every piece left by the previous one into its matches and the unmatched gaps between them.
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+PRE_TOKENIZERS: dict[str, list[str]] = {
+    "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"],
+    "gpt-2": [_GPT2],
+    "smollm": [r"\p{N}", _GPT2],
+    "starcoder": [r"\p{N}", _GPT2],
+    "refact": [r"\p{N}", _GPT2],
+    "qwen2": [_QWEN2],
+    "deepseek-r1-qwen": [_QWEN2],
+    "llama3": [_LLAMA3],
+    "llama-bpe": [_LLAMA3],
+}
+# pre-tokenizer names whose vocab sets ignore_merges (a whole pre-token found in the vocab is one token)
+_IGNORE_MERGES = {"llama3", "llama-bpe"}
+_ADD_BOS_DEFAULT_BPE = {"llama3", "llama-bpe"}
+# BPE vocabs detokenize with clean_spaces (drop the space in " ," " 's" ...) except these
+_NO_CLEAN_SPACES = {"smollm", "qwen2", "deepseek-r1-qwen"}
+
+
+def regex_split(text: str, patterns: Sequence[regex.Pattern[str]]) -> list[str]:
+    """unicode_regex_split: successive splits keeping both matches and the gaps between them."""
+    words = [text]
+    for pat in patterns:
+        out: list[str] = []
+        for w in words:
+            pos = 0
+            for m in pat.finditer(w):
+                if m.start() > pos:
+                    out.append(w[pos:m.start()])
+                if m.end() > m.start():
+                    out.append(m.group())
+                pos = m.end()
+            if pos < len(w):
+                out.append(w[pos:])
+        words = out
+    return words
+
+
+# ---------------------------------------------------------------------------------------------------
+# BPE session (llm_tokenizer_bpe_session::tokenize for one pre-token)
+
+def _bpe_merge(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Merge the lowest-rank adjacent pair first, leftmost on ties, as llama.cpp's work queue does."""
+    sym = list(word)                       # one symbol per code point
+    if len(sym) < 2:
+        return sym
+    n = len(sym)
+    prev = list(range(-1, n - 1))
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    heap: list[tuple[int, int, int, str, str]] = []
+
+    def add(left: int, right: int) -> None:
+        if left == -1 or right == -1:
+            return
+        r = ranks.get((sym[left], sym[right]))
+        if r is not None:
+            heapq.heappush(heap, (r, left, right, sym[left], sym[right]))
+
+    for i in range(n - 1):
+        add(i, i + 1)
+    while heap:
+        _, left, right, ltext, rtext = heapq.heappop(heap)
+        # stale entry: one side was merged away or grew since the pair was queued
+        if sym[left] != ltext or sym[right] != rtext or nxt[left] != right:
+            continue
+        sym[left] = ltext + rtext
+        sym[right] = ""
+        nxt[left] = nxt[right]
+        if nxt[right] != -1:
+            prev[nxt[right]] = left
+        add(prev[left], left)
+        add(left, nxt[left])
+    return [s for s in sym if s]
+
+
+# ---------------------------------------------------------------------------------------------------
+# SPM session (llm_tokenizer_spm_session::tokenize): score-ordered merges, byte fallback
+
+def _spm_tokenize(text: str, tok: "Tokenizer") -> list[int]:
+    sym = list(text)
+    n = len(sym)
+    if n == 0:
+        return []
+    prev = list(range(-1, n - 1))
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    heap: list[tuple[float, int, int, int]] = []
+    vocab, scores = tok.token_to_id, tok.scores
+
+    def add(left: int, right: int) -> None:
+        if left == -1 or right == -1:
+            return
+        tid = vocab.get(sym[left] + sym[right])
+        if tid is None:
+            return
+        # highest score first, leftmost on ties; size detects stale entries
+        heapq.heappush(heap, (-float(scores[tid]), left, right, len(sym[left]) + len(sym[right])))
+
+    for i in range(1, n):
+        add(i - 1, i)
+    while heap:
+        _, left, right, size = heapq.heappop(heap)
+        if not sym[left] or not sym[right] or len(sym[left]) + len(sym[right]) != size:
+            continue
+        sym[left] += sym[right]
+        sym[right] = ""
+        nxt[left] = nxt[right]
+        if nxt[right] != -1:
+            prev[nxt[right]] = left
+        add(prev[left], left)
+        add(left, nxt[left])
+
+    out: list[int] = []
+    i = 0
+    while i != -1:
+        tid = vocab.get(sym[i])
+        if tid is not None:
+            out.append(tid)
+        else:
+            # every merged symbol is a token, so only single characters get here: emit their bytes
+            out.extend(tok.byte_to_token(b) for b in sym[i].encode("utf-8"))
+        i = nxt[i]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer
+
+class Tokenizer:
+    """llama_vocab: ids, scores and types of every token, and the encode/decode of its model type."""
+
+    def __init__(self, model: str, tokens: list[str], scores: np.ndarray | None = None,
+                 token_types: np.ndarray | None = None, merges: Sequence[str] = (),
+                 pre: str = "default", bos_id: int | None = None, eos_id: int | None = None,
+                 unk_id: int | None = None, eot_id: int | None = None, eom_id: int | None = None,
+                 pad_id: int | None = None, add_bos: bool | None = None, add_eos: bool | None = None,
+                 add_space_prefix: bool | None = None, chat_template: str | None = None) -> None:
+        if model not in ("gpt2", "llama"):
+            raise GGUFError(f"tokenizer model '{model}' is not supported (gpt2, llama)")
+        self.model = model
+        self.tokens = list(tokens)
+        n = len(self.tokens)
+        self.scores = np.zeros(n, np.float32) if scores is None else np.asarray(scores, np.float32)
+        self.token_types = (np.full(n, TokenType.NORMAL, np.int32) if token_types is None
+                            else np.asarray(token_types, np.int32))
+        if len(self.scores) != n or len(self.token_types) != n:
+            raise GGUFError(f"tokenizer: {n} tokens but {len(self.scores)} scores and "
+                            f"{len(self.token_types)} token types")
+        self.token_to_id: dict[str, int] = {}
+        for i, t in enumerate(self.tokens):
+            self.token_to_id.setdefault(t, i)   # first id wins, as llama.cpp's token_to_id
+        self.pre = pre
+        self.chat_template = chat_template
+
+        if model == "gpt2":
+            if pre not in PRE_TOKENIZERS:
+                raise GGUFError(f"unknown BPE pre-tokenizer '{pre}'; known: {', '.join(PRE_TOKENIZERS)}")
+            self._patterns = [regex.compile(p) for p in PRE_TOKENIZERS[pre]]
+            self.ranks: dict[tuple[str, str], int] = {}
+            for rank, m in enumerate(merges):
+                pos = m.find(" ", 1)
+                if pos == -1:
+                    raise GGUFError(f"tokenizer: merge {rank} '{m}' has no separating space")
+                self.ranks.setdefault((m[:pos], m[pos + 1:]), rank)
+            self.ignore_merges = pre in _IGNORE_MERGES
+            self.clean_spaces = pre not in _NO_CLEAN_SPACES
+            default_bos = default_eos = 11   # llama.cpp's defaults for gpt2 vocabs
+            self.add_bos = pre in _ADD_BOS_DEFAULT_BPE if add_bos is None else add_bos
+            self.add_space_prefix = False if add_space_prefix is None else add_space_prefix
+            unk_default = None
+        else:
+            default_bos, default_eos = 1, 2
+            self.clean_spaces = False
+            self.add_bos = True if add_bos is None else add_bos
+            self.add_space_prefix = True if add_space_prefix is None else add_space_prefix
+            unk_default = 0
+        self.add_eos = False if add_eos is None else add_eos
+        self.bos_id = self._id_or_none(default_bos if bos_id is None else bos_id)
+        self.eos_id = self._id_or_none(default_eos if eos_id is None else eos_id)
+        self.unk_id = self._id_or_none(unk_default if unk_id is None else unk_id)
+        self.pad_id = self._id_or_none(pad_id)
+        self.eot_id = self._id_or_none(eot_id)
+        self.eom_id = self._id_or_none(eom_id)
+        self._find_eog()
+        # special tokens matched in the text, longest first (llama_vocab cache_special_tokens)
+        special_types = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+        self._special = sorted((i for i in range(n) if self.token_types[i] in special_types
+                                and self.tokens[i]), key=lambda i: -len(self.tokens[i].encode("utf-8")))
+        self._bpe_cache: dict[str, tuple[int, ...]] = {}
+        self._pieces: dict[bool, list[bytes | None]] = {True: [None] * n, False: [None] * n}
+
+    def _id_or_none(self, i: int | None) -> int | None:
+        if i is None or i < 0 or i >= len(self.tokens):
+            return None
+        return int(i)
+
+    def _find_eog(self) -> None:
+        """llama.cpp finds EOT and EOG tokens by their text, and marks them CONTROL."""
+        if self.eot_id is None:
+            for t in ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>",
+                      "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>"):
+                if t in self.token_to_id:
+                    self.eot_id = self.token_to_id[t]
+                    break
+        eog = {self.token_to_id[t] for t in ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                                             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+                                             "<|end_of_text|>", "<end_of_utterance>")
+               if t in self.token_to_id}
+        if self.eot_id is not None:
+            eog.add(self.eot_id)
+        for i in eog:
+            self.token_types[i] = TokenType.CONTROL
+        for i in (self.eos_id, self.eom_id):
+            if i is not None:
+                eog.add(i)
+        self.eog_ids = frozenset(eog)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
+        md = f.metadata
+        model = md.get("tokenizer.ggml.model")
+        if not isinstance(model, str):
+            raise GGUFError(f"{f.path}: missing metadata key 'tokenizer.ggml.model'")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise GGUFError(f"{f.path}: 'tokenizer.ggml.tokens' must be a non-empty string array")
+        merges = md.get("tokenizer.ggml.merges", [])
+        if model == "gpt2" and (not isinstance(merges, list) or not all(isinstance(m, str) for m in merges)):
+            raise GGUFError(f"{f.path}: gpt2 tokenizer needs a string array 'tokenizer.ggml.merges'")
+
+        def arr(key: str) -> np.ndarray | None:
+            v = md.get(key)
+            if v is None:
+                return None
+            if not isinstance(v, np.ndarray) or len(v) != len(tokens):
+                raise GGUFError(f"{f.path}: '{key}' must be a numeric array of {len(tokens)} entries")
+            return v
+
+        def opt(key: str, kind: type) -> Any:
+            v = md.get(key)
+            if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+                raise GGUFError(f"{f.path}: '{key}' = {v!r} is not a {kind.__name__}")
+            return v
+
+        return cls(model, tokens, scores=arr("tokenizer.ggml.scores"),
+                   token_types=arr("tokenizer.ggml.token_type"), merges=merges,
+                   pre=opt("tokenizer.ggml.pre", str) or "default",
+                   bos_id=opt("tokenizer.ggml.bos_token_id", int),
+                   eos_id=opt("tokenizer.ggml.eos_token_id", int),
+                   unk_id=opt("tokenizer.ggml.unknown_token_id", int),
+                   eot_id=opt("tokenizer.ggml.eot_token_id", int),
+                   eom_id=opt("tokenizer.ggml.eom_token_id", int),
+                   pad_id=opt("tokenizer.ggml.padding_token_id", int),
+                   add_bos=opt("tokenizer.ggml.add_bos_token", bool),
+                   add_eos=opt("tokenizer.ggml.add_eos_token", bool),
+                   add_space_prefix=opt("tokenizer.ggml.add_space_prefix", bool),
+                   chat_template=opt("tokenizer.chat_template", str))
+
+    # -- ids -----------------------------------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self.eog_ids
+
+    def byte_to_token(self, b: int) -> int:
+        """llama_vocab::byte_to_token for SPM: <0xXX>, else the byte as text, else unk."""
+        tid = self.token_to_id.get(f"<0x{b:02X}>")
+        if tid is None:
+            tid = self.token_to_id.get(chr(b)) if b < 128 else None
+        if tid is None:
+            if self.unk_id is None:
+                raise GGUFError(f"tokenizer: no token for byte 0x{b:02X} and no unknown token")
+            tid = self.unk_id
+        return tid
+
+    # -- encode --------------------------------------------------------------------------------------
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """tokenizer_st_partition: split text around special tokens (ints), longest tokens first."""
+        frags: list[str | int] = [text]
+        for tid in self._special:
+            ttype = self.token_types[tid]
+            if not parse_special and ttype in (TokenType.CONTROL, TokenType.UNKNOWN):
+                continue   # user-defined tokens are always matched
+            s = self.tokens[tid]
+            out: list[str | int] = []
+            for fr in frags:
+                if isinstance(fr, int) or s not in fr:
+                    out.append(fr)
+                    continue
+                pos = 0
+                while (m := fr.find(s, pos)) != -1:
+                    if m > pos:
+                        out.append(fr[pos:m])
+                    out.append(tid)
+                    pos = m + len(s)
+                if pos < len(fr):
+                    out.append(fr[pos:])
+            frags = out
+        return frags
+
+    def _bpe_word(self, word: str) -> tuple[int, ...]:
+        cached = self._bpe_cache.get(word)
+        if cached is not None:
+            return cached
+        vocab = self.token_to_id
+        if self.ignore_merges and word in vocab:
+            ids: tuple[int, ...] = (vocab[word],)
+        else:
+            out: list[int] = []
+            for s in _bpe_merge(word, self.ranks):
+                tid = vocab.get(s)
+                if tid is not None:
+                    out.append(tid)
+                else:   # llama.cpp tries each byte of the symbol as a token and drops the misses
+                    for b in s.encode("utf-8"):
+                        t = vocab.get(chr(b)) if b < 128 else None
+                        if t is not None:
+                            out.append(t)
+            ids = tuple(out)
+        if len(self._bpe_cache) < 100_000:
+            self._bpe_cache[word] = ids
+        return ids
+
+    def _encode_bpe(self, text: str) -> list[int]:
+        out: list[int] = []
+        for w in regex_split(text, self._patterns):
+            out.extend(self._bpe_word(byte_encode(w)))
+        return out
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """llama_tokenize: text -> token ids (add_special adds BOS/EOS as the vocab asks)."""
+        out: list[int] = []
+        if add_special and self.add_bos:
+            if self.bos_id is None:
+                raise GGUFError("tokenizer wants a BOS token but has none")
+            out.append(self.bos_id)
+        frags = self._partition(text, parse_special) if text else []
+        if self.model == "gpt2":
+            for fr in frags:
+                out.extend(self._encode_bpe(fr) if isinstance(fr, str) else (fr,))
+        else:
+            is_prev_special = True   # prefix the first fragment, and any after a special token
+            for fr in frags:
+                if isinstance(fr, int):
+                    out.append(fr)
+                    is_prev_special = True
+                    continue
+                if self.add_space_prefix and is_prev_special:
+                    fr = " " + fr
+                out.extend(_spm_tokenize(fr.replace(" ", "\u2581"), self))
+                is_prev_special = False
+        if add_special and self.add_eos:
+            if self.eos_id is None:
+                raise GGUFError("tokenizer wants an EOS token but has none")
+            out.append(self.eos_id)
+        return out
+
+    # -- decode --------------------------------------------------------------------------------------
+
+    def token_to_piece(self, token_id: int, special: bool = True) -> bytes:
+        """llama_token_to_piece: the bytes of one token; control and unknown tokens only if special."""
+        if not 0 <= token_id < len(self.tokens):
+            raise IndexError(f"token id {token_id} outside the vocabulary (0..{len(self.tokens) - 1})")
+        cache = self._pieces[special]
+        piece = cache[token_id]
+        if piece is None:
+            piece = cache[token_id] = self._token_to_piece(token_id, special)
+        return piece
+
+    def _token_to_piece(self, token_id: int, special: bool) -> bytes:
+        text = self.tokens[token_id]
+        ttype = int(self.token_types[token_id])
+        if ttype in (TokenType.CONTROL, TokenType.UNKNOWN):
+            return text.encode("utf-8", errors="surrogateescape") if special else b""
+        if ttype == TokenType.USER_DEFINED:
+            return text.encode("utf-8", errors="surrogateescape")
+        if ttype == TokenType.NORMAL:
+            if self.model == "gpt2":
+                return byte_decode(text)
+            return text.replace("\u2581", " ").encode("utf-8", errors="surrogateescape")
+        if ttype == TokenType.BYTE and self.model == "llama":
+            try:
+                return bytes([int(text[3:5], 16)])
+            except ValueError:
+                return b""
+        return b""   # unused and undefined tokens print nothing
+
+    def detokenize(self, ids: Iterable[int], special: bool = False, remove_special: bool = False) -> bytes:
+        """llama_detokenize: special renders control tokens; remove_special drops the added BOS/EOS."""
+        ids = [int(i) for i in ids]
+        remove_space = self.add_space_prefix   # the space SPM put in front of the text
+        if remove_special and self.add_bos and ids and ids[0] == self.bos_id:
+            remove_space = False
+            ids = ids[1:]
+        if remove_special and self.add_eos and ids and ids[-1] == self.eos_id:
+            ids = ids[:-1]
+        pieces = [self.token_to_piece(i, special) for i in ids]
+        if remove_space and pieces and pieces[0].startswith(b" "):
+            pieces[0] = pieces[0][1:]
+        out = b"".join(pieces)
+        return _clean_spaces(out) if self.clean_spaces else out
+
+    def decode(self, ids: Iterable[int], special: bool = False, remove_special: bool = False) -> str:
+        """Token ids -> text; invalid UTF-8 (a token stream cut mid-character) becomes U+FFFD."""
+        return self.detokenize(ids, special, remove_special).decode("utf-8", errors="replace")
+
+    # -- chat template -------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            template: str | None = None, **kwargs: Any) -> str:
+        """Render tokenizer.chat_template with jinja2, with the variables HF and llama-cpp-python pass."""
+        src = template or self.chat_template
+        if not src:
+            raise GGUFError("the model has no tokenizer.chat_template; pass template=")
+        return _compile_template(src).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self._text_of(self.bos_id), eos_token=self._text_of(self.eos_id), **kwargs)
+
+    def _text_of(self, i: int | None) -> str:
+        return "" if i is None else self.tokens[i]
+
+
+def _clean_spaces(text: bytes) -> bytes:
+    """The clean_spaces passes of llama_detokenize: " ?", " !", " .", " ," lose their space; " ' "
+    loses both; " 's", " 'm", " 're", " 've" lose theirs (but not " 't", " 'd", " 'll")."""
+    out = bytearray(text[:1])
+    for i in range(1, len(text)):
+        if text[i - 1] == 0x20 and text[i] in b"?!.,":
+            out.pop()
+        out.append(text[i])
+    text, out = bytes(out), bytearray(text[:1])
+    i, n = 1, len(text)
+    while i < n:
+        x = text[i]
+        if x == 0x27 and i + 1 < n and text[i - 1] == 0x20 and text[i + 1] == 0x20:
+            out.pop()
+            i += 1   # drop the space after it too
+        out.append(x)
+        i += 1
+    text, out = bytes(out), bytearray(text[:1])
+    n = len(text)
+    for i in range(1, n):
+        x = text[i]
+        if text[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            if text[i + 1] in b"sm" or (i + 2 < n and text[i + 1:i + 3] in (b"re", b"ve")):
+                out.pop()
+        out.append(x)
+    return bytes(out)
+
+
+def _raise_exception(message: str) -> None:
+    import jinja2
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(src: str) -> Any:
+    import json
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        import datetime
+        return datetime.datetime.now().strftime(fmt)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(src)

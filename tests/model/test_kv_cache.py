@@ -1,0 +1,60 @@
+"""KV cells: slot search, n_kv padding, the KQ mask, sequence edits, overflow; V index layout."""
+import numpy as np
+import pytest
+
+from ggml_dist.model.kv_cache import ContextFullError, KVCache, KVCells
+
+
+# slots are taken from the head onwards and n_kv is padded to 256
+def test_find_slot_and_n_kv():
+    c = KVCells(512, 2)
+    s = c.find_slot(3)
+    assert list(s) == [0, 1, 2]
+    c.apply(s, np.array([0, 1, 2]), [frozenset({0})] * 3)
+    assert c.used == 3 and c.used_max_p1 == 3 and c.n_kv() == 256
+    s2 = c.find_slot(300)
+    assert list(s2[:2]) == [3, 4]
+    c.apply(s2, np.arange(3, 303), [frozenset({0})] * 300)
+    assert c.n_kv() == 512
+
+
+# the mask lets a token see cells of its own sequence at positions <= its own
+def test_kq_mask_causal_and_sequences():
+    c = KVCells(256, 2)
+    c.apply(np.array([0, 1, 2, 3]), np.array([0, 1, 0, 1]),
+            [frozenset({0}), frozenset({0}), frozenset({1}), frozenset({1})])
+    m = c.kq_mask(256, np.array([1, 1]), [frozenset({0}), frozenset({1})])
+    assert m.shape == (2, 256)
+    assert list(m[0, :4]) == [0, 0, -np.inf, -np.inf]
+    assert list(m[1, :4]) == [-np.inf, -np.inf, 0, 0]
+    assert np.all(np.isneginf(m[:, 4:]))
+
+
+# removing a sequence frees its cells; copying shares cells between sequences
+def test_seq_rm_cp_keep():
+    c = KVCells(256, 3)
+    c.apply(np.arange(4), np.arange(4), [frozenset({0})] * 4)
+    c.seq_cp(0, 1, 0, 2)
+    c.seq_rm(0, 2, -1)
+    assert c.used == 2 and c.seq_pos_max(0) == 1 and c.seq_pos_max(1) == 1
+    c.seq_rm(0)
+    assert c.used == 2                      # still held by sequence 1
+    c.seq_keep(2)
+    assert c.used == 0
+
+
+# a ubatch larger than the free cells is a clear error, not a wrap-around
+def test_context_full():
+    c = KVCells(256, 1)
+    c.apply(np.arange(250), np.arange(250), [frozenset({0})] * 250)
+    with pytest.raises(ContextFullError, match="context full"):
+        c.find_slot(10)
+
+
+# the transposed V cache takes element (token i, dim j) at row j*kv_size + cell
+def test_v_idxs_layout():
+    kv = KVCache(8, 4, 256, range(1))
+    idx = kv.v_idxs(np.array([5, 9]))
+    assert list(idx[:4]) == [5, 256 + 5, 512 + 5, 768 + 5]
+    assert list(idx[4:]) == [9, 256 + 9, 512 + 9, 768 + 9]
+    assert kv.kv_size == 256 and kv.k_l[0].ne[:2] == (8, 256) and kv.v_l[0].ne[:2] == (256, 4)

@@ -1,0 +1,48 @@
+"""Sampling: greedy, seeded reproducibility, top-k/top-p/min-p truncation, penalties, bad params."""
+import numpy as np
+import pytest
+
+from ggml_dist.model.sampling import Sampler, SamplingParams
+
+
+LOGITS = np.array([1.0, 3.0, 2.0, 3.0, -1.0], np.float32)
+
+
+# temperature 0 is argmax, first index on ties
+def test_greedy():
+    assert Sampler(SamplingParams(temperature=0)).sample(LOGITS) == 1
+
+
+# the same seed gives the same draws
+def test_seeded():
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    a = [Sampler(p).sample(LOGITS) for _ in range(3)]
+    s = Sampler(p)
+    b = [s.sample(LOGITS) for _ in range(50)]
+    assert len(set(a)) == 1 and len(set(b)) > 1
+
+
+# top_k=1 always picks the best token whatever the temperature
+def test_top_k_one():
+    s = Sampler(SamplingParams(temperature=5.0, top_k=1, seed=0))
+    assert {s.sample(LOGITS) for _ in range(20)} == {1}
+
+
+# min_p drops tokens far below the best one
+def test_min_p():
+    x = np.array([10.0, 0.0, 0.0], np.float32)
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.01, seed=0))
+    assert {s.sample(x) for _ in range(30)} == {0}
+
+
+# the repetition penalty demotes recent tokens
+def test_repeat_penalty():
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=2.0))
+    assert s.sample(LOGITS, history=[1]) == 3
+
+
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"top_k": -1},
+                                {"repeat_penalty": 0}])
+def test_bad_params(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
