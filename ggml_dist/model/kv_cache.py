@@ -143,7 +143,7 @@ class KVCache:
         for il in self.layers:
             self.k_l[il] = self.ctx.new_tensor(type_k, (n_embd_k_gqa, self.kv_size)).set_name(f"cache_k_l{il}")
             self.v_l[il] = self.ctx.new_tensor(type_v, (self.kv_size, n_embd_v_gqa)).set_name(f"cache_v_l{il}")
-        self.buffer = None
+        self.buffers: list = []
 
     def tensors(self) -> list[Tensor]:
         return [t for il in self.layers for t in (self.k_l[il], self.v_l[il])]
@@ -152,17 +152,24 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
-    def allocate(self, buft) -> None:
-        """Place every layer's K and V in one buffer of buft, cleared to zero (as llama.cpp does)."""
-        align = buft.alignment
-        offs, size = [], 0
-        for t in self.tensors():
-            offs.append(size)
-            size += pad(buft.get_alloc_size(t), align)
-        self.buffer = buft.alloc_buffer(size)
-        self.buffer.clear(0)
-        for t, o in zip(self.tensors(), offs):
-            t.buffer, t.data = self.buffer, o
+    def allocate(self, buft, layer_buft=None) -> None:
+        """Place K and V in zeroed buffers (llama.cpp clears the cache at creation): one buffer of buft,
+        or, with layer_buft(il) -> buft, one buffer per distinct buffer type (a pipeline's stages)."""
+        groups: dict[int, tuple[object, list[Tensor]]] = {}
+        for il in self.layers:
+            b = layer_buft(il) if layer_buft is not None else buft
+            groups.setdefault(id(b), (b, []))[1].extend((self.k_l[il], self.v_l[il]))
+        self.buffers = []
+        for b, ts in groups.values():
+            offs, size = [], 0
+            for t in ts:
+                offs.append(size)
+                size += pad(b.get_alloc_size(t), b.alignment)
+            buf = b.alloc_buffer(size)
+            buf.clear(0)
+            for t, o in zip(ts, offs):
+                t.buffer, t.data = buf, o
+            self.buffers.append(buf)
 
     # -- graph pieces (llama_kv_cache::get_k / get_v / cpy_k / cpy_v) -----------------------------------
     def get_k(self, ctx: Context, il: int, n_kv: int, n_head_kv: int) -> Tensor:

@@ -17,12 +17,13 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-from ..core.tensor import MAX_DIMS, MAX_NAME
+from ..core.tensor import MAX_DIMS
 from ..core.types import GGMLType, TYPE_TRAITS
 
 VERSION = 1
 MAX_TENSORS = 4096
 MAX_HEADER = 1 << 20
+MAX_KEY = 256           # a tensor's key on the wire (a name, or a plan's export key)
 _LEN = struct.Struct("<I")
 _NP = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16,
        GGMLType.I8: np.int8, GGMLType.I16: np.int16, GGMLType.I32: np.int32, GGMLType.I64: np.int64,
@@ -103,8 +104,8 @@ def _decode_one(e: Any, payload: memoryview) -> WireTensor:
         raise WireError("tensor entry is not a map")
     name, type_id, ne, nb = e.get("name"), e.get("type"), e.get("ne"), e.get("nb")
     offs, nbytes = e.get("offs"), e.get("nbytes")
-    if not isinstance(name, str) or len(name) >= MAX_NAME:
-        raise WireError(f"tensor name {name!r} is not a string shorter than {MAX_NAME}")
+    if not isinstance(name, str) or len(name) > MAX_KEY:
+        raise WireError(f"tensor key {str(name)[:40]!r} is not a string of at most {MAX_KEY} characters")
     try:
         type = GGMLType(type_id)
     except ValueError:

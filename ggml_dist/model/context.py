@@ -1,0 +1,184 @@
+"""The model context: decode batches ubatch by ubatch, reusing graphs (llama_context; spec §4.1).
+
+    decode(batch):  for each ubatch:  find slot -> apply -> reuse or (reset, build, alloc) -> set inputs
+                                      -> compute -> collect the output rows' logits
+
+A graph is rebuilt only when its GraphKey (n_tokens, n_outputs, n_kv padded to 256) changes; a reused
+graph keeps the scheduler's splits and the allocator's plan, and only its input tensors are rewritten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..backends.base import tensor_get, tensor_set
+from ..backends.cpu import CPUDevice
+from ..backends.cpu_ops import ComputeOptions
+from ..core.types import GGMLType
+from ..scheduler.sched import Sched
+from .kv_cache import ContextFullError, KVCache
+from .llama import GraphKey, GraphResult, LlamaGraphBuilder
+from .model import LlamaModel
+from .ubatch import Batch, BatchError, BatchSplitter, Ubatch
+
+
+@dataclass
+class ContextParams:
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    type_k: GGMLType = GGMLType.F16
+    type_v: GGMLType = GGMLType.F16
+    exact: bool = False             # keep f32 activations in MUL_MAT (not ggml's numerics)
+
+    def __post_init__(self) -> None:
+        if self.n_ctx <= 0 or self.n_batch <= 0 or self.n_ubatch <= 0:
+            raise ValueError(f"n_ctx, n_batch, n_ubatch must be positive "
+                             f"({self.n_ctx}, {self.n_batch}, {self.n_ubatch})")
+        self.n_ubatch = min(self.n_ubatch, self.n_batch)
+        if self.type_k not in (GGMLType.F16, GGMLType.F32) or self.type_v not in (GGMLType.F16, GGMLType.F32):
+            raise ValueError("the KV cache type must be F16 or F32")
+
+
+class PendingLogits:
+    """The logits of a submitted batch; `result()` waits for the ubatches that produce them."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, Callable[[], np.ndarray]]], n_vocab: int) -> None:
+        self._parts = parts          # (batch indices of the output rows, fetch of those rows)
+        self._n_vocab = n_vocab
+
+    def result(self) -> np.ndarray:
+        rows: dict[int, np.ndarray] = {}
+        for idx, fetch in self._parts:
+            out = fetch()
+            out = out.reshape(-1, out.shape[-1])
+            for r, i in enumerate(idx):
+                rows[int(i)] = out[r]
+        order = sorted(rows)
+        return np.stack([rows[i] for i in order]) if order else np.zeros((0, self._n_vocab), np.float32)
+
+
+class LlamaContext:
+    """Owns the KV cache, the scheduler over its backends and the previous graph (for reuse).
+
+    With backends that take their inputs by value (Ray stage proxies), ubatches are submitted without
+    waiting: stage k works on ubatch u+1 while stage k+1 still works on u, and logits are fetched only
+    when asked for."""
+
+    def __init__(self, model: LlamaModel, params: ContextParams = ContextParams(),
+                 backends: list | None = None, n_copies: int = 1,
+                 weights: dict | None = None, layer_buft: Callable | None = None,
+                 after_alloc: Callable | None = None) -> None:
+        self.model = model
+        self.params = params
+        hp = model.hp
+        if backends is None:
+            backends = [CPUDevice().init_backend(opts=ComputeOptions(exact=params.exact))]
+        self.backends = backends
+        self.pipelined = any(getattr(b, "inputs_by_value", False) for b in backends)
+        self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, range(hp.n_layer),
+                          params.type_k, params.type_v, params.n_seq_max)
+        self.kv.allocate(backends[-1].device.get_buffer_type(), layer_buft)
+        self.builder = LlamaGraphBuilder(hp, weights if weights is not None else model.weights, self.kv)
+        self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=n_copies)
+        self.after_alloc = after_alloc       # (sched, graph): a pipeline binds its stage exports here
+        self.gf_res_prev: GraphResult | None = None
+        self.n_reused = 0
+        self.n_rebuilt = 0
+        self._reserve()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.kv.kv_size
+
+    def _reserve(self) -> None:
+        """sched_reserve: plan for the worst case (a full ubatch over the whole cache) once, so real
+        graphs never grow the compute buffers."""
+        n_tokens = min(self.kv.kv_size, self.params.n_ubatch)
+        res = self.builder.build(GraphKey(n_tokens, n_tokens, self.kv.kv_size))
+        self.sched.reserve(res.graph)
+        self.gf_res_prev = None
+
+    def compute_buffer_size(self) -> int:
+        return sum(self.sched.get_buffer_size(b) for b in self.backends)
+
+    # -- decoding ------------------------------------------------------------------------------------
+    def decode(self, batch: Batch) -> np.ndarray:
+        """Evaluate a batch; returns the logits of its output tokens, in batch order [n_out, n_vocab]."""
+        return self.submit(batch).result()
+
+    def submit(self, batch: Batch) -> PendingLogits:
+        """Queue every ubatch of a batch; the KV cells advance now, the logits come with result()."""
+        hp = self.model.hp
+        batch.validate(hp.n_vocab, self.params.n_seq_max)
+        if batch.n_tokens > self.params.n_batch:
+            raise BatchError(f"batch of {batch.n_tokens} tokens exceeds n_batch={self.params.n_batch}; "
+                             f"split it or raise n_batch")
+        free = self.kv.kv_size - self.kv.cells.used
+        if batch.n_tokens > free:
+            raise ContextFullError(f"context full: {batch.n_tokens} tokens need cells, {free} of "
+                                   f"{self.kv.kv_size} are free; use a larger --ctx")
+        parts = []
+        splitter = BatchSplitter(batch)
+        while (ub := splitter.split_simple(self.params.n_ubatch)) is not None:
+            fetch = self._process_ubatch(ub)
+            if ub.n_outputs:
+                parts.append((ub.idx[ub.output], fetch))
+        return PendingLogits(parts, hp.n_vocab)
+
+    def synchronize(self) -> None:
+        self.sched.synchronize()
+
+    def _process_ubatch(self, ub: Ubatch) -> Callable[[], np.ndarray]:
+        cells = self.kv.cells
+        slot = cells.find_slot(ub.n_tokens)
+        cells.apply(slot, ub.pos, ub.seq_ids)
+        key = GraphKey(ub.n_tokens, ub.n_outputs, cells.n_kv())
+        res = self.gf_res_prev
+        if res is not None and res.key == key:
+            if not self.pipelined:              # the previous compute may still read the inputs
+                self.sched.synchronize()
+            self.n_reused += 1
+        else:
+            self.sched.reset()
+            res = self.builder.build(key)
+            self.sched.alloc_graph(res.graph)
+            if self.after_alloc is not None:
+                self.after_alloc(self.sched, res.graph)
+            self.gf_res_prev = res
+            self.n_rebuilt += 1
+        self._set_inputs(res, ub, slot, key.n_kv)
+        self.sched.graph_compute_async(res.graph)
+        logits = res.logits
+        fetch_async = getattr(logits.buffer, "get_tensor_async", None)
+        if fetch_async is not None:
+            return fetch_async(logits)
+        self.sched.synchronize()
+        value = tensor_get(logits)
+        return lambda: value
+
+    def _set_inputs(self, res: GraphResult, ub: Ubatch, slot: np.ndarray, n_kv: int) -> None:
+        inp = res.inputs
+        tensor_set(inp.tokens, ub.tokens.astype(np.int32))
+        tensor_set(inp.pos, ub.pos.astype(np.int32))
+        tensor_set(inp.kq_mask, self.kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids))
+        tensor_set(inp.k_idxs, self.kv.k_idxs(slot))
+        tensor_set(inp.v_idxs, self.kv.v_idxs(slot))
+        if inp.out_ids is not None:
+            tensor_set(inp.out_ids, ub.out_ids)
+
+    # -- sequences -----------------------------------------------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self.kv.cells.seq_rm(seq_id, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        self.kv.cells.seq_cp(src, dst, p0, p1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.kv.cells.seq_pos_max(seq_id)
+
+    def clear(self) -> None:
+        self.kv.cells.clear()

@@ -1,0 +1,43 @@
+"""A loaded model: the GGUF file, its hyperparameters, its weights (mapped) and its tokenizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.tensor import Tensor
+from .gguf import GGUFFile, load_gguf
+from .hparams import LlamaHParams, check_tensors, hparams_from_gguf
+from .tokenizer import Tokenizer
+from .weights import MappedBuffer, load_weights
+
+
+@dataclass
+class LlamaModel:
+    path: Path
+    file: GGUFFile
+    hp: LlamaHParams
+    weights: dict[str, Tensor]
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, path: str | Path, layers: range | None = None) -> "LlamaModel":
+        """Validate the file, then map the weights (all, or those of `layers` plus embeddings/head)."""
+        f = load_gguf(path)
+        hp = hparams_from_gguf(f)
+        check_tensors(f, hp)
+        names = None if layers is None else [n for n in f.tensors if _wanted(n, layers)]
+        weights = load_weights(f, names, MappedBuffer(str(f.path)))
+        return cls(Path(path), f, hp, weights, Tokenizer.from_gguf(f))
+
+    @property
+    def name(self) -> str:
+        return str(self.file.get("general.name", self.path.stem))
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.weights.values())
+
+
+def _wanted(name: str, layers: range) -> bool:
+    if name.startswith("blk."):
+        return int(name.split(".")[1]) in layers
+    return True

@@ -1,0 +1,180 @@
+"""Ray: start or join a cluster, create the stage actors, and give the driver a pipelined context.
+
+    connect(address)            ray.init: join `address` (or the job's cluster), else start a local,
+                                loopback-only Ray with bounded CPUs and object store
+    Pipeline.launch(...)        placement -> one actor per stage -> a StageProxy per actor ->
+                                driver-side weights and KV tensors bound to the stages' remote buffers
+                                -> a LlamaContext whose scheduler sees [proxy_0 .. proxy_K-1, CPU]
+
+Ray's loopback behaviour: a local Ray advertises the machine's primary address unless told otherwise;
+`_node_ip_address="127.0.0.1"` keeps a started-here instance on loopback.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..backends.base import BufferUsage
+from ..backends.cpu import CPUDevice
+from ..backends.cpu_ops import ComputeOptions
+from ..core.context import Context
+from ..core.graph import Graph
+from ..core.tensor import Tensor
+from ..core.types import GGMLType
+from ..model.context import ContextParams, LlamaContext
+from ..model.model import LlamaModel
+from .placement import Placement, place
+from .proxy import Call, Exports, RemoteBuffer, StageDevice, StageProxy
+from .stage import StageSpec, StageWorker
+
+
+class RayStartError(RuntimeError):
+    """Ray could not be started or joined."""
+
+
+def connect(address: str | None = None, num_cpus: int | None = None,
+            object_store_mb: int = 512) -> str:
+    """Join a cluster (address, or RAY_ADDRESS inside `ray job submit`), else start a local Ray."""
+    try:
+        import ray
+    except ImportError as e:                     # pragma: no cover - ray is a dependency
+        raise RayStartError("Ray is not installed; install ggml-dist with its dependencies "
+                            "(pip install ggml-dist)") from e
+    if ray.is_initialized():
+        return "already connected"
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    try:
+        if address or os.environ.get("RAY_ADDRESS"):
+            ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
+            return f"joined {address or os.environ['RAY_ADDRESS']}"
+        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+                 object_store_memory=object_store_mb * 2**20, _node_ip_address="127.0.0.1",
+                 log_to_driver=True, configure_logging=False)
+        return "started a local Ray (loopback)"
+    except Exception as e:
+        raise RayStartError(f"could not {'join ' + str(address) if address else 'start a local Ray'}: "
+                            f"{e}; check `ray status`, or run without --address for a local instance") from e
+
+
+class StageActor:
+    """The Ray face of a StageWorker: results are numpy bytes, which Ray stores without pickling."""
+
+    def __init__(self, spec: StageSpec) -> None:
+        self.worker = StageWorker(spec)
+
+    def info(self) -> dict[str, Any]:
+        return self.worker.info()
+
+    def stats(self) -> dict[str, Any]:
+        return self.worker.get_stats()
+
+    def ping(self) -> int:
+        return self.worker.ping()
+
+    def compute(self, pid: str, desc: dict | None, inputs: np.ndarray, *upstream: np.ndarray) -> np.ndarray:
+        return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream), dtype=np.uint8)
+
+
+def _ray_call(actor: Any) -> Call:
+    import ray
+
+    def submit(pid: str, desc: dict | None, inputs: bytearray, *ups: Any) -> Any:
+        return actor.compute.remote(pid, desc, np.frombuffer(inputs, dtype=np.uint8), *ups)
+
+    def wait(handles: list) -> None:
+        ray.get(handles)                 # raises the stage's error, if any
+
+    return Call(submit, lambda hs: ray.get(hs), wait)
+
+
+@dataclass
+class Pipeline:
+    """The driver's view of a running pipeline: actors, proxies and the context over them."""
+    model: LlamaModel
+    placement: Placement
+    actors: list[Any]
+    proxies: list[StageProxy]
+    ctx: LlamaContext
+    infos: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def launch(cls, model_path: str, n_stages: int, params: ContextParams = ContextParams(),
+               n_copies: int | None = None, layers: list[tuple[int, int]] | None = None,
+               budgets: list[int] | None = None, threads_per_stage: int = 1,
+               max_restarts: int = 0) -> "Pipeline":
+        import ray
+        model = LlamaModel.load(model_path)
+        hp = model.hp
+        kv_size = 2 if params.type_k == GGMLType.F16 else 4
+        placement = place(model.file, hp, n_stages, params.n_ctx, kv_size, 0, 1, budgets, layers)
+        actor_cls = ray.remote(num_cpus=threads_per_stage, max_restarts=max_restarts,
+                               max_task_retries=0)(StageActor)
+        actors, proxies = [], []
+        for sp in placement.stages:
+            spec = StageSpec(sp.stage, str(model.path), sp.layers, sp.stage == 0,
+                             sp.stage == n_stages - 1, params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa,
+                             int(params.type_k), params.n_seq_max, params.exact, threads_per_stage)
+            actor = actor_cls.options(name=None, scheduling_strategy="SPREAD").remote(spec)
+            actors.append(actor)
+            proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(actor), StageDevice(f"stage{sp.stage}")))
+        infos = ray.get([a.info.remote() for a in actors])      # fail fast if a stage cannot load
+        weights = _driver_weights(model, placement, proxies)
+        cpu = CPUDevice("driver").init_backend(opts=ComputeOptions(exact=params.exact))
+        stage_of = {il: p for p in proxies for il in range(*p.layers)}
+        ctx = LlamaContext(model, params, backends=[*proxies, cpu],
+                           n_copies=n_copies or max(1, min(4, n_stages)), weights=weights,
+                           layer_buft=lambda il: stage_of[il].device.buft,
+                           after_alloc=lambda sched, g: _bind_exports(sched, g, proxies))
+        return cls(model, placement, actors, proxies, ctx, infos)
+
+    def stats(self) -> list[dict]:
+        import ray
+        return ray.get([a.stats.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        import ray
+        for a in self.actors:
+            ray.kill(a)
+        self.actors.clear()
+
+
+def _bind_exports(sched: Any, graph: Graph, proxies: list[StageProxy]) -> None:
+    ex = Exports.of(sched, graph)
+    for p in proxies:
+        p.exports = ex
+
+
+def _driver_weights(model: LlamaModel, placement: Placement, proxies: list[StageProxy]) -> dict[str, Tensor]:
+    """The weights as the driver's graph sees them: metadata bound to the owning stage's buffer type
+    (usage WEIGHTS), so the scheduler's weight rule sends each layer's ops to its stage."""
+    n = len(proxies)
+    ctx = Context(len(model.weights) * 400 + 4096, no_alloc=True, name="driver-weights")
+    bufs = [RemoteBuffer(p.device.buft, 0, BufferUsage.WEIGHTS) for p in proxies]
+    owner = {il: k for k, s in enumerate(placement.stages) for il in range(*s.layers)}
+    out: dict[str, Tensor] = {}
+    for name, w in model.weights.items():
+        if name.startswith("blk."):
+            k = owner[int(name.split(".")[1])]
+        elif name == "token_embd.weight":
+            k = 0
+        else:
+            k = n - 1
+        t = ctx.new_tensor(w.type, w.ne).set_name(name)
+        t.buffer, t.data = bufs[k], w.data
+        out[name] = t
+    if "output.weight" not in out:                # tied head: the last stage's own mapping of it
+        w = model.weights["token_embd.weight"]
+        t = ctx.new_tensor(w.type, w.ne).set_name("output.weight")
+        t.buffer, t.data = bufs[n - 1], w.data
+        out["output.weight"] = t
+    return out
+
+
+def wait_ready(actors: list[Any], timeout_s: float = 120.0) -> None:
+    import ray
+    t0 = time.time()
+    ray.get([a.ping.remote() for a in actors], timeout=max(1.0, timeout_s - (time.time() - t0)))

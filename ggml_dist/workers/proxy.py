@@ -1,0 +1,245 @@
+"""The driver-side proxy: a stage actor seen through the backend protocol the scheduler uses.
+
+    StageDevice   supports_op (the actor runs the CPU kernels), its own non-host buffer type
+    RemoteBuffer  where the driver's allocator places the stage's tensors: addresses only, no memory;
+                  set_tensor snapshots a graph input for the next call, get_tensor fetches an export
+    StageProxy    graph_compute(split) = one asynchronous actor call carrying the split's plan id (and
+                  its description the first time), the inputs that came from the driver, and the
+                  producing stages' result handles
+
+Only this module and workers/cluster.py know that a handle is a Ray ObjectRef: `Call` wraps the
+submission function, so the scheduler sees a backend whose compute returns at once and whose
+copies are recorded, not performed. Ray resolves a call's argument refs before running it: the
+dependency between stages is the event.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..backends.base import BufferUsage, DeviceType
+from ..backends.cpu import cpu_supports_op
+from ..core.graph import Graph
+from ..core.tensor import Tensor, TensorFlag, nbytes
+from .plan import describe, plan_id
+from .wire import WireTensor, decode, encode
+
+# submit(pid, desc | None, inputs msg, *upstream handles) -> handle; get(handles) -> messages
+Submit = Callable[..., Any]
+Get = Callable[[list], list]
+
+
+@dataclass
+class Exports:
+    """Which tensors each stage returns, and under which key; shared by the proxies of one graph.
+
+    Keys are node positions in the user graph, so the same graph shape gives the same plan ids."""
+    keys: dict[Tensor, str] = field(default_factory=dict)
+    handles: dict[Tensor, Any] = field(default_factory=dict)   # export -> handle of the call that made it
+
+    @classmethod
+    def of(cls, sched: Any, graph: Graph) -> "Exports":
+        pos = {t: i for i, t in enumerate(graph.nodes)}
+        ex = cls()
+        for sp in sched.splits:
+            for s in sp.inputs:
+                if isinstance(sched.get_tensor_backend(s), StageProxy):
+                    ex.keys[s] = f"n{pos[s]}"
+        for t in graph.nodes:
+            if t.flags & TensorFlag.OUTPUT and isinstance(sched.get_tensor_backend(t), StageProxy):
+                ex.keys[t] = f"n{pos[t]}"
+        return ex
+
+
+class RemoteBufferType:
+    """A stage's memory as the driver sees it: planned, never touched."""
+    is_host = False
+
+    def __init__(self, name: str, alignment: int = 32, max_size: int = 2**62) -> None:
+        self.name = name
+        self.alignment = alignment
+        self.max_size = max_size
+        self.proxy: "StageProxy | None" = None
+
+    def alloc_buffer(self, size: int) -> "RemoteBuffer":
+        return RemoteBuffer(self, size)
+
+    def get_alloc_size(self, t: Tensor) -> int:
+        return nbytes(t)
+
+
+class RemoteBuffer:
+    def __init__(self, buft: RemoteBufferType, size: int, usage: BufferUsage = BufferUsage.ANY) -> None:
+        self.buft = buft
+        self.size = size
+        self.usage = usage
+
+    def __repr__(self) -> str:
+        return f"{self.buft.name} remote buffer ({self.size} B)"
+
+    def set_tensor(self, t: Tensor, data: np.ndarray, offset: int = 0) -> None:
+        assert self.buft.proxy is not None
+        self.buft.proxy.pending_host[t] = np.array(data, copy=True)    # the caller may reuse `data`
+
+    def get_tensor(self, t: Tensor) -> np.ndarray:
+        return self.get_tensor_async(t)()
+
+    def get_tensor_async(self, t: Tensor) -> Callable[[], np.ndarray]:
+        """A fetch of t's value as made by the call that last computed it (captured now)."""
+        proxy = self.buft.proxy
+        assert proxy is not None and proxy.exports is not None
+        key, handle = proxy.exports.keys.get(t), proxy.exports.handles.get(t)
+        if key is None or handle is None:
+            raise RuntimeError(f"'{t.name}' is not exported by {proxy.name}; only split outputs and "
+                               f"OUTPUT tensors can be read back from a stage")
+        return lambda: proxy.fetch(handle, key)
+
+    def clear(self, value: int = 0) -> None:
+        pass                                   # the stage clears its own memory
+
+
+class StageDevice:
+    type = DeviceType.GPU                      # a non-CPU device: the scheduler expands onto it
+
+    def __init__(self, name: str, free: int = 0, total: int = 0) -> None:
+        self.name = name
+        self.buft = RemoteBufferType(name)
+        self._mem = (free, total)
+
+    def get_buffer_type(self) -> RemoteBufferType:
+        return self.buft
+
+    def supports_op(self, t: Tensor) -> bool:
+        return cpu_supports_op(t)
+
+    def supports_buft(self, buft: Any) -> bool:
+        return buft is self.buft
+
+    def offload_op(self, t: Tensor) -> bool:
+        return False
+
+    def memory(self) -> tuple[int, int]:
+        return self._mem
+
+    def init_backend(self) -> "StageProxy":
+        raise RuntimeError("a stage proxy is created with its actor (workers/cluster.py)")
+
+
+@dataclass
+class Call:
+    """How a proxy reaches its actor: submit returns a handle at once; get waits for handles."""
+    submit: Submit
+    get: Get
+    wait: Callable[[list], None]
+
+
+class StageProxy:
+    """The scheduler's backend for one stage actor."""
+    inputs_by_value = True           # graph inputs are snapshotted at copy time (no slot hazards)
+
+    def __init__(self, stage_id: int, layers: tuple[int, int], call: Call, device: StageDevice) -> None:
+        self.stage_id = stage_id
+        self.layers = layers
+        self.call = call
+        self.device = device
+        self.name = device.name
+        device.buft.proxy = self
+        self.exports: Exports | None = None
+        self.pending_host: dict[Tensor, np.ndarray] = {}
+        self.pending_up: dict[Tensor, tuple[Any, str]] = {}      # input copy -> (handle, key)
+        self.sent_plans: set[str] = set()
+        self._descs: OrderedDict[tuple, tuple[str, dict]] = OrderedDict()
+        self.last_handle: Any = None
+        self.n_calls = 0
+
+    def __repr__(self) -> str:
+        return f"StageProxy({self.name}, layers {self.layers[0]}..{self.layers[1] - 1})"
+
+    # -- copies: recorded, sent with the next call --------------------------------------------------
+    def cpy_tensor_async(self, src_backend: Any, src: Tensor, dst: Tensor) -> bool:
+        ex = self.exports
+        if isinstance(src_backend, StageProxy) and ex is not None and src in ex.handles:
+            self.pending_up[dst] = (ex.handles[src], ex.keys[src])
+            return True
+        return False                     # the scheduler falls back to get_tensor + set_tensor
+
+    # -- compute ------------------------------------------------------------------------------------
+    def graph_compute(self, graph: Graph) -> None:
+        assert self.exports is not None, "Exports.of(sched, graph) must be bound before compute"
+        pid, desc = self._describe(graph)
+        host = [WireTensor(f"h:{t.name}", t.type, t.ne, a) for t, a in self.pending_host.items()]
+        ups = list(OrderedDict.fromkeys(h for h, _ in self.pending_up.values()))
+        handle = self.call.submit(pid, None if pid in self.sent_plans else desc, encode(host), *ups)
+        self.sent_plans.add(pid)
+        self.pending_host.clear()
+        self.pending_up.clear()
+        for t in graph.nodes:
+            if t in self.exports.keys:
+                self.exports.handles[t] = handle
+        self.last_handle = handle
+        self.n_calls += 1
+
+    def _describe(self, graph: Graph) -> tuple[str, dict]:
+        """The split's plan: cached per (nodes, input sources), so a reused graph costs a dict lookup."""
+        ck = (tuple(map(id, graph.nodes)), tuple((id(t), k) for t, (_, k) in self.pending_up.items()),
+              tuple(map(id, self.pending_host)))
+        hit = self._descs.get(ck)
+        if hit is not None:
+            self._descs.move_to_end(ck)
+            return hit
+        assert self.exports is not None
+        up_keys = {t: k for t, (_, k) in self.pending_up.items()}
+        host = set(self.pending_host)
+
+        def resolve(t: Tensor) -> tuple[str, str] | None:
+            if t in up_keys:
+                return "input", up_keys[t]
+            if t in host:
+                return "input", f"h:{t.name}"
+            buf = t.buffer
+            if buf is not None and getattr(buf, "usage", None) == BufferUsage.WEIGHTS:
+                return "weight", t.name
+            if buf is not None and buf.buft is self.device.buft:
+                return "kv", t.name
+            return None
+
+        exports = [(t, self.exports.keys[t]) for t in graph.nodes if t in self.exports.keys]
+        desc = describe(graph.nodes, resolve, exports)
+        out = (plan_id(desc), desc)
+        self._descs[ck] = out
+        while len(self._descs) > 16:
+            self._descs.popitem(last=False)
+        return out
+
+    def fetch(self, handle: Any, key: str) -> np.ndarray:
+        (msg,) = self.call.get([handle])
+        for wt in decode(msg)[0]:
+            if wt.name == key:
+                return np.array(wt.data)
+        raise RuntimeError(f"{self.name}: the call's result holds no '{key}'")
+
+    # -- synchronisation ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.last_handle is not None:
+            self.call.wait([self.last_handle])
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        fn()                              # nothing runs on the driver in this backend's stream
+
+    def event_record(self) -> "HandleEvent":
+        return HandleEvent(self.call, self.last_handle)
+
+    def event_wait(self, ev: Any) -> None:
+        pass                              # Ray orders a call after the calls whose results it takes
+
+
+class HandleEvent:
+    def __init__(self, call: Call, handle: Any) -> None:
+        self.call, self.handle = call, handle
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.call.wait([self.handle])
