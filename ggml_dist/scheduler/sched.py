@@ -1,0 +1,580 @@
+"""The backend scheduler: splits, copies, allocation and compute (ggml-backend.cpp, ggml_backend_sched).
+
+`Sched` runs one graph over an ordered list of backends (priority order, CPU last), ggml-mechanisms.md §3:
+
+  split_graph     passes 1-4 (assign.py), then pass 5 (_pass5_split: splits and copies) and the graph
+                  copy the allocator sees (_build_graph_copy, §3.5)
+  alloc_splits    one Gallocr over the backends' buffer types; buffer id = backend id (§3.4)
+  compute_splits  copy each split's inputs, compute the split on its backend, record events (§3.6)
+
+Lifecycle (§3.7): reset -> [set_tensor_backend] -> alloc_graph -> graph_compute(_async) ... -> reset.
+With n_copies > 1 (pipeline parallelism) every split input has one copy per micro-batch slot and
+cur_copy rotates on each alloc_graph, so micro-batch m+1's first splits can run while m's later
+splits still run on other (asynchronous) backends.
+
+Layers, bottom-up: constants and records; copies between backends; the Sched (lifecycle, split_graph,
+alloc_splits, compute_splits, getters, debug).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..alloc.gallocr import Gallocr
+from ..backends.base import DeviceType, array_at
+from ..core.context import TENSOR_SIZE, Context, graph_overhead
+from ..core.graph import Graph
+from ..core.tensor import Tensor, TensorFlag
+from .assign import SchedAssignError, assign_backends, buffer_supported, is_weight, tensor_backend_id
+from .trace import TraceRecorder
+
+log = logging.getLogger(__name__)
+
+GGML_SCHED_MAX_BACKENDS = 16
+GGML_SCHED_MAX_SPLIT_INPUTS = 30
+GGML_SCHED_MAX_COPIES = 4
+
+EvalCallback = Callable[[Tensor, bool], bool]
+
+
+class SchedError(RuntimeError):
+    """The scheduler could not allocate or run a graph."""
+
+
+@dataclass(slots=True)
+class Split:
+    """ggml_backend_sched_split: nodes [i_start, i_end) of the user's graph on one backend."""
+    backend_id: int
+    i_start: int
+    i_end: int = 0
+    inputs: list[Tensor] = field(default_factory=list)
+    inputs_capacity: int = GGML_SCHED_MAX_SPLIT_INPUTS
+    graph: Graph | None = None
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.inputs)
+
+
+# -- copies between backends ---------------------------------------------------------------------------
+def tensor_copy(src: Tensor, dst: Tensor) -> None:
+    """ggml_backend_tensor_copy, blocking. Copies are layout-identical duplicates (same ne and nb)."""
+    sb, db = src.buffer, dst.buffer
+    assert sb is not None and db is not None and src.data is not None and dst.data is not None, \
+        f"copy {src.name} -> {dst.name} between unallocated tensors"
+    if hasattr(sb, "base") and hasattr(db, "base"):
+        array_at(db.base, dst.data, dst)[...] = array_at(sb.base, src.data, src)
+    else:
+        db.set_tensor(dst, sb.get_tensor(src))
+
+
+def _is_async_capable(backend: Any) -> bool:
+    return all(hasattr(backend, m) for m in ("submit", "event_record", "event_wait"))
+
+
+def cpy_tensor_async(src_backend: Any, dst_backend: Any, src: Tensor, dst: Tensor,
+                     dst_free: Any = None) -> bool:
+    """ggml's iface.cpy_tensor_async: a backend's own implementation if it has one, else, for two
+    stream-ordered backends, the copy runs in the source's stream (as CUDA's peer copy does) and the
+    destination waits for it. Returns False where neither applies (the caller copies synchronously).
+
+    differs from ggml: the source stream first waits for `dst_free` (the destination's event of this copy
+    slot), because a copy slot is rewritten every n_copies micro-batches and nothing else stops the source
+    from overwriting it while the destination still reads it."""
+    own = getattr(dst_backend, "cpy_tensor_async", None)
+    if own is not None:
+        return bool(own(src_backend, src, dst))
+    if not (_is_async_capable(src_backend) and _is_async_capable(dst_backend)):
+        return False
+    if dst_free is not None:
+        src_backend.event_wait(dst_free)
+    src_backend.submit(lambda: tensor_copy(src, dst))
+    dst_backend.event_wait(src_backend.event_record())
+    return True
+
+
+def _grow_set(arr: list[int], i: int, v: int) -> None:
+    """Write arr[i], growing it with zeros: positions past the last graph keep stale values, as ggml's
+    fixed-size id arrays do (alloc_splits compares positionally)."""
+    if i >= len(arr):
+        arr.extend([0] * (i + 1 - len(arr)))
+    arr[i] = v
+
+
+# -- the scheduler ---------------------------------------------------------------------------------------
+class Sched:
+    """Mirrors ggml_backend_sched."""
+
+    def __init__(self, backends: Sequence[Any], bufts: Sequence[Any] | None = None, graph_size: int = 2048,
+                 n_copies: int = 1, op_offload: bool = True, parallel: bool = False) -> None:
+        """ggml_backend_sched_new. parallel=True means n_copies = GGML_SCHED_MAX_COPIES, as in ggml;
+        n_copies may also be given directly (1..4)."""
+        n = len(backends)
+        if not 0 < n <= GGML_SCHED_MAX_BACKENDS:
+            raise ValueError(f"a scheduler takes 1 to {GGML_SCHED_MAX_BACKENDS} backends, got {n}")
+        if backends[-1].device.type != DeviceType.CPU:
+            raise ValueError(f"the last backend must be a CPU device, got '{backends[-1].name}' "
+                             f"({backends[-1].device.type.name}); put the CPU backend last")
+        if parallel and n_copies == 1:
+            n_copies = GGML_SCHED_MAX_COPIES
+        if not 1 <= n_copies <= GGML_SCHED_MAX_COPIES:
+            raise ValueError(f"n_copies must be 1..{GGML_SCHED_MAX_COPIES}, got {n_copies}")
+        self.backends = list(backends)
+        self.n_backends = n
+        self.bufts = list(bufts) if bufts is not None else [b.device.get_buffer_type() for b in backends]
+        for b, buft in zip(self.backends, self.bufts):
+            if not b.device.supports_buft(buft):
+                raise ValueError(f"backend '{b.name}' cannot use buffer type '{buft.name}'")
+        self.graph_size = graph_size
+        self.n_copies = n_copies
+        self.op_offload = op_offload
+        self.cur_copy = 0
+        self.next_copy = 0
+        # events exist only with pipeline copies and a backend that has them; otherwise every wait is a
+        # full synchronisation (§3.6). events[b][c] is the last recorded event (None: never recorded).
+        self.has_events = [n_copies > 1 and _is_async_capable(b) for b in self.backends]
+        self.events: list[list[Any]] = [[None] * n_copies for _ in range(n)]
+        self._stream_ordered = [_is_async_capable(b) for b in self.backends]
+        self.galloc = Gallocr(self.bufts)
+        self.ctx = Context(graph_size * GGML_SCHED_MAX_SPLIT_INPUTS * 2 * TENSOR_SIZE
+                           + graph_overhead(graph_size), no_alloc=True, name="sched")
+        self.hv_tensor_backend_ids: dict[Tensor, int] = {}
+        self.hv_tensor_copies: dict[Tensor, list[list[Tensor | None]]] = {}
+        self.causes: dict[Tensor, str] = {}
+        self.node_backend_ids: list[int] = []
+        self.leaf_backend_ids: list[int] = []
+        self.prev_node_backend_ids: list[int] = []
+        self.prev_leaf_backend_ids: list[int] = []
+        self.graph = Graph(graph_size)               # the graph copy the allocator sees
+        self.splits: list[Split] = []
+        self.graph_inputs: list[Tensor] = []
+        self.callback_eval: EvalCallback | None = None
+        self.trace: TraceRecorder | None = None
+        self.is_reset = False
+        self.is_alloc = False
+        self.backend_ids_changed = False             # what the last alloc_splits found (§5.3 S-0)
+        self._user_graph: Graph | None = None
+        self.debug = int(os.environ.get("GGML_SCHED_DEBUG", "0") or 0)
+        self.debug_realloc = int(os.environ.get("GGML_SCHED_DEBUG_REALLOC", "0") or 0)
+        self.reset()
+
+    # -- lifecycle (§3.7) -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """ggml_backend_sched_reset: forget every assignment and copy. Tensors the scheduler allocated
+        now dangle; build the next graph from fresh tensors."""
+        if not self.is_reset:
+            self.hv_tensor_backend_ids.clear()
+            self.hv_tensor_copies.clear()
+            self.causes.clear()
+            self.is_reset = True
+        self.is_alloc = False
+
+    def set_tensor_backend(self, t: Tensor, backend: Any) -> None:
+        """ggml_backend_sched_set_tensor_backend: a user assignment, never overwritten (cause usr)."""
+        b = self.get_backend_id(backend)
+        assert 0 <= b < self.n_backends, f"backend {backend} is not one of this scheduler's"
+        self.hv_tensor_backend_ids[t] = b
+        self.causes[t] = "usr"
+        self.is_reset = False
+
+    def reserve(self, graph: Graph) -> None:
+        """ggml_backend_sched_reserve: size the buffers for a worst-case graph; leaves the scheduler
+        reset. No reset first, so user assignments made while building the graph are honoured."""
+        self.synchronize()
+        self.split_graph(graph)
+        self.galloc.reserve_n(self.graph, self._node_ids(), self._leaf_ids())
+        self.reset()
+
+    def alloc_graph(self, graph: Graph) -> bool:
+        """ggml_backend_sched_alloc_graph: rotate the copy slot, split, allocate."""
+        assert not self.is_alloc, "alloc_graph on an allocated scheduler; call reset first"
+        self.cur_copy = self.next_copy
+        self.next_copy = (self.next_copy + 1) % self.n_copies
+        self.split_graph(graph)
+        if not self.alloc_splits():
+            return False
+        self.is_alloc = True
+        return True
+
+    def graph_compute_async(self, graph: Graph) -> None:
+        """ggml_backend_sched_graph_compute_async. On an allocated scheduler `graph` is ignored and the
+        stored splits run again with the same cur_copy (llama.cpp's graph reuse relies on this).
+
+        With asynchronous backends and n_copies == 1, inputs share compute memory with the previous
+        graph's tensors: call synchronize() before writing the next graph's inputs. With n_copies > 1
+        every input has its own slot per copy, which is what lets micro-batches overlap."""
+        if not self.is_reset and not self.is_alloc:
+            self.reset()
+        if not self.is_alloc and not self.alloc_graph(graph):
+            raise SchedError(f"failed to allocate the graph ({graph.n_nodes} nodes) over "
+                             f"{[b.name for b in self.backends]}")
+        self.compute_splits()
+
+    def graph_compute(self, graph: Graph) -> None:
+        self.graph_compute_async(graph)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """ggml_backend_sched_synchronize. When not allocated, the next alloc_graph uses copy 0."""
+        for b in self.backends:
+            b.synchronize()
+        if not self.is_alloc:
+            self.next_copy = 0
+
+    # -- split_graph (§3.3) -------------------------------------------------------------------------------
+    def split_graph(self, graph: Graph) -> None:
+        """ggml_backend_sched_split_graph: S0 prologue, passes 1-4 (assign.py), S5 splits and copies,
+        S6 debug print, S7 swap of the id arrays, S8-S10 the graph copy."""
+        self.splits = []
+        self.graph_inputs = []
+        self.is_reset = False
+        self.ctx.reset()
+        self._user_graph = graph
+        assign_backends(self, graph)
+        self._pass5_split(graph)
+        if self.debug:
+            print(self.debug_str(self.debug), file=sys.stderr)
+        self.node_backend_ids, self.prev_node_backend_ids = self.prev_node_backend_ids, self.node_backend_ids
+        self.leaf_backend_ids, self.prev_leaf_backend_ids = self.prev_leaf_backend_ids, self.leaf_backend_ids
+        self._build_graph_copy(graph)
+
+    def _tensor_copy_slot(self, s: Tensor, b: int) -> list[Tensor | None]:
+        per_backend = self.hv_tensor_copies.get(s)
+        if per_backend is None:
+            per_backend = self.hv_tensor_copies[s] = [[None] * self.n_copies for _ in range(self.n_backends)]
+        return per_backend[b]
+
+    def tensor_id_copy(self, s: Tensor, b: int, c: int) -> Tensor | None:
+        per_backend = self.hv_tensor_copies.get(s)
+        return per_backend[b][c] if per_backend is not None else None
+
+    def _dup_tensor_layout(self, s: Tensor, name: str) -> Tensor:
+        """ggml_dup_tensor_layout: same type, ne and nb (a copy of a view keeps the view's strides)."""
+        t = self.ctx.new_tensor(s.type, s.ne)
+        t.nb = s.nb
+        t.set_name(name)
+        return t
+
+    def _pass5_split(self, graph: Graph) -> None:
+        """Pass 5 (§3.3 S5): cut the node list into splits and create the copies of the inputs."""
+        nodes = graph.nodes
+        i = 0
+        first_backend = -1
+        while i < len(nodes):
+            if not nodes[i].is_view_op:
+                first_backend = tensor_backend_id(self, nodes[i])
+                break
+            i += 1
+        if first_backend == -1:
+            # differs from ggml: a graph with only view ops leaves splits[0].backend_id stale there; here
+            # it is the last backend (CPU), which has nothing to compute for it anyway
+            first_backend = self.n_backends - 1
+        split = Split(first_backend, 0)
+        self.splits = [split]
+        cur = first_backend
+        for i in range(i, len(nodes)):
+            node = nodes[i]
+            if node.is_view_op:
+                continue
+            nb = tensor_backend_id(self, node)
+            assert nb != -1, f"node '{node.name}' has no backend after pass 4"
+            need_new_split = False
+            if nb == cur and split.n_inputs > 0:
+                for s in node.src:
+                    if s is None:
+                        continue
+                    sb = tensor_backend_id(self, s)
+                    # (w) a weight on another backend that cur cannot read: a new split lets the memory of
+                    # earlier offloaded weight copies be reused
+                    if is_weight(s) and sb != cur and not buffer_supported(self, s, cur):
+                        need_new_split = True
+                        break
+                    # (c) the input list is full and s would need a new copy
+                    if (split.n_inputs >= split.inputs_capacity and sb != cur
+                            and self.tensor_id_copy(s, cur, 0) is None and not buffer_supported(self, s, cur)):
+                        need_new_split = True
+                        break
+            if nb != cur or need_new_split:
+                split.i_end = i
+                split = Split(nb, i)
+                self.splits.append(split)
+                cur = nb
+            for j, s in enumerate(node.src):
+                if s is None:
+                    continue
+                sb = tensor_backend_id(self, s)
+                assert sb != -1, f"source '{s.name}' of '{node.name}' has no backend after pass 4"
+                if s.flags & TensorFlag.INPUT and self.n_copies > 1 and self.tensor_id_copy(s, sb, 0) is None:
+                    # (g) graph inputs get n_copies slots on their own backend; slot cur_copy is s itself
+                    slot = self._tensor_copy_slot(s, sb)
+                    bname = self.backends[sb].name
+                    for c in range(self.n_copies):
+                        cp = s if c == self.cur_copy else self._dup_tensor_layout(s, f"{bname}#{s.name}#{c}")
+                        cp.flags |= TensorFlag.INPUT | TensorFlag.OUTPUT   # never freed by the allocator
+                        slot[c] = cp
+                        self.causes[cp] = "4.cpy"
+                    assert len(self.graph_inputs) < GGML_SCHED_MAX_SPLIT_INPUTS, "too many graph inputs"
+                    self.graph_inputs.append(s)
+                if sb != cur and not buffer_supported(self, s, cur):
+                    # (x) a cross-backend operand: one copy per (tensor, backend), made by the first split
+                    if self.tensor_id_copy(s, cur, 0) is None:
+                        slot = self._tensor_copy_slot(s, cur)
+                        bname = self.backends[cur].name
+                        for c in range(self.n_copies):
+                            cp = self._dup_tensor_layout(s, f"{bname}#{s.name}#{c}")
+                            if self.n_copies > 1:
+                                cp.flags |= TensorFlag.INPUT | TensorFlag.OUTPUT
+                            slot[c] = cp
+                            self.causes[cp] = "4.cpy"
+                        if split.n_inputs >= split.inputs_capacity:
+                            split.inputs_capacity *= 2
+                            log.warning("split #%d: more than %d inputs, growing the list to %d",
+                                        len(self.splits) - 1, split.n_inputs, split.inputs_capacity)
+                        split.inputs.append(s)
+                    node.src[j] = self.tensor_id_copy(s, cur, self.cur_copy)   # mutates the user's graph
+        split.i_end = len(nodes)
+
+    def _build_graph_copy(self, graph: Graph) -> None:
+        """S8-S11: the graph copy. Per split, each input gets a dependency view (keeps the source alive up
+        to here) and its copy (allocated at the start of the split); then the split's own nodes. Leafs:
+        pipeline copies first (n_copies > 1), then the original leafs (§3.3 S9-S10, §3.5)."""
+        n_inputs = sum(sp.n_inputs for sp in self.splits)
+        size = max(graph.n_nodes, graph.n_leafs) + 2 * self.n_copies * (len(self.graph_inputs) + n_inputs)
+        gc = self.graph
+        gc.size = max(gc.size, size)
+        gc.nodes, gc.leafs, gc.use_counts = [], [], {}
+        nodes, leafs = gc.nodes, gc.leafs
+        ids, leaf_ids = self.node_backend_ids, self.leaf_backend_ids
+        for sp in self.splits:
+            sp.graph = graph.view(sp.i_start, sp.i_end)
+            for s in sp.inputs:
+                cp = self.tensor_id_copy(s, sp.backend_id, self.cur_copy)
+                assert cp is not None
+                dep = self.ctx.view_tensor(s)
+                dep.src = [s]
+                _grow_set(ids, len(nodes), tensor_backend_id(self, s))
+                nodes.append(dep)
+                _grow_set(ids, len(nodes), sp.backend_id)
+                nodes.append(cp)
+            for t in graph.nodes[sp.i_start:sp.i_end]:
+                _grow_set(ids, len(nodes), tensor_backend_id(self, t))
+                nodes.append(t)
+        if self.n_copies > 1:
+            for s in self.graph_inputs:
+                sb = tensor_backend_id(self, s)
+                for c in range(self.n_copies):
+                    _grow_set(leaf_ids, len(leafs), sb)
+                    leafs.append(self.tensor_id_copy(s, sb, c))          # type: ignore[arg-type]
+            for sp in self.splits:
+                for s in sp.inputs:
+                    for c in range(self.n_copies):
+                        _grow_set(leaf_ids, len(leafs), sp.backend_id)
+                        leafs.append(self.tensor_id_copy(s, sp.backend_id, c))  # type: ignore[arg-type]
+        for t in graph.leafs:
+            _grow_set(leaf_ids, len(leafs), tensor_backend_id(self, t))
+            leafs.append(t)
+        uc = gc.use_counts
+        for t in nodes:
+            uc.setdefault(t, 0)
+            for s in t.src:
+                if s is not None:
+                    uc[s] = uc.get(s, 0) + 1
+        for t in leafs:
+            uc.setdefault(t, 0)
+
+    def _node_ids(self) -> list[int]:
+        return self.node_backend_ids[: self.graph.n_nodes]
+
+    def _leaf_ids(self) -> list[int]:
+        # differs from ggml: a leaf nobody consumes stays unassigned (-1), which ggml would use as an
+        # array index; it is placed in the last (CPU) backend's buffer instead
+        cpu = self.n_backends - 1
+        return [b if b != -1 else cpu for b in self.leaf_backend_ids[: self.graph.n_leafs]]
+
+    # -- alloc_splits (§3.4) ------------------------------------------------------------------------------
+    def _ids_changed(self, cur: list[int], prev: list[int], n: int) -> bool:
+        bufts = self.bufts
+        for i in range(n):
+            a = cur[i]
+            p = prev[i] if i < len(prev) else 0
+            if a != p and (a == -1 or p == -1 or bufts[a] is not bufts[p]):
+                return True
+        return False
+
+    def alloc_splits(self) -> bool:
+        """ggml_backend_sched_alloc_splits: replay the plan, or re-plan when the backends' buffer types at
+        some position changed or the plan no longer fits."""
+        changed = (self._ids_changed(self.node_backend_ids, self.prev_node_backend_ids, self.graph.n_nodes)
+                   or self._ids_changed(self.leaf_backend_ids, self.prev_leaf_backend_ids, self.graph.n_leafs))
+        self.backend_ids_changed = changed
+        if changed or not self.galloc.alloc_graph(self.graph):
+            if self.debug_realloc and not changed and self.galloc.n_nodes == self.graph.n_nodes \
+                    and self.galloc.n_leafs == self.graph.n_leafs:
+                raise SchedError("unexpected graph reallocation (GGML_SCHED_DEBUG_REALLOC): same graph "
+                                 "size and backend ids, but the plan no longer fits")
+            for b in self.backends:                  # not self.synchronize(): that would reset next_copy
+                b.synchronize()
+            self.galloc.reserve_n(self.graph, self._node_ids(), self._leaf_ids())
+            if not self.galloc.alloc_graph(self.graph):
+                log.error("failed to allocate graph")
+                return False
+        return True
+
+    # -- compute_splits (§3.6) ----------------------------------------------------------------------------
+    def _event_synchronize(self, b: int) -> None:
+        """Host wait for backend b's event of the current copy, or for the whole backend."""
+        if self.has_events[b]:
+            ev = self.events[b][self.cur_copy]
+            if ev is not None:
+                ev.wait()
+        else:
+            self.backends[b].synchronize()
+
+    def compute_splits(self) -> None:
+        """ggml_backend_sched_compute_splits: per split, wait as ggml does, copy the inputs, compute."""
+        backends, cc = self.backends, self.cur_copy
+        trace = self.trace
+        prev = -1
+        for split_id, sp in enumerate(self.splits):
+            B = sp.backend_id
+            backend = backends[B]
+            if prev >= 0 and prev != B and self._stream_ordered[prev] and self._stream_ordered[B]:
+                # differs from ggml: B's stream waits for the previous split (no host block). ggml orders
+                # a split only through its input copies, or, without inputs, by the host wait below
+                # (upstream #26040). That misses a split that reads the previous backend's tensors
+                # directly (a shared buffer type, so no copy), harmless where such backends are
+                # synchronous (BLAS + CPU) but a race between asynchronous ones.
+                backend.event_wait(backends[prev].event_record())
+            elif sp.n_inputs == 0 and prev >= 0 and prev != B:
+                # the allocator may reuse memory across splits (upstream #26040)
+                if self.has_events[prev]:
+                    ev = self.events[prev][cc]
+                    if ev is not None:
+                        ev.wait()
+                else:
+                    backends[prev].synchronize()
+            for s in sp.inputs:
+                dst = self.tensor_id_copy(s, B, cc)
+                assert dst is not None
+                src_backend = backends[tensor_backend_id(self, s)]
+                if s.flags & TensorFlag.INPUT:
+                    # user data: copy now, the user may overwrite s right after this call
+                    self._event_synchronize(B)
+                    tensor_copy(s, dst)
+                else:
+                    ev = self.events[B][cc] if self.has_events[B] else None
+                    if ev is not None:
+                        backend.event_wait(ev)
+                    elif not self.has_events[B]:
+                        backend.synchronize()
+                    if not cpy_tensor_async(src_backend, backend, s, dst, ev):
+                        src_backend.synchronize()
+                        self._event_synchronize(B)
+                        tensor_copy(s, dst)
+            assert sp.graph is not None
+            label = f"split #{split_id}"
+            if trace is not None:
+                backend.submit(lambda n=backend.name, lb=label: trace.begin(n, lb))
+            if self.callback_eval is None:
+                backend.graph_compute(sp.graph)
+            else:
+                self._compute_with_callback(backend, sp.graph)
+            if trace is not None:
+                backend.submit(lambda n=backend.name, lb=label: trace.end(n, lb))
+            if self.has_events[B]:
+                self.events[B][cc] = backend.event_record()
+            prev = B
+
+    def _compute_with_callback(self, backend: Any, g: Graph) -> None:
+        """Compute up to each node the callback asks for, synchronise, show it; a False answer stops the
+        rest of *this split* only (later splits still run, §3.6)."""
+        cb = self.callback_eval
+        assert cb is not None
+        nodes = g.nodes
+        j0 = 0
+        while j0 < len(nodes):
+            j1 = j0
+            need = cb(nodes[j0], True)
+            while not need and j1 < len(nodes) - 1:
+                j1 += 1
+                need = cb(nodes[j1], True)
+            backend.graph_compute(g.view(j0, j1 + 1))
+            backend.synchronize()
+            if need and not cb(nodes[j1], False):
+                break
+            j0 = j1 + 1
+
+    # -- getters, callbacks ------------------------------------------------------------------------------
+    def set_eval_callback(self, cb: EvalCallback | None) -> None:
+        """ggml_backend_sched_set_eval_callback: cb(t, ask=True) -> wanted?; cb(t, ask=False) -> go on?"""
+        self.callback_eval = cb
+
+    def set_trace(self, trace: TraceRecorder | None) -> None:
+        self.trace = trace
+
+    def get_backend_id(self, backend: Any) -> int:
+        for i, b in enumerate(self.backends):
+            if b is backend:
+                return i
+        return -1
+
+    def get_n_backends(self) -> int:
+        return self.n_backends
+
+    def get_backend(self, i: int) -> Any:
+        return self.backends[i]
+
+    def get_n_splits(self) -> int:
+        return len(self.splits)
+
+    def get_n_copies(self) -> int:
+        return self.n_copies
+
+    def get_tensor_backend(self, t: Tensor) -> Any:
+        b = tensor_backend_id(self, t)
+        return self.backends[b] if b != -1 else None
+
+    def get_cause(self, t: Tensor) -> str:
+        return self.causes.get(t, "")
+
+    def get_buffer_size(self, backend: Any) -> int:
+        """Bytes of this backend's compute buffer; 0 where it aliases an earlier backend's."""
+        b = self.get_backend_id(backend)
+        assert b != -1, f"backend {backend} is not one of this scheduler's"
+        return self.galloc.get_buffer_size(b)
+
+    # -- debug (§3.3 S6) ----------------------------------------------------------------------------------
+    def debug_str(self, level: int = 2) -> str:
+        """ggml_backend_sched_print_assignments: split headers with their inputs; with level >= 2 every
+        non-view node with backend, cause, use count, compute flag and sources."""
+        g = self._user_graph
+        if g is None:
+            return ""
+        lines: list[str] = []
+        i_split = 0
+        for i, node in enumerate(g.nodes):
+            if i_split < len(self.splits) and i == self.splits[i_split].i_start:
+                sp = self.splits[i_split]
+                ins = " ".join(f"[{s.name} ({s.nbytes} B)]" for s in sp.inputs)
+                lines.append(f"## SPLIT #{i_split}: {self.backends[sp.backend_id].name} # "
+                             f"{sp.n_inputs} inputs" + (f": {ins}" if ins else ""))
+                i_split += 1
+            if node.is_view_op or level < 2:
+                continue
+            srcs = "".join(f" {s.name} [{self._bname(s)} {self.get_cause(s)}]" for s in node.src
+                           if s is not None)
+            lines.append(f"node #{i:3d} ({node.op.name:>10.10}): {node.name} ({node.nbytes} B) "
+                         f"[{self._bname(node)} {self.get_cause(node)}] use={g.use_count(node)},"
+                         f"c={1 if node.flags & TensorFlag.COMPUTE else 0}:{srcs}")
+        return "\n".join(lines)
+
+    def _bname(self, t: Tensor) -> str:
+        b = self.get_tensor_backend(t)
+        return b.name if b is not None else "NULL"
+
+
+__all__ = ["Sched", "Split", "SchedError", "SchedAssignError", "GGML_SCHED_MAX_BACKENDS",
+           "GGML_SCHED_MAX_SPLIT_INPUTS", "GGML_SCHED_MAX_COPIES", "tensor_copy", "cpy_tensor_async"]
