@@ -10,13 +10,23 @@ import numpy as np
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a GGUF path or a known name (smollm2-135m)")
+    p.add_argument("--config", default=None, help="a run config (JSON or YAML, see configs/); "
+                   "command-line options override it")
+    p.add_argument("--model", default=None, help="a GGUF path or a known name (smollm2-135m)")
     p.add_argument("--ctx", type=int, default=2048, help="context size in tokens (default 2048)")
     p.add_argument("--batch", type=int, default=512, help="n_batch (default 512)")
     p.add_argument("--ubatch", type=int, default=512, help="n_ubatch (default 512)")
     p.add_argument("--cache-type", choices=["f16", "f32"], default="f16", help="KV cache type")
     p.add_argument("--exact", action="store_true",
                    help="keep f32 activations in matmuls instead of ggml's quantized vec_dot numerics")
+    p.add_argument("--stages", type=int, default=None,
+                   help="pipeline stages (Ray actors); 1 without --address runs in this process")
+    p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a "
+                   "local Ray, or join the cluster of a `ray job submit` job)")
+    p.add_argument("--layers", default=None, help="explicit layer ranges per stage, e.g. 0-14,15-29")
+    p.add_argument("--n-copies", type=int, default=None, help="micro-batches in flight (default: stages)")
+    p.add_argument("--threads", type=int, default=None, help="threads per stage (default 1)")
+    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the stages here")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,9 +38,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="generate text")
     _add_model_args(p)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("-n", "--n-predict", type=int, default=64)
-    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("-n", "--n-predict", type=int, default=None, help="tokens to generate (default 64)")
+    p.add_argument("--temp", type=float, default=None, help="temperature (default 0: greedy)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
@@ -43,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--tokens", required=True, help="comma-separated token ids (no BOS is added)")
     p.add_argument("--out", required=True, help="output .npz (array 'logits' [n_tokens, n_vocab])")
+
+    p = sub.add_parser("plan", help="print the placement of a model's layers over pipeline stages")
+    _add_model_args(p)
+    p.add_argument("--budget-gib", default=None,
+                   help="memory budget per stage in GiB: one value, or one per stage (comma-separated)")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("tokenize", help="print the token ids of a text")
     p.add_argument("--model", required=True)
@@ -73,22 +89,70 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
+_CONFIG_KEYS = {"model", "ctx", "batch", "ubatch", "cache_type", "exact", "stages", "address", "layers",
+                "n_copies", "threads", "trace", "prompt", "n_predict", "temp", "seed", "chat", "budget_gib"}
+_DEFAULTS = {"stages": 1, "threads": 1, "n_predict": 64, "temp": 0.0}
+
+
+def _apply_config(args: argparse.Namespace) -> None:
+    """Fill options not given on the command line from --config, then the defaults."""
+    if getattr(args, "config", None):
+        from .config import load_run_config
+        for k, v in load_run_config(args.config, _CONFIG_KEYS).items():
+            if getattr(args, k, None) in (None, False):
+                setattr(args, k, v)
+    for k, v in _DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if not getattr(args, "model", None):
+        raise ValueError("no model: give --model NAME_OR_PATH (or a --config that names one)")
+
+
+def _parse_layers(spec: str | None) -> list[tuple[int, int]] | None:
+    if not spec:
+        return None
+    try:
+        out = []
+        for part in spec.split(","):
+            a, b = part.split("-")
+            out.append((int(a), int(b) + 1))
+        return out
+    except ValueError:
+        raise ValueError(f"--layers must look like 0-14,15-29 (inclusive ranges), got '{spec}'") from None
+
+
+def _params(args: argparse.Namespace):
     from .core.types import GGMLType
-    from .model.context import ContextParams, LlamaContext
+    from .model.context import ContextParams
+    kv_type = GGMLType.F16 if args.cache_type == "f16" else GGMLType.F32
+    return ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.ubatch, type_k=kv_type,
+                         type_v=kv_type, exact=args.exact)
+
+
+def _load(args: argparse.Namespace):
+    """(model, context, pipeline or None): in-process for one stage without --address, else on Ray."""
+    from .model.context import LlamaContext
     from .model.model import LlamaModel
     from .model.pull import resolve_model
-    model = LlamaModel.load(resolve_model(args.model))
-    kv_type = GGMLType.F16 if args.cache_type == "f16" else GGMLType.F32
-    params = ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.ubatch, type_k=kv_type,
-                           type_v=kv_type, exact=args.exact)
-    return model, LlamaContext(model, params)
+    _apply_config(args)
+    path = resolve_model(args.model)
+    if args.stages <= 1 and not args.address:
+        model = LlamaModel.load(path)
+        return model, LlamaContext(model, _params(args)), None
+    from .workers.cluster import Pipeline, connect
+    print(f"ggml-dist: {connect(args.address, num_cpus=max(2, args.stages * args.threads))}", file=sys.stderr)
+    pl = Pipeline.launch(str(path), args.stages, _params(args), n_copies=args.n_copies,
+                         layers=_parse_layers(args.layers), threads_per_stage=args.threads)
+    print(pl.placement.table(), file=sys.stderr)
+    return pl.model, pl.ctx, pl
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .model.generate import generate
     from .model.sampling import SamplingParams
-    model, lctx = _load(args)
+    model, lctx, pl = _load(args)
+    if args.prompt is None:
+        raise ValueError("no prompt: give --prompt TEXT (or a --config with one)")
     tok = model.tokenizer
     prompt = args.prompt
     if args.chat:
@@ -99,10 +163,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch)
     timings = {"prompt_tok_s": round(res.prompt_tok_s, 3), "decode_tok_s": round(res.decode_tok_s, 3)}
+    if pl is not None and args.trace:
+        pl.write_trace(args.trace)
     if args.json:
-        print(json.dumps({"prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": res.text,
-                          "timings": timings, "stop_reason": res.stop_reason,
-                          "graphs": {"reused": lctx.n_reused, "rebuilt": lctx.n_rebuilt}}))
+        out = {"prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": res.text,
+               "timings": timings, "stop_reason": res.stop_reason,
+               "graphs": {"reused": lctx.n_reused, "rebuilt": lctx.n_rebuilt}}
+        if pl is not None:
+            out["stages"] = _stage_summary(pl)
+        print(json.dumps(out))
     else:
         sys.stdout.write("\n")
         print(f"prompt: {len(res.prompt_tokens)} tokens, {timings['prompt_tok_s']} tok/s | "
@@ -111,13 +180,53 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_summary(pl) -> list[dict]:
+    """Per stage: compute, input-decoding and idle time over the run, and bytes moved."""
+    out = []
+    for k, st in enumerate(pl.stats()):
+        tl = st["timeline"]
+        span = (tl[-1][1] - tl[0][0]) if tl else 0.0
+        out.append({"stage": k, "layers": list(pl.placement.stages[k].layers), "calls": st["n_calls"],
+                    "plans": st["n_plans"], "compute_s": round(st["compute_s"], 4),
+                    "transfer_s": round(st["decode_s"], 4),
+                    "idle_s": round(max(0.0, span - st["compute_s"] - st["decode_s"]), 4),
+                    "bytes_in": st["bytes_in"], "bytes_out": st["bytes_out"]})
+    return out
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .model.context import LlamaContext
+    from .model.model import LlamaModel
+    from .model.pull import resolve_model
+    from .workers.placement import place
+    _apply_config(args)
+    model = LlamaModel.load(resolve_model(args.model))
+    params = _params(args)
+    compute = LlamaContext(model, params).compute_buffer_size()    # the worst-case graph's plan
+    budgets = None
+    if args.budget_gib:
+        try:
+            budgets = [int(float(x) * 2**30) for x in str(args.budget_gib).split(",")]
+        except ValueError:
+            raise ValueError(f"--budget-gib takes numbers, got '{args.budget_gib}'") from None
+    pl = place(model.file, model.hp, args.stages, model_ctx(params), 2 if args.cache_type == "f16" else 4,
+               compute, args.n_copies or args.stages, budgets, _parse_layers(args.layers))
+    print(json.dumps({"stages": pl.to_json()}) if args.json else pl.table())
+    return 0
+
+
+def model_ctx(params) -> int:
+    from .model.kv_cache import N_KV_PAD, pad
+    return pad(params.n_ctx, N_KV_PAD)
+
+
 def _cmd_logits(args: argparse.Namespace) -> int:
     from .model.ubatch import Batch
     try:
         ids = [int(x) for x in args.tokens.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--tokens must be comma-separated integers, got '{args.tokens}'") from None
-    _, lctx = _load(args)
+    _, lctx, _ = _load(args)
     logits = lctx.decode(Batch.from_tokens(ids, all_outputs=True))
     np.savez(args.out, logits=logits.astype(np.float32))
     print(f"wrote {args.out}: logits {list(logits.shape)}", file=sys.stderr)
@@ -145,7 +254,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"pull": _cmd_pull, "run": _cmd_run, "logits": _cmd_logits, "tokenize": _cmd_tokenize,
-             "bench": _cmd_bench}
+             "plan": _cmd_plan, "bench": _cmd_bench}
 
 if __name__ == "__main__":
     sys.exit(main())

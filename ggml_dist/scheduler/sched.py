@@ -436,6 +436,7 @@ class Sched:
     def compute_splits(self) -> None:
         """ggml_backend_sched_compute_splits: per split, wait as ggml does, copy the inputs, compute."""
         backends, cc = self.backends, self.cur_copy
+        by_value = [getattr(b, "inputs_by_value", False) for b in backends]
         trace = self.trace
         prev = -1
         for split_id, sp in enumerate(self.splits):
@@ -461,8 +462,11 @@ class Sched:
                 assert dst is not None
                 src_backend = backends[tensor_backend_id(self, s)]
                 if s.flags & TensorFlag.INPUT:
-                    # user data: copy now, the user may overwrite s right after this call
-                    self._event_synchronize(B)
+                    # user data: copy now, the user may overwrite s right after this call.
+                    # differs from ggml: a backend that snapshots what it is given (a stage proxy sends
+                    # the bytes with its next call) has no copy slot still being read: no wait
+                    if not by_value[B]:
+                        self._event_synchronize(B)
                     tensor_copy(s, dst)
                 else:
                     ev = self.events[B][cc] if self.has_events[B] else None

@@ -135,6 +135,21 @@ class Pipeline:
         import ray
         return ray.get([a.stats.remote() for a in self.actors])
 
+    def write_trace(self, path: str) -> None:
+        """Chrome/Perfetto trace: one track per stage actor, one slice per micro-batch split it ran."""
+        import json
+        stats = self.stats()
+        t0 = min((e[0] for st in stats for e in st["timeline"]), default=0.0)
+        events: list[dict] = []
+        for k, st in enumerate(stats):
+            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": k,
+                           "args": {"name": f"stage{k} layers {self.placement.stages[k].layers}"}})
+            for i, (a, b, label) in enumerate(st["timeline"]):
+                events.append({"name": f"mb{i} plan {label}", "ph": "X", "pid": 1, "tid": k,
+                               "ts": round((a - t0) * 1e6, 1), "dur": round((b - a) * 1e6, 1)})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events}, f)
+
     def shutdown(self) -> None:
         import ray
         for a in self.actors:
