@@ -35,6 +35,8 @@ The oracle-only "tiled" K-quant path for n >= 8 (§1.6) is not emulated (ULP-lev
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..core.types import GGMLType, TYPE_TRAITS, row_size
@@ -57,6 +59,22 @@ DEFAULT_ORDER = "fast"
 
 # temporaries budget for mul_mat row chunks (bytes)
 _CHUNK_BYTES = 48 << 20
+
+# order="fast" runs the numba kernels of qkernels.py (same bits) unless GGML_DIST_NO_NUMBA=1 or numba is
+# missing; tests flip USE_NUMBA to compare the two.
+USE_NUMBA = os.environ.get("GGML_DIST_NO_NUMBA", "") not in ("1", "true", "yes")
+_qkernels = None        # the module once imported; False if numba is missing
+
+
+def _numba_kernels():
+    global _qkernels
+    if _qkernels is None:
+        try:
+            from . import qkernels
+            _qkernels = qkernels
+        except ImportError:
+            _qkernels = False
+    return _qkernels
 
 
 # ------------------------------------------------------------------------------------------------
@@ -549,7 +567,8 @@ def _mm_kq(wtype, b, xq, repacked, order):
         s = (bsums[..., 0::2].astype(np.int32) + bsums[..., 1::2])               # [N, nb, 8] sub-block sums
         if repacked or order == "fast":
             xs = (qx.astype(F32) * sc[..., None].astype(F32)).reshape(M, nb, 256)
-            isum = _isum(xs, qy)                                                # [nb, M, N]
+            # exact in f64, then f32(isum) as ggml converts it (f32 sums can pass 2^24 here)
+            isum = _isum(xs, qy, dtype=F64).astype(F32)                         # [nb, M, N]
             minsum = np.matmul(m.transpose(1, 0, 2).astype(F32), s.transpose(1, 2, 0).astype(F32))
             acc = _chain(isum, d)
             accm = _chain(minsum, dm)
@@ -701,6 +720,12 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     if repacked is None:
         repacked = wtype in (T.Q4_0, T.Q4_K) and M % 8 == 0
     repacked = bool(repacked) and wtype in (T.Q4_0, T.Q4_K)
+
+    if order == "fast" and USE_NUMBA:     # "fast" does not depend on `repacked`
+        qk = _numba_kernels()
+        if qk and wtype in qk.COVERED:
+            r = qk.mul_mat_q(wtype, w, x)
+            return r[0] if squeeze else r
 
     if wtype in (T.F32, T.F16, T.BF16):
         if wtype == T.F32:

@@ -1,0 +1,94 @@
+"""MUL_MAT kernel benchmark: numpy "fast" path vs the numba kernels (same bits), weights kept quantized.
+
+Prints one JSON object: {"threads", "copy": {...}, "cases": [{"type", "M", "K", "weight_bytes",
+"gemv": {"numpy": {...}, "numba": {...}}, "gemm64": {...}}]}. gemv (N = 1) reports GB/s of weight bytes read
+and G weights/s; gemm (N = 64) GFLOP/s (2*M*K*N). "copy" is a plain numpy copy of 256 MB measured in the
+same run (GB/s counts the bytes read), the memory-bandwidth yardstick for gemv.
+
+    python -m benchmarks.kernels [--threads 2] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ggml_dist.backends import qkernels, quants as Q
+from ggml_dist.core.types import GGMLType
+
+# (type, M rows, K): a 1B-class Q4_0 matrix and the SmolLM2-135M shapes (q/o, ffn up/gate, ffn down, head)
+CASES = [("Q4_0", 16384, 4096)] + [(t, m, k) for t in ("Q4_1", "Q8_0")
+                                   for m, k in ((576, 576), (1536, 576), (576, 1536), (49152, 576))]
+
+
+def best_time(fn: Callable[[], Any], min_total: float = 0.3, min_runs: int = 3, max_runs: int = 50) -> float:
+    fn()                                       # warm-up (and JIT on first use)
+    ts: list[float] = []
+    t_start = time.perf_counter()
+    while len(ts) < min_runs or (time.perf_counter() - t_start < min_total and len(ts) < max_runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def copy_bandwidth(nbytes: int = 256 << 20) -> dict[str, float]:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    t = best_time(lambda: np.copyto(dst, src), min_runs=5)
+    return {"bytes": nbytes, "read_GBps": nbytes / t / 1e9, "read_write_GBps": 2 * nbytes / t / 1e9}
+
+
+def mm(wtype: GGMLType, w: np.ndarray, x: np.ndarray, use_numba: bool) -> np.ndarray:
+    Q.USE_NUMBA = use_numba
+    try:
+        return Q.mul_mat(wtype, w, x, order="fast")
+    finally:
+        Q.USE_NUMBA = True
+
+
+def run_case(tname: str, M: int, K: int, n_gemm: int, skip_numpy_gemm: bool) -> dict[str, Any]:
+    t = GGMLType[tname]
+    rng = np.random.default_rng(0)
+    w = Q.quantize(t, (rng.standard_normal((M, K)) * 0.05).astype(np.float32))
+    x = rng.standard_normal((n_gemm, K)).astype(np.float32)
+    out: dict[str, Any] = {"type": tname, "M": M, "K": K, "weight_bytes": int(w.nbytes)}
+    assert np.array_equal(mm(t, w, x[:1], True), mm(t, w, x[:1], False)), f"{tname} {M}x{K}: numba != numpy"
+    gemv = {}
+    for name, use in (("numpy", False), ("numba", True)):
+        s = best_time(lambda: mm(t, w, x[:1], use))
+        gemv[name] = {"ms": s * 1e3, "GBps": w.nbytes / s / 1e9, "Gweights_per_s": M * K / s / 1e9}
+    gemv["speedup"] = gemv["numpy"]["ms"] / gemv["numba"]["ms"]
+    out["gemv"] = gemv
+    gemm = {}
+    for name, use in (("numpy", False), ("numba", True)):
+        if name == "numpy" and skip_numpy_gemm:
+            continue
+        s = best_time(lambda: mm(t, w, x, use), min_total=0.0, min_runs=2 if M * K > 1 << 24 else 3)
+        gemm[name] = {"ms": s * 1e3, "GFLOPs": 2 * M * K * n_gemm / s / 1e9}
+    if "numpy" in gemm:
+        gemm["speedup"] = gemm["numpy"]["ms"] / gemm["numba"]["ms"]
+    out[f"gemm{n_gemm}"] = gemm
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-gemm", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="skip the numpy gemm timings (slowest part)")
+    args = ap.parse_args(argv)
+    qkernels.set_threads(args.threads)
+    result: dict[str, Any] = {"threads": args.threads, "copy": copy_bandwidth(), "cases": []}
+    for tname, M, K in CASES:
+        result["cases"].append(run_case(tname, M, K, args.n_gemm, args.quick))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Write (once) the synthetic TinyLlama-shaped Q4_0 model used by the CPU benchmarks and print its path.
+
+The file is cached under $GGML_DIST_CACHE (else ~/.cache/ggml_dist/models) and is a pure function of the
+spec, so a cached file is reused as is. Peak RSS of the writing process goes to stderr: GGUFWriter keeps
+every quantized tensor in memory until write_tensors_to_file, so the peak is about the file size (~600 MB)
+plus one tensor's float32/float64 values.
+
+    python -m benchmarks.make_synthetic [--force]
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+
+from ggml_dist.model.pull import cache_dir
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+
+TINYLLAMA_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632,
+                               wtype="Q4_0", embd_type="Q4_0", tied=False, seed=11)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--force", action="store_true", help="rewrite even if the file exists")
+    args = ap.parse_args(argv)
+    path = cache_dir() / f"synthetic-{TINYLLAMA_Q4_0.name}.gguf"
+    if args.force or not path.is_file():
+        tmp = path.with_suffix(".gguf.part")
+        t0 = time.perf_counter()
+        write_synthetic(tmp, TINYLLAMA_Q4_0)
+        tmp.replace(path)          # a killed run never leaves a truncated file under the final name
+        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"wrote {path.stat().st_size / 1e6:.0f} MB in {time.perf_counter() - t0:.0f} s, "
+              f"peak RSS {rss_mb:.0f} MB", file=sys.stderr)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

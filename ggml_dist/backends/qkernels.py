@@ -1,0 +1,402 @@
+"""numba MUL_MAT kernels on quantized weights, bit-identical to quants.mul_mat(order="fast").
+
+The weights stay in their GGUF blocks: each kernel decodes a group of ``_R`` weight rows at a time into a
+small int8 scratch (codes) plus per-block scales, then dots those rows with every activation row.
+Activations arrive already quantized by quants.quantize_q8_0 / _q8_1 / _q8_K (int8 codes, f32 scales),
+so the numerics are the numpy "fast" order exactly (ggml-numerics.md §1.4; quants module docstring):
+* Q4_0/Q5_0/Q8_0: ``acc = f32(f64(f32(isum_b)) * f64(f32(dx*dy)) + f64(acc))`` over blocks; Q4_1/Q5_1 add
+  the sequential f32 sum of ``mx*sy`` at the end.
+* Q4_K/Q5_K: the same chain over superblocks with ``isum = sum_j sc_j*isum_j`` and ``d = f32(dy*dx)``,
+  a second chain for ``minsum`` with ``dm = f32(dy*dmin)``; result ``acc - accm``.
+* Q6_K: one chain with the (exact) integer superblock sum not rounded to f32 first.
+* Q2_K/Q3_K: per superblock ``f32(f32(d*isum) - f32(dm*msum))`` summed in f32 (Q3_K without the min).
+* F16: X rounded to f16; one float64 sum per output, rounded once (numpy: float64 BLAS). The float64 sum of
+  f16 x f16 products is exact for any realistic data, so its order does not matter.
+Integers are exact (int64 lanes), so only the float steps above fix the result.
+
+Decode (N = 1) and prefill (N >= 2) share one loop nest: decoding a row group once and reusing each
+activation load for ``_R`` rows is what makes N = 1 memory-bound rather than decode-bound.
+
+API: ``mul_mat_q(wtype, w, x) -> f32 [N, M]`` (None when the type is not covered), ``set_threads(n)``,
+``get_threads()``, ``COVERED``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ..core.types import GGMLType, row_size
+
+T = GGMLType
+F32 = np.float32
+F64 = np.float64
+
+_R = 4        # weight rows per pass: each activation load is reused _R times
+
+# kind codes passed to the kernels (one generic kernel per block size, branches per row, not per element)
+_KIND = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4, T.Q4_K: 5, T.Q5_K: 6, T.Q6_K: 7, T.Q2_K: 8,
+         T.Q3_K: 9}
+COVERED = frozenset(_KIND) | {T.F16}
+
+# f16 bits -> f32 value (exact); numba has no float16 on the CPU
+_F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
+
+
+# ------------------------------------------------------------------------------------------------
+# threads
+# The OpenMP layer cost ~8 ms per launch here (2-core container) against ~30 us for workqueue; keep a
+# user's NUMBA_THREADING_LAYER. Takes effect only if no parallel kernel has run in this process yet.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
+def _default_threads() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+_n_threads = _default_threads()
+# numba's default "workqueue" threading layer aborts on concurrent launches from two Python threads
+_launch_lock = threading.Lock()
+
+
+def set_threads(n: int) -> None:
+    """Threads used by the kernels (numba.set_num_threads); applied on every launch, since numba's
+    setting is per calling thread."""
+    global _n_threads
+    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise ValueError(f"set_threads({n}): must be 1..{numba.config.NUMBA_NUM_THREADS} "
+                         f"(NUMBA_NUM_THREADS)")
+    _n_threads = int(n)
+
+
+def get_threads() -> int:
+    return _n_threads
+
+
+# ------------------------------------------------------------------------------------------------
+# row decoders: one weight row -> 8-code words and per-block scales.
+# Codes are written as uint64 words of 8 int8 codes (SWAR unpacking, no per-byte loop). Word layout
+# cw[jw * ns + s] = codes of elements 8*jw .. 8*jw+7 of sub-block s (W words per sub-block, ns sub-blocks
+# per row), so the dot below runs over long unit-stride lanes with no horizontal sums but one per 8 codes.
+_U = np.uint64
+_M1 = _U(0x0101010101010101)
+_M2 = _U(0x0303030303030303)
+_M4 = _U(0x0F0F0F0F0F0F0F0F)
+_MH = _U(0x8080808080808080)
+_M32 = _U(0x2020202020202020)
+_S4 = _U(4)
+
+# byte x -> word with 0x10 in byte k iff bit k of x (Q5_0/Q5_1 5th bits)
+_SPREAD = np.array([sum(((x >> k) & 1) << (8 * k + 4) for k in range(8)) for x in range(256)], np.uint64)
+
+
+@njit(cache=True)
+def _f16(lut, row, o):
+    return lut[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
+
+
+@njit(cache=True)
+def _u64(row, o):
+    """8 bytes at row[o:] as a little-endian word (one unaligned load)."""
+    q = row[o:o + 8]
+    return (_U(q[0]) | (_U(q[1]) << _U(8)) | (_U(q[2]) << _U(16)) | (_U(q[3]) << _U(24))
+            | (_U(q[4]) << _U(32)) | (_U(q[5]) << _U(40)) | (_U(q[6]) << _U(48)) | (_U(q[7]) << _U(56)))
+
+
+@njit(cache=True)
+def _dec_row(kind, row, lut, sp, cw, ns, d1, d2, sc, mn):
+    """kind 0..4: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (W = 4, ns = nb; Q4_0/Q5_0 codes NOT centred: the kernel
+    subtracts bias*ysum); 5, 6: Q4_K, Q5_K (W = 4, 8 sub-blocks of 32); 7, 8, 9: Q6_K, Q2_K, Q3_K (W = 2,
+    16 sub-blocks of 16). d1 = d per block, d2 = m (Q4_1/Q5_1) or dmin; sc, mn per sub-block."""
+    nb = d1.shape[0]
+    if kind <= 4:
+        bs = (18, 20, 22, 24, 34)[kind]
+        for b in range(nb):
+            o = b * bs
+            d1[b] = _f16(lut, row, o)
+            if kind == 4:
+                for i in range(4):
+                    cw[i * ns + b] = _u64(row, o + 2 + 8 * i)
+                continue
+            if kind == 1 or kind == 3:
+                d2[b] = _f16(lut, row, o + 2)
+            oq = (2, 4, 6, 8)[kind]
+            u0 = _u64(row, oq + o)
+            u1 = _u64(row, oq + o + 8)
+            w0 = u0 & _M4
+            w1 = u1 & _M4
+            w2 = (u0 >> _S4) & _M4
+            w3 = (u1 >> _S4) & _M4
+            if kind >= 2:
+                oh = o + oq - 4
+                w0 |= sp[row[oh]]
+                w1 |= sp[row[oh + 1]]
+                w2 |= sp[row[oh + 2]]
+                w3 |= sp[row[oh + 3]]
+            cw[b] = w0
+            cw[ns + b] = w1
+            cw[2 * ns + b] = w2
+            cw[3 * ns + b] = w3
+    elif kind <= 6:                                     # Q4_K (144 B) / Q5_K (176 B)
+        bs = 144 if kind == 5 else 176
+        oq = 16 if kind == 5 else 48
+        for b in range(nb):
+            o = b * bs
+            d1[b] = _f16(lut, row, o)
+            d2[b] = _f16(lut, row, o + 2)
+            for j in range(4):                          # get_scale_min_k4
+                lo = np.int64(row[o + 4 + j])
+                mid = np.int64(row[o + 8 + j])
+                hi = np.int64(row[o + 12 + j])
+                sc[b * 8 + j] = lo & 63
+                mn[b * 8 + j] = mid & 63
+                sc[b * 8 + 4 + j] = (hi & 15) | ((lo >> 6) << 4)
+                mn[b * 8 + 4 + j] = (hi >> 4) | ((mid >> 6) << 4)
+            for c in range(4):                          # 32-byte chunk c: sub-blocks 2c (low), 2c+1 (high)
+                s0 = b * 8 + 2 * c
+                for i in range(4):
+                    u = _u64(row, o + oq + 32 * c + 8 * i)
+                    lo4 = u & _M4
+                    hi4 = (u >> _S4) & _M4
+                    if kind == 6:
+                        h = _u64(row, o + 16 + 8 * i)
+                        lo4 |= ((h >> _U(2 * c)) & _M1) << _S4
+                        hi4 |= ((h >> _U(2 * c + 1)) & _M1) << _S4
+                    cw[i * ns + s0] = lo4
+                    cw[i * ns + s0 + 1] = hi4
+    else:                                               # 16 sub-blocks of 16: element 128h + 32g + 8i + k
+        for b in range(nb):
+            if kind == 7:                               # Q6_K: ql[128], qh[64], sc[16], d
+                o = b * 210
+                d1[b] = _f16(lut, row, o + 208)
+                for s in range(16):
+                    sc[b * 16 + s] = np.int8(row[o + 192 + s])
+            elif kind == 8:                             # Q2_K: scales[16], qs[64], d, dmin
+                o = b * 84
+                d1[b] = _f16(lut, row, o + 80)
+                d2[b] = _f16(lut, row, o + 82)
+                for s in range(16):
+                    v = np.int64(row[o + s])
+                    sc[b * 16 + s] = v & 15
+                    mn[b * 16 + s] = v >> 4
+            else:                                       # Q3_K: hmask[32], qs[64], scales[12], d
+                o = b * 110
+                d1[b] = _f16(lut, row, o + 108)
+                for j in range(8):
+                    v = np.int64(row[o + 96 + j])
+                    sc[b * 16 + j] = v & 15
+                    sc[b * 16 + 8 + j] = v >> 4
+                for k in range(4):
+                    v = np.int64(row[o + 104 + k])
+                    for g in range(4):
+                        sc[b * 16 + 4 * g + k] = (sc[b * 16 + 4 * g + k] | (((v >> (2 * g)) & 3) << 4)) - 32
+            for h in range(2):
+                for g in range(4):
+                    for i in range(4):
+                        if kind == 7:
+                            lw = _u64(row, o + 64 * h + 32 * (g & 1) + 8 * i)
+                            hw = _u64(row, o + 128 + 32 * h + 8 * i)
+                            q = ((lw >> _U(4 * (g >> 1))) & _M4) | (((hw >> _U(2 * g)) & _M2) << _S4)
+                            q = ((q | _MH) - _M32) ^ _MH              # bytewise q - 32
+                        elif kind == 8:
+                            q = (_u64(row, o + 16 + 32 * h + 8 * i) >> _U(2 * g)) & _M2
+                        else:
+                            lo = (_u64(row, o + 32 + 32 * h + 8 * i) >> _U(2 * g)) & _M2
+                            hb = (_u64(row, o + 8 * i) >> _U(4 * h + g)) & _M1
+                            q = ((lo | _MH) - ((hb ^ _M1) << _U(2))) ^ _MH   # bytewise lo - 4*(1-hb)
+                        cw[(i & 1) * ns + b * 16 + 8 * h + 2 * g + (i >> 1)] = q
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+@njit(cache=True)
+def _vdot(c8, y8, W, ns, part, isub):
+    """isub[s] = sum of c8*y8 over sub-block s, both in the word layout (int8 [W * ns * 8])."""
+    L = ns * 8
+    c = c8[0:L]
+    y = y8[0:L]
+    for i in range(L):
+        part[i] = np.int32(c[i]) * np.int32(y[i])
+    for jw in range(1, W):
+        c = c8[jw * L:(jw + 1) * L]
+        y = y8[jw * L:(jw + 1) * L]
+        for i in range(L):
+            part[i] += np.int32(c[i]) * np.int32(y[i])
+    for s in range(ns):
+        p = part[8 * s:8 * s + 8]
+        isub[s] = ((np.int64(p[0]) + p[1]) + (np.int64(p[2]) + p[3])) + \
+            ((np.int64(p[4]) + p[5]) + (np.int64(p[6]) + p[7]))
+
+
+@njit(parallel=True, cache=True, fastmath=False)
+def _mm_q(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, n_chunks):
+    """w uint8 [M, row_bytes]; yw int8 [N, K] (word layout); dy f32 [N, nb]; sy f32 [N, nb] (Q8_1 s);
+    ysum int64 [N, nb] (Q8_0 block sums); bsums int64 [N, nb*16] (Q8_K); out f32 [N, M]."""
+    M = w.shape[0]
+    N, K = yw.shape
+    W = 2 if kind >= 7 else 4
+    ns = K // (8 * W)
+    nb = K // 32 if kind <= 4 else K // 256
+    nsub = ns // nb
+    bias = 8 if kind == 0 else (16 if kind == 2 else 0)
+    n_groups = (M + _R - 1) // _R
+    n_chunks = min(n_groups, n_chunks)                           # scratch allocated once per chunk
+    for ch in prange(n_chunks):
+        cw = np.empty((_R, W * ns), np.uint64)
+        d1 = np.zeros((_R, nb), F32)
+        d2 = np.zeros((_R, nb), F32)
+        sc = np.zeros((_R, ns), np.int64)
+        mn = np.zeros((_R, ns), np.int64)
+        part32 = np.empty(ns * 8, np.int32)
+        isub = np.empty((_R, ns), np.int64)
+        acc = np.empty(_R, F32)
+        accm = np.empty(_R, F32)
+        for g in range(ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks):
+            _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, g * _R, min(_R, M - g * _R), N, W, ns, nb,
+                   nsub, bias, cw, d1, d2, sc, mn, part32, isub, acc, accm)
+
+
+@njit(cache=True)
+def _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, r0, nr, N, W, ns, nb, nsub, bias,
+           cw, d1, d2, sc, mn, part32, isub, acc, accm):
+    """Rows r0 .. r0+nr-1: decode once, then every activation row."""
+    for r in range(nr):
+        _dec_row(kind, w[r0 + r], lut, sp, cw[r], ns, d1[r], d2[r], sc[r], mn[r])
+    for n in range(N):
+        yn = yw[n]
+        for r in range(nr):
+            _vdot(cw[r].view(np.int8), yn, W, ns, part32, isub[r])
+        for r in range(nr):
+            acc[r] = 0
+            accm[r] = 0
+        for b in range(nb):
+            ddy = dy[n, b]
+            for r in range(nr):
+                if kind <= 4:
+                    isum = isub[r, b] - bias * ysum[n, b]
+                    d = d1[r, b] * ddy                                # f32(dx*dy), exact
+                    acc[r] = F32(F64(F32(isum)) * F64(d) + F64(acc[r]))
+                    continue
+                isum = 0
+                for j in range(nsub):
+                    isum += sc[r, b * nsub + j] * isub[r, b * nsub + j]
+                d = ddy * d1[r, b]                                    # f32(dy*dx), rounds
+                if kind <= 6:                                         # Q4_K, Q5_K
+                    m = 0
+                    for j in range(8):
+                        m += mn[r, b * 8 + j] * (bsums[n, b * 16 + 2 * j] + bsums[n, b * 16 + 2 * j + 1])
+                    dm = ddy * d2[r, b]
+                    acc[r] = F32(F64(F32(isum)) * F64(d) + F64(acc[r]))
+                    accm[r] = F32(F64(F32(m)) * F64(dm) + F64(accm[r]))
+                elif kind == 7:                                       # Q6_K: isum not rounded
+                    acc[r] = F32(F64(isum) * F64(d) + F64(acc[r]))
+                elif kind == 8:                                       # Q2_K
+                    m = 0
+                    for j in range(16):
+                        m += mn[r, b * 16 + j] * bsums[n, b * 16 + j]
+                    dm = ddy * d2[r, b]
+                    term = d * F32(isum) - dm * F32(m)
+                    acc[r] = term if b == 0 else acc[r] + term
+                else:                                                 # Q3_K
+                    term = d * F32(isum)
+                    acc[r] = term if b == 0 else acc[r] + term
+        if kind == 1 or kind == 3:                                    # + sequential f32 sum of m*s
+            for r in range(nr):
+                summs = d2[r, 0] * sy[n, 0]
+                for b in range(1, nb):
+                    summs += d2[r, b] * sy[n, b]
+                acc[r] += summs
+        for r in range(nr):
+            out[n, r0 + r] = acc[r] - accm[r] if kind == 5 or kind == 6 else acc[r]
+
+
+@njit(parallel=True, cache=True, fastmath=False)
+def _mm_f16(w, y, lut, out):
+    """w uint16 [M, K] (f16 bits); y f64 [N, K] (values already rounded to f16); out f32 [N, M]."""
+    M, K = w.shape
+    N = y.shape[0]
+    K8 = K - K % 8
+    for g in prange((M + _R - 1) // _R):
+        r0 = g * _R
+        nr = min(_R, M - r0)
+        wf = np.empty((_R, K), F64)
+        a = np.empty(8, F64)
+        for r in range(nr):
+            wr = w[r0 + r]
+            for k in range(K):
+                wf[r, k] = lut[wr[k]]
+        for n in range(N):
+            yn = y[n]
+            for r in range(nr):
+                wr = wf[r]
+                for l in range(8):
+                    a[l] = 0.0
+                for k in range(0, K8, 8):      # 8 independent partial sums (exact, see docstring)
+                    for l in range(8):
+                        a[l] += wr[k + l] * yn[k + l]
+                s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+                for k in range(K8, K):
+                    s += wr[k] * yn[k]
+                out[n, r0 + r] = F32(s)
+
+
+# ------------------------------------------------------------------------------------------------
+# entry point
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """One numba specialization for mapped (read-only) and owned weights alike."""
+    a = np.ascontiguousarray(a)
+    v = a.view(np.ndarray)
+    v.flags.writeable = False
+    return v
+
+
+def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray) -> np.ndarray | None:
+    """quants.mul_mat(order="fast") for covered types: w uint8 [M, row_bytes] (F16: uint8 or float16
+    [M, K]); x f32 [N, K]. Returns f32 [N, M], or None if wtype is not covered."""
+    from . import quants as Q
+    wtype = GGMLType(wtype)
+    N, K = x.shape
+    M = w.shape[0]
+    if wtype not in COVERED:
+        return None
+    nbytes = w.shape[1] * w.itemsize if w.ndim == 2 else -1
+    if nbytes != row_size(wtype, K):
+        raise ValueError(f"{wtype.name} rows of {K} elements need {row_size(wtype, K)} B, got w {w.shape} "
+                         f"{w.dtype}")
+    out = np.empty((N, M), F32)
+    if wtype == T.F16:
+        w16 = _readonly(w).view(np.uint16).reshape(M, K)
+        y = np.ascontiguousarray(x.astype(np.float16).astype(F64))
+        with _launch_lock:
+            numba.set_num_threads(_n_threads)
+            _mm_f16(w16, y, _F16_LUT, out)
+        return out
+    kind = _KIND[wtype]
+    W = 2 if kind >= 7 else 4
+    if kind <= 4:
+        if kind in (1, 3):
+            qy, dy, sy = Q.quantize_q8_1(x)
+        else:
+            qy, dy = Q.quantize_q8_0(x)
+            sy = dy
+        ysum = qy.sum(axis=-1, dtype=np.int64)
+        bsums = np.zeros((N, 1), np.int64)
+    else:
+        qy, dy, bs = Q.quantize_q8_K(x)
+        sy = dy
+        ysum = np.zeros((N, 1), np.int64)
+        bsums = bs.reshape(N, -1).astype(np.int64)
+    yw = np.ascontiguousarray(qy.reshape(N, K // (8 * W), W, 8).transpose(0, 2, 1, 3)).reshape(N, K)
+    args = (kind, _readonly(w).reshape(M, -1), yw, np.ascontiguousarray(dy, F32),
+            np.ascontiguousarray(sy, F32), ysum, bsums, _F16_LUT, _SPREAD, out, 16 * _n_threads)
+    kernel = _mm_q
+    with _launch_lock:
+        numba.set_num_threads(_n_threads)
+        kernel(*args)
+    return out

@@ -1,0 +1,115 @@
+"""Regenerate llama.cpp reference logits for the model tests (dev only: needs llama-cpp-python).
+
+    python tests/data/make_reference.py [--smollm2 PATH] [--out tests/data]
+
+llama-cpp-python must be built for AVX2 without AVX-512/AMX, the numerics ggml-numerics.md describes:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+                -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" pip install llama-cpp-python
+Writes:
+- synthetic_refs.npz: for every spec in SYNTHETIC_SPECS, top-k logits of each position of TOKENS, evaluated
+  (a) as one batch and (b) one token at a time. The GGUF files are rebuilt from their specs by the tests.
+- smollm2_refs.json: for each prompt, llama.cpp's free-running greedy continuation (prompt as one batch,
+  then one token at a time) with top-k logits per step, and the teacher-forced batch (prompt plus
+  continuation in one ubatch) with per-position argmax, top-1/top-2 gap and top-k logits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.model.refs import (SMOLLM2_PROMPTS, SYNTHETIC_SPECS, TOKENS, N_GEN, TOP_K,  # noqa: E402
+                              kv_type_of)
+from ggml_dist.model.synthetic import write_synthetic  # noqa: E402
+
+
+def _llama(path: Path, n_ctx: int, kv_f32: bool):
+    import llama_cpp
+    t = llama_cpp.GGML_TYPE_F32 if kv_f32 else llama_cpp.GGML_TYPE_F16
+    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=2,
+                           logits_all=True, flash_attn=False, type_k=t, type_v=t, verbose=False,
+                           seed=0)
+
+
+def _topk(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.argsort(-x, kind="stable")[:k]
+    return ids.astype(np.int32), x[ids].astype(np.float32)
+
+
+def synthetic_refs(out: Path) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in SYNTHETIC_SPECS:
+            path = write_synthetic(Path(tmp) / f"{spec.name}.gguf", spec)
+            llm = _llama(path, 256, kv_type_of(spec) == "f32")
+            llm.reset()
+            llm.eval(TOKENS)
+            batched = np.array(llm.scores[: len(TOKENS)], dtype=np.float32)
+            llm.reset()
+            single = []
+            for tok in TOKENS:
+                llm.eval([tok])
+                single.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+            for mode, logits in (("batch", batched), ("single", np.stack(single))):
+                tk = [_topk(row, TOP_K) for row in logits]
+                arrays[f"{spec.name}/{mode}/ids"] = np.stack([t[0] for t in tk])
+                arrays[f"{spec.name}/{mode}/vals"] = np.stack([t[1] for t in tk])
+            print(f"{spec.name}: batch vs single max|d| = {np.abs(batched - np.stack(single)).max():.3g}")
+            del llm
+    np.savez_compressed(out / "synthetic_refs.npz", **arrays)
+
+
+def smollm2_refs(model: Path, out: Path) -> None:
+    import llama_cpp
+    llm = _llama(model, 512, False)
+    entries = []
+    for prompt in SMOLLM2_PROMPTS:
+        ptoks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        llm.reset()
+        llm.eval(ptoks)
+        gen, steps = [], []
+        for _ in range(N_GEN):
+            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            ids, vals = _topk(row, TOP_K)
+            tok = int(np.argmax(row))
+            gen.append(tok)
+            steps.append({"ids": ids.tolist(), "vals": [round(float(v), 5) for v in vals]})
+            llm.eval([tok])
+        llm.reset()
+        allt = ptoks + gen
+        llm.eval(allt)
+        tf = np.array(llm.scores[: len(allt)], dtype=np.float32)
+        part = np.partition(-tf, 1, axis=1)
+        tf_entry = {"argmax": np.argmax(tf, axis=1).tolist(),
+                    "gap": [round(float(g), 5) for g in (part[:, 1] - part[:, 0])],
+                    "top": [{"ids": i.tolist(), "vals": [round(float(v), 5) for v in vs]}
+                            for i, vs in (_topk(r, TOP_K) for r in tf)]}
+        entries.append({"prompt": prompt, "prompt_tokens": ptoks, "tokens": gen, "steps": steps,
+                        "teacher_forced": tf_entry})
+        print(f"{prompt[:40]!r}: {llm.detokenize(gen).decode('utf-8', 'replace')[:60]!r}")
+    meta = {"llama_cpp_python": llama_cpp.__version__, "n_gen": N_GEN, "top_k": TOP_K}
+    (out / "smollm2_refs.json").write_text(json.dumps({"meta": meta, "prompts": entries}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    ap.add_argument("--only", choices=["synthetic", "smollm2"], default=None)
+    a = ap.parse_args()
+    if a.only in (None, "synthetic"):
+        synthetic_refs(a.out)
+    if a.only in (None, "smollm2"):
+        if a.smollm2 is None:
+            from ggml_dist.model.pull import pull
+            a.smollm2 = pull("smollm2-135m")
+        smollm2_refs(a.smollm2, a.out)
+
+
+if __name__ == "__main__":
+    main()
