@@ -55,7 +55,7 @@ VEC_DOT_TYPE: dict[GGMLType, GGMLType] = {
 }
 
 # "ggml": bit-faithful AVX2 accumulation orders; "fast": one fma chain per output (see mul_mat)
-DEFAULT_ORDER = "fast"
+DEFAULT_ORDER = "ggml"
 
 # temporaries budget for mul_mat row chunks (bytes)
 _CHUNK_BYTES = 48 << 20

@@ -15,6 +15,7 @@ SYNTHETIC_SPECS = [
     SyntheticSpec(wtype="Q8_0", embd_type="Q8_0", tied=True, seed=3),
     SyntheticSpec(wtype="Q4_0", embd_type="Q8_0", tied=False, seed=4),
     SyntheticSpec(wtype="Q4_1", embd_type="Q8_0", tied=True, seed=5),
+    SyntheticSpec(wtype="Q4_0", embd_type="Q4_0", tied=True, n_vocab=520, seed=8),   # never-repacked head
     SyntheticSpec(wtype="Q4_K", embd_type="Q8_0", tied=True, n_embd=256, n_ff=512, seed=6),
     SyntheticSpec(arch="qwen2", wtype="Q8_0", embd_type="Q8_0", tied=True, n_head=4, n_head_kv=1,
                   seed=7),
