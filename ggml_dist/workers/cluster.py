@@ -105,7 +105,9 @@ class Pipeline:
     def launch(cls, model_path: str, n_stages: int, params: ContextParams = ContextParams(),
                n_copies: int | None = None, layers: list[tuple[int, int]] | None = None,
                budgets: list[int] | None = None, threads_per_stage: int = 1,
-               max_restarts: int = 0) -> "Pipeline":
+               max_restarts: int = 0, node_ids: list[str] | None = None) -> "Pipeline":
+        """Place the layers, start one actor per stage (spread over the nodes, or pinned to node_ids)
+        and wait until every stage has mapped its weights."""
         import ray
         model = LlamaModel.load(model_path)
         hp = model.hp
@@ -118,7 +120,7 @@ class Pipeline:
             spec = StageSpec(sp.stage, str(model.path), sp.layers, sp.stage == 0,
                              sp.stage == n_stages - 1, params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa,
                              int(params.type_k), params.n_seq_max, params.exact, threads_per_stage)
-            actor = actor_cls.options(name=None, scheduling_strategy="SPREAD").remote(spec)
+            actor = actor_cls.options(scheduling_strategy=_strategy(node_ids, sp.stage)).remote(spec)
             actors.append(actor)
             proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(actor), StageDevice(f"stage{sp.stage}")))
         infos = ray.get([a.info.remote() for a in actors])      # fail fast if a stage cannot load
@@ -155,6 +157,14 @@ class Pipeline:
         for a in self.actors:
             ray.kill(a)
         self.actors.clear()
+
+
+def _strategy(node_ids: list[str] | None, stage: int) -> Any:
+    """SPREAD over the cluster's nodes, or a hard pin to node_ids[stage]."""
+    if not node_ids:
+        return "SPREAD"
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    return NodeAffinitySchedulingStrategy(node_id=node_ids[stage % len(node_ids)], soft=False)
 
 
 def _bind_exports(sched: Any, graph: Graph, proxies: list[StageProxy]) -> None:

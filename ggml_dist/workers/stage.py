@@ -98,7 +98,15 @@ class StageWorker:
 
     # -- info ---------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
+        node_id = ""
+        try:
+            import ray
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
         return {"stage": self.spec.stage_id, "pid": os.getpid(), "node": os.uname().nodename,
+                "node_id": node_id,
                 "layers": list(self.spec.layers), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
                 "kv_bytes": self.kv.nbytes, "compute_bytes": self.compute_bytes()}
 

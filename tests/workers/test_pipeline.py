@@ -1,0 +1,103 @@
+"""A pipeline of Ray stage actors gives bitwise the single-process logits and tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ggml_dist.model.context import ContextParams, LlamaContext  # noqa: E402
+from ggml_dist.model.generate import generate  # noqa: E402
+from ggml_dist.model.model import LlamaModel  # noqa: E402
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E402
+from ggml_dist.model.ubatch import Batch  # noqa: E402
+from ggml_dist.workers.cluster import Pipeline, connect  # noqa: E402
+
+SPEC = SyntheticSpec(wtype="Q4_1", embd_type="Q8_0", n_layer=4, tied=True, seed=21)
+TOKENS = [1, 300, 17, 402, 259, 260, 511, 299, 333, 42]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("pipe") / "m.gguf", SPEC)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def _reference(path, tokens):
+    ctx = LlamaContext(LlamaModel.load(path), ContextParams(n_ctx=256))
+    batch = ctx.decode(Batch.from_tokens(tokens, all_outputs=True))
+    steps = [ctx.decode(Batch.from_tokens([t], pos0=len(tokens) + i)) for i, t in enumerate([5, 6, 7])]
+    return batch, steps
+
+
+# 2 and 3 stages, 1 or 2 copies: bitwise the single-process logits, prompt and one-token steps
+@pytest.mark.parametrize("stages,n_copies", [(2, 1), (2, 2), (3, 3)])
+def test_pipeline_bitwise(local_ray, model_path, stages, n_copies):
+    ref_batch, ref_steps = _reference(model_path, TOKENS)
+    pl = Pipeline.launch(str(model_path), stages, ContextParams(n_ctx=256), n_copies=n_copies)
+    try:
+        assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
+        for i, t in enumerate([5, 6, 7]):
+            assert np.array_equal(pl.ctx.decode(Batch.from_tokens([t], pos0=len(TOKENS) + i)), ref_steps[i])
+        assert pl.ctx.sched.get_n_splits() == stages
+        stats = pl.stats()
+        assert all(s["n_calls"] == 4 for s in stats)              # one call per stage per ubatch
+        assert all(s["n_plans"] <= 2 for s in stats)              # prompt shape + one-token shape
+    finally:
+        pl.shutdown()
+
+
+# a prompt split into ubatches runs with several micro-batches in flight, same logits
+def test_pipeline_microbatches_in_flight(local_ray, model_path):
+    tokens = (TOKENS * 5)[:48]
+    ref = LlamaContext(LlamaModel.load(model_path), ContextParams(n_ctx=256, n_ubatch=8))
+    want = ref.decode(Batch.from_tokens(tokens, all_outputs=True))
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256, n_ubatch=8), n_copies=2)
+    try:
+        got = pl.ctx.decode(Batch.from_tokens(tokens, all_outputs=True))
+        assert np.array_equal(got, want)
+        assert pl.ctx.n_reused >= 4
+    finally:
+        pl.shutdown()
+
+
+# greedy generation through the pipeline gives the single-process tokens
+def test_pipeline_generate(local_ray, model_path):
+    m = LlamaModel.load(model_path)
+    want = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, TOKENS, 12)
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256))
+    try:
+        got = generate(pl.ctx, m.tokenizer, TOKENS, 12)
+        assert got.tokens == want.tokens
+    finally:
+        pl.shutdown()
+
+
+# stages pinned to different nodes of a simulated multi-node cluster
+def test_pipeline_multinode_cluster(model_path):
+    from ray.cluster_utils import Cluster
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        assert len(nodes) == 2
+        ref_batch, _ = _reference(model_path, TOKENS)
+        pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), node_ids=nodes)
+        try:
+            assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
+            assert {i["node_id"] for i in pl.infos} == set(nodes)
+        finally:
+            pl.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
