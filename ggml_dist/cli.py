@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
-    p.add_argument("what", choices=["alloc"])
+    p.add_argument("what", choices=["alloc", "pipeline"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
 
@@ -248,8 +248,8 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import alloc
-    mains = {"alloc": alloc.main}
+    from .bench import alloc, pipeline
+    mains = {"alloc": alloc.main, "pipeline": pipeline.main}
     return mains[args.what](args.rest)
 
 

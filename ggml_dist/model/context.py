@@ -8,6 +8,7 @@ graph keeps the scheduler's splits and the allocator's plan, and only its input 
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -85,6 +86,8 @@ class LlamaContext:
         self.builder = LlamaGraphBuilder(hp, weights if weights is not None else model.weights, self.kv)
         self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=n_copies)
         self.after_alloc = after_alloc       # (sched, graph): a pipeline binds its stage exports here
+        self.n_copies = n_copies
+        self._inflight: deque = deque()      # per ubatch in flight: the events of its stages
         self.gf_res_prev: GraphResult | None = None
         self.n_reused = 0
         self.n_rebuilt = 0
@@ -151,7 +154,13 @@ class LlamaContext:
             self.gf_res_prev = res
             self.n_rebuilt += 1
         self._set_inputs(res, ub, slot, key.n_kv)
+        if self.pipelined:                     # at most n_copies ubatches in flight
+            while len(self._inflight) >= self.n_copies:
+                for ev in self._inflight.popleft():
+                    ev.wait()
         self.sched.graph_compute_async(res.graph)
+        if self.pipelined:
+            self._inflight.append([b.event_record() for b in self.backends if hasattr(b, "inputs_by_value")])
         logits = res.logits
         fetch_async = getattr(logits.buffer, "get_tensor_async", None)
         if fetch_async is not None:

@@ -73,7 +73,8 @@ def encode(tensors: Sequence[WireTensor], meta: dict[str, Any] | None = None) ->
     out[_LEN.size:base] = header
     view = memoryview(out)
     for e, a in zip(entries, arrays):
-        view[base + e["offs"]: base + e["offs"] + e["nbytes"]] = memoryview(a).cast("B")
+        if e["nbytes"]:                          # an empty tensor (no output rows) has no bytes
+            view[base + e["offs"]: base + e["offs"] + e["nbytes"]] = memoryview(a).cast("B")
     return out
 
 

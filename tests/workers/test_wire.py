@@ -82,3 +82,9 @@ def test_garbage(data):
         decode(data)
     except WireError:
         pass
+
+
+# an empty tensor (a ubatch with no output rows) round-trips
+def test_empty_tensor():
+    (t,), _ = decode(encode([WireTensor("e", GGMLType.F32, (8, 0, 1, 1), np.zeros((1, 1, 0, 8), np.float32))]))
+    assert t.data.shape == (1, 1, 0, 8)

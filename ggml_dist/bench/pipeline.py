@@ -1,0 +1,149 @@
+"""Pipeline study: throughput against stages, micro-batches and n_copies, next to the GPipe bound.
+
+    ggml-dist bench pipeline --model M [--stages 1,2,3] [--micro-batches 1,4] [--n-copies K]
+                             [--ubatch 64] [--mode prefill|decode] [--plot out.png] --json
+
+prefill: one prompt of micro_batches x ubatch tokens, decoded as micro_batches ubatches with up to
+         n_copies of them in flight (only the last token's logits are read).
+decode:  micro_batches sequences, one per micro-batch; every step submits each sequence's next token as
+         its own micro-batch, then samples all of them.
+The bound comes from the measured per-stage compute time of one micro-batch (t_k, from the actors'
+own clocks in the same run): GPipe time = sum_k t_k + (M - 1) * max_k t_k. efficiency = tok_s /
+ideal_tok_s; bubble_frac = 1 - (busy time summed over stages) / (stages x wall time).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..model.context import ContextParams
+from ..model.pull import resolve_model
+from ..model.ubatch import Batch
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: int, mode: str,
+            n_steps: int, threads: int) -> dict[str, Any]:
+    from ..workers.cluster import Pipeline
+    n_tok = micro_batches * ubatch
+    n_seq = micro_batches if mode == "decode" else 1
+    params = ContextParams(n_ctx=max(512, n_tok + n_steps + 8), n_batch=max(n_tok, 8), n_ubatch=ubatch,
+                           n_seq_max=n_seq)
+    pl = Pipeline.launch(path, stages, params, n_copies=n_copies, threads_per_stage=threads)
+    try:
+        ctx, vocab = pl.ctx, pl.model.hp.n_vocab
+        rng = np.random.default_rng(0)
+        if mode == "prefill":
+            toks = rng.integers(3, vocab, n_tok).tolist()
+            ctx.decode(Batch.from_tokens(toks))                     # warm-up: plans, JIT, page cache
+            ctx.clear()
+            before = pl.stats()
+            t0 = time.perf_counter()
+            ctx.decode(Batch.from_tokens(toks))
+            wall = time.perf_counter() - t0
+            processed = n_tok
+        else:
+            last = []
+            for s in range(n_seq):                                  # short prompts, then warm-up
+                p = rng.integers(3, vocab, 4).tolist()
+                last.append(int(np.argmax(ctx.decode(Batch.from_tokens(p, seq_id=s))[-1])))
+            pos = [4] * n_seq
+            last = _decode_step(ctx, last, pos)
+            before = pl.stats()
+            t0 = time.perf_counter()
+            for _ in range(n_steps):
+                last = _decode_step(ctx, last, pos)
+            wall = time.perf_counter() - t0
+            processed = n_steps * n_seq
+        after = pl.stats()
+    finally:
+        pl.shutdown()
+    calls = [a["n_calls"] - b["n_calls"] for a, b in zip(after, before)]
+    busy = [a["compute_s"] - b["compute_s"] + a["decode_s"] - b["decode_s"] for a, b in zip(after, before)]
+    t_k = [bz / max(c, 1) for bz, c in zip(busy, calls)]          # one micro-batch on stage k
+    n_mb = max(calls) if calls else 0
+    ideal = sum(t_k) + (n_mb - 1) * max(t_k) if n_mb else 0.0
+    moved = sum(a["bytes_in"] - b["bytes_in"] + a["bytes_out"] - b["bytes_out"] for a, b in zip(after, before))
+    tok_s = processed / wall
+    ideal_tok_s = processed / ideal if ideal > 0 else 0.0
+    return {"stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch,
+            "mode": mode, "tok_s": round(tok_s, 3), "ideal_tok_s": round(ideal_tok_s, 3),
+            "efficiency": round(tok_s / ideal_tok_s, 3) if ideal_tok_s else None,
+            "bubble_frac": round(1 - sum(busy) / (stages * wall), 3),
+            "bytes_per_token": round(moved / processed, 1), "stage_ms": [round(t * 1e3, 2) for t in t_k],
+            "wall_s": round(wall, 3)}
+
+
+def _decode_step(ctx, last: list[int], pos: list[int]) -> list[int]:
+    """One token for every sequence, each its own micro-batch; all submitted before any is read."""
+    pending = [ctx.submit(Batch.from_tokens([t], pos0=pos[s], seq_id=s)) for s, t in enumerate(last)]
+    for s in range(len(pos)):
+        pos[s] += 1
+    return [int(np.argmax(p.result()[-1])) for p in pending]
+
+
+def plot(runs: list[dict], path: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'ggml-dist[bench]'); no plot written"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mb in sorted({r["micro_batches"] for r in runs}):
+        rs = sorted((r for r in runs if r["micro_batches"] == mb), key=lambda r: r["stages"])
+        ax.plot([r["stages"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"{mb} micro-batches")
+        ax.plot([r["stages"] for r in rs], [r["ideal_tok_s"] for r in rs], "x--", alpha=0.5,
+                label=f"GPipe bound, {mb}")
+    ax.set_xlabel("stages")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{runs[0]['mode']} throughput")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--micro-batches", default="1,4")
+    ap.add_argument("--n-copies", default=None, help="comma list; default: the number of stages")
+    ap.add_argument("--ubatch", type=int, default=64)
+    ap.add_argument("--mode", choices=["prefill", "decode"], default="prefill")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps measured (decode mode)")
+    ap.add_argument("--threads", type=int, default=1, help="threads per stage actor")
+    ap.add_argument("--plot", default="pipeline.png", help="PNG of tok/s against stages ('' to skip)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    from ..workers.cluster import connect
+    path = str(resolve_model(a.model))
+    stages = _ints(a.stages)
+    connect(num_cpus=max(2, max(stages) * a.threads))
+    runs = []
+    for k in stages:
+        for mb in _ints(a.micro_batches):
+            for nc in (_ints(a.n_copies) if a.n_copies else [max(1, min(4, k))]):
+                r = run_one(path, k, mb, nc, a.ubatch, a.mode, a.steps, a.threads)
+                runs.append(r)
+                if not a.json:
+                    print(r, file=sys.stderr)
+    out: dict[str, Any] = {"model": a.model, "runs": runs}
+    if a.plot:
+        note = plot(runs, a.plot)
+        out["plot"] = a.plot if note is None else note
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
