@@ -1,0 +1,70 @@
+"""The model context: graph reuse per ubatch shape, n_kv padding, sequences, overflow, bad input."""
+import numpy as np
+import pytest
+
+from ggml_dist.model.context import ContextParams, LlamaContext
+from ggml_dist.model.kv_cache import ContextFullError
+from ggml_dist.model.model import LlamaModel
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+from ggml_dist.model.ubatch import Batch, BatchError
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return LlamaModel.load(write_synthetic(tmp_path_factory.mktemp("ctx") / "m.gguf",
+                                           SyntheticSpec(n_layer=1, seed=3)))
+
+
+# one-token steps reuse the graph until n_kv crosses a multiple of 256, then rebuild once
+def test_graph_reuse_counts(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=512))
+    ctx.decode(Batch.from_tokens([1, 5, 6]))                  # prompt: one rebuild
+    assert (ctx.n_rebuilt, ctx.n_reused) == (1, 0)
+    for i in range(3, 300):
+        ctx.decode(Batch.from_tokens([7], pos0=i))
+    # steps 3..255 share n_kv=256 (one rebuild for the shape change), 256..299 have n_kv=512
+    assert ctx.n_rebuilt == 3
+    assert ctx.n_reused == 297 - 2
+
+
+# two sequences in one batch see only their own tokens: same logits as decoding each alone
+def test_two_sequences_isolated(model):
+    a, b = [1, 20, 30, 40], [1, 50, 60]
+    ctx = LlamaContext(model, ContextParams(n_ctx=256, n_seq_max=2))
+    batch = Batch(np.array(a + b, np.int32), np.array(list(range(4)) + list(range(3)), np.int32),
+                  [frozenset({0})] * 4 + [frozenset({1})] * 3, np.array([0, 0, 0, 1, 0, 0, 1], bool))
+    both = ctx.decode(batch)
+    single = LlamaContext(model, ContextParams(n_ctx=256))
+    la = single.decode(Batch.from_tokens(a))
+    single.clear()
+    lb = single.decode(Batch.from_tokens(b))
+    np.testing.assert_allclose(both[0], la[0], atol=1e-5)
+    np.testing.assert_allclose(both[1], lb[0], atol=1e-5)
+
+
+# removing a sequence frees its cells for the next prompt
+def test_seq_rm_frees(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=256))
+    ctx.decode(Batch.from_tokens(list(range(1, 201))))
+    assert ctx.kv.cells.used == 200
+    ctx.seq_rm(0)
+    assert ctx.kv.cells.used == 0
+    ctx.decode(Batch.from_tokens(list(range(1, 201))))
+
+
+# more tokens than free cells: a clear error, and the cache is left as it was
+def test_context_overflow(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=256))
+    ctx.decode(Batch.from_tokens(list(range(1, 201))))
+    with pytest.raises(ContextFullError, match="context full"):
+        ctx.decode(Batch.from_tokens(list(range(1, 101)), pos0=200))
+    assert ctx.kv.cells.used == 200
+
+
+# token ids outside the vocabulary and oversize batches are refused before any work
+def test_bad_batches(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=256, n_batch=16))
+    with pytest.raises(BatchError, match="vocabulary"):
+        ctx.decode(Batch.from_tokens([1, 10**6]))
+    with pytest.raises(BatchError, match="n_batch"):
+        ctx.decode(Batch.from_tokens(list(range(1, 40))))

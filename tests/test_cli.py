@@ -1,0 +1,87 @@
+"""The ggml-dist command: run/tokenize/logits/plan/pull on real files, and clear errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ggml_dist.cli import main
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(write_synthetic(tmp_path_factory.mktemp("cli") / "m.gguf", SyntheticSpec(n_layer=2, seed=9)))
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# run --json prints one object with the issue's fields; tokens are the generated ids only
+def test_run_json(capsys, model):
+    rc, out, _ = _run(capsys, "run", "--model", model, "--prompt", "abc", "-n", "5", "--json", "--ctx", "256")
+    assert rc == 0
+    d = json.loads(out)
+    assert set(d) >= {"prompt_tokens", "tokens", "text", "timings"}
+    assert len(d["tokens"]) == 5 and d["prompt_tokens"][0] == 1
+    assert set(d["timings"]) == {"prompt_tok_s", "decode_tok_s"}
+
+
+# streaming run prints the text and the speeds
+def test_run_stream(capsys, model):
+    rc, out, err = _run(capsys, "run", "--model", model, "--prompt", "abc", "-n", "4", "--ctx", "256")
+    assert rc == 0 and "tok/s" in err and out.strip()
+
+
+# logits of every position of the given ids, no BOS added
+def test_logits_npz(capsys, model, tmp_path):
+    f = tmp_path / "l.npz"
+    rc, _, _ = _run(capsys, "logits", "--model", model, "--tokens", "1,5,9", "--out", str(f), "--ctx", "256")
+    assert rc == 0
+    lg = np.load(f)["logits"]
+    assert lg.shape == (3, 512) and lg.dtype == np.float32
+
+
+def test_tokenize_json(capsys, model):
+    rc, out, _ = _run(capsys, "tokenize", "--model", model, "--text", "ab", "--json")
+    assert rc == 0 and json.loads(out)["tokens"][0] == 1
+
+
+# plan prints a table; a budget too small is a clear error naming the stage
+def test_plan(capsys, model):
+    rc, out, _ = _run(capsys, "plan", "--model", model, "--stages", "2", "--ctx", "256")
+    assert rc == 0 and "layers" in out and out.count("\n") == 3      # header + 2 stages
+    rc, _, err = _run(capsys, "plan", "--model", model, "--stages", "2", "--ctx", "256", "--budget-gib", "0.0001")
+    assert rc == 1 and "stage 0" in err and "budget" in err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["run", "--model", "/nonexistent.gguf", "--prompt", "x"], "neither a file nor a known model"),
+    (["logits", "--model", "MODEL", "--tokens", "1,x", "--out", "o.npz"], "comma-separated integers"),
+    (["run", "--model", "MODEL"], "no prompt"),
+    (["run", "--model", "MODEL", "--prompt", "x", "--layers", "0-9"], "layer ranges"),
+])
+def test_errors(capsys, model, argv, msg):
+    argv = [model if a == "MODEL" else a for a in argv]
+    rc, _, err = _run(capsys, *argv, *(["--stages", "2"] if "--layers" in argv else []))
+    assert rc == 1 and msg in err
+
+
+# a corrupt file is refused by the loader with its clear error, not a traceback
+def test_bad_gguf(capsys, tmp_path):
+    f = tmp_path / "bad.gguf"
+    f.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16)
+    rc, _, err = _run(capsys, "run", "--model", str(f), "--prompt", "x")
+    assert rc == 1 and "bad.gguf" in err
+
+
+# the console script is installed and answers --help
+def test_console_script():
+    r = subprocess.run([sys.executable, "-m", "ggml_dist.cli", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "pull" in r.stdout
