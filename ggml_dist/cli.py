@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--inject-fault", default=None, metavar="kill-stage:K:after-token:N",
+                   help="kill stage K's actor after N generated tokens (the run recovers)")
 
     p = sub.add_parser("logits", help="write the logits of every position of a token list")
     _add_model_args(p)
@@ -65,6 +67,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True)
     p.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
+    p.add_argument("--model", required=True, help="a GGUF path or a known name (smollm2-135m)")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages (Ray actors); 1 without "
+                   "--address serves from this process")
+    p.add_argument("--address", default=None, help="Ray cluster address to join")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--parallel", type=int, default=4, help="sequences decoded together (KV slots)")
+    p.add_argument("--ctx", type=int, default=2048, help="KV cache cells, shared by the slots "
+                   "(each request gets ctx/parallel)")
+    p.add_argument("--batch", type=int, default=512, help="tokens per micro-batch at most")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before "
+                   "new ones get 429")
+    p.add_argument("--threads", type=int, default=1, help="threads per stage actor")
+    p.add_argument("--alias", default=None, help="model id reported by /v1/models")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for models "
+                   "whose GGUF has none")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
     p.add_argument("what", choices=["alloc", "pipeline"])
@@ -161,14 +181,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sp = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, seed=args.seed)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch)
+    on_token = _fault_injector(args.inject_fault, pl)
+    res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=on_token)
     timings = {"prompt_tok_s": round(res.prompt_tok_s, 3), "decode_tok_s": round(res.decode_tok_s, 3)}
     if pl is not None and args.trace:
         pl.write_trace(args.trace)
     if args.json:
         out = {"prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": res.text,
                "timings": timings, "stop_reason": res.stop_reason,
-               "graphs": {"reused": lctx.n_reused, "rebuilt": lctx.n_rebuilt}}
+               "graphs": {"reused": lctx.n_reused, "rebuilt": lctx.n_rebuilt},
+               "recoveries": lctx.n_recoveries, "replayed_tokens": lctx.n_replayed_tokens}
         if pl is not None:
             out["stages"] = _stage_summary(pl)
         print(json.dumps(out))
@@ -178,6 +200,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
               f"decode: {len(res.tokens)} tokens, {timings['decode_tok_s']} tok/s | "
               f"graphs reused {lctx.n_reused}, rebuilt {lctx.n_rebuilt}", file=sys.stderr)
     return 0
+
+
+def _fault_injector(spec: str | None, pl):
+    """--inject-fault kill-stage:K:after-token:N -> an on_token callback that kills stage K once."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    try:
+        if len(parts) != 4 or parts[0] != "kill-stage" or parts[2] != "after-token":
+            raise ValueError
+        k, n = int(parts[1]), int(parts[3])
+    except ValueError:
+        raise ValueError(f"--inject-fault takes kill-stage:K:after-token:N, got '{spec}'") from None
+    if pl is None:
+        raise ValueError("--inject-fault needs a pipeline: add --stages 2 (or more)")
+    if not 0 <= k < len(pl.actors):
+        raise ValueError(f"--inject-fault: stage {k} does not exist (stages 0..{len(pl.actors) - 1})")
+    fired = []
+
+    def on_token(i: int, tok: int) -> None:
+        if i == n and not fired:
+            fired.append(i)
+            print(f"ggml-dist: injecting fault: killing stage {k} after token {n}", file=sys.stderr)
+            pl.kill_stage(k)
+    return on_token
 
 
 def _stage_summary(pl) -> list[dict]:
@@ -247,6 +294,22 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .model.pull import resolve_model
+    from .serve import EngineConfig, serve
+    cfg = EngineConfig(str(resolve_model(args.model)), n_stages=args.stages, address=args.address,
+                       n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
+                       max_queue=args.max_queue, threads_per_stage=args.threads,
+                       chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
+    name = args.alias or Path(args.model).stem
+    print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "
+          f"{args.ctx // args.parallel} tokens); loading, see /health", file=sys.stderr)
+    serve(cfg, name, args.host, args.port)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import alloc, pipeline
     mains = {"alloc": alloc.main, "pipeline": pipeline.main}
@@ -254,7 +317,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"pull": _cmd_pull, "run": _cmd_run, "logits": _cmd_logits, "tokenize": _cmd_tokenize,
-             "plan": _cmd_plan, "bench": _cmd_bench}
+             "plan": _cmd_plan, "bench": _cmd_bench, "serve": _cmd_serve}
 
 if __name__ == "__main__":
     sys.exit(main())

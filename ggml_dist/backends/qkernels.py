@@ -1,4 +1,6 @@
-"""numba MUL_MAT kernels on quantized weights, bit-identical to quants.mul_mat(order="fast").
+"""numba MUL_MAT kernels on quantized weights, bit-identical to quants.mul_mat(order="fast") and, through
+``_mm_g`` / ``_mm_f16`` modes 1-2, to quants.mul_mat(order="ggml") (the x86 AVX2 lane orders, see the
+"order=ggml" section below; repacked Q4_0/Q4_K and Q2_K/Q3_K have the "fast" numerics in both orders).
 
 The weights stay in their GGUF blocks: each kernel decodes a group of ``_R`` weight rows at a time into a
 small int8 scratch (codes) plus per-block scales, then dots those rows with every activation row.
@@ -17,7 +19,8 @@ Integers are exact (int64 lanes), so only the float steps above fix the result.
 Decode (N = 1) and prefill (N >= 2) share one loop nest: decoding a row group once and reusing each
 activation load for ``_R`` rows is what makes N = 1 memory-bound rather than decode-bound.
 
-API: ``mul_mat_q(wtype, w, x) -> f32 [N, M]`` (None when the type is not covered), ``set_threads(n)``,
+API: ``mul_mat_q(wtype, w, x, order="fast", repacked=False) -> f32 [N, M]`` (None when the type is not
+covered), ``set_threads(n)``,
 ``get_threads()``, ``COVERED``.
 """
 from __future__ import annotations
@@ -317,16 +320,20 @@ def _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, r0, nr, N, W, ns, nb,
 
 
 @njit(parallel=True, cache=True, fastmath=False)
-def _mm_f16(w, y, lut, out):
-    """w uint16 [M, K] (f16 bits); y f64 [N, K] (values already rounded to f16); out f32 [N, M]."""
+def _mm_f16(w, y, lut, out, mode):
+    """w uint16 [M, K] (f16 bits); y f64 [N, K] (values already rounded to f16); out f32 [N, M].
+    mode 0: "fast" (one float64 sum, rounded once); 1: ggml_vec_dot_f16 (4 x 8 f32 lanes over 32-element
+    steps, fold, HB; tail summed in double); 2: tinyBLAS (one 8-lane f32 accumulator, HA)."""
     M, K = w.shape
     N = y.shape[0]
     K8 = K - K % 8
+    K32 = K - K % 32
     for g in prange((M + _R - 1) // _R):
         r0 = g * _R
         nr = min(_R, M - r0)
         wf = np.empty((_R, K), F64)
         a = np.empty(8, F64)
+        acc = np.empty(32, F32)
         for r in range(nr):
             wr = w[r0 + r]
             for k in range(K):
@@ -335,15 +342,291 @@ def _mm_f16(w, y, lut, out):
             yn = y[n]
             for r in range(nr):
                 wr = wf[r]
-                for l in range(8):
-                    a[l] = 0.0
-                for k in range(0, K8, 8):      # 8 independent partial sums (exact, see docstring)
+                if mode == 0:
                     for l in range(8):
-                        a[l] += wr[k + l] * yn[k + l]
-                s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
-                for k in range(K8, K):
-                    s += wr[k] * yn[k]
-                out[n, r0 + r] = F32(s)
+                        a[l] = 0.0
+                    for k in range(0, K8, 8):      # 8 independent partial sums (exact, see docstring)
+                        for l in range(8):
+                            a[l] += wr[k + l] * yn[k + l]
+                    s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+                    for k in range(K8, K):
+                        s += wr[k] * yn[k]
+                    out[n, r0 + r] = F32(s)
+                elif mode == 2:
+                    for l in range(8):
+                        acc[l] = 0
+                    for k in range(0, K8, 8):
+                        for l in range(8):
+                            acc[l] = F32(wr[k + l] * yn[k + l] + F64(acc[l]))
+                    out[n, r0 + r] = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + \
+                        ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+                else:
+                    for l in range(32):
+                        acc[l] = 0
+                    for k in range(0, K32, 32):
+                        for l in range(32):
+                            acc[l] = F32(wr[k + l] * yn[k + l] + F64(acc[l]))
+                    for l in range(8):
+                        acc[l] = (acc[l] + acc[16 + l]) + (acc[8 + l] + acc[24 + l])
+                    res = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+                    if K32 < K:
+                        sd = F64(res)
+                        for k in range(K32, K):
+                            sd += F64(F32(wr[k] * yn[k]))
+                        res = F32(sd)
+                    out[n, r0 + r] = res
+
+
+
+
+# ------------------------------------------------------------------------------------------------
+# order="ggml": the AVX2 lane orders of quants.mul_mat(order="ggml") (ggml-numerics.md §1.5)
+# A group of _R = 4 weight rows is decoded into one int8 scratch in which each 32-element group (Q4_0..Q8_0
+# block, Q4_K/Q5_K sub-block, Q6_K 32-vector) g of row r is 4 words of 8 codes: byte p of word i holds
+# element 4*_PI[p] + i (ggml lane _PI[p] = 2*(p & 3) + (p >> 2)), at c[128g + 32i + 8r + p]. So the 32
+# accumulators "lane _PI[p] of row r" (position 8r + p) of one group are four unit-stride 32-wide int8
+# products, and the per-block fma runs over 32 independent lanes (one row's 8-lane chain alone is
+# latency-bound). _PI makes the layout a plain 4x4 byte transpose of the natural-order code words (_put4).
+# Activations are permuted the same way and repeated for the _R rows.
+_PI = np.array([0, 2, 4, 6, 1, 3, 5, 7], np.int64)
+_MB = _U(0x00FF00FF00FF00FF)
+_MW = _U(0x0000FFFF0000FFFF)
+_M8 = _U(0x0808080808080808)
+_M16 = _U(0x1010101010101010)
+
+
+@njit(cache=True)
+def _put4(cw, o, n0, n1, n2, n3):
+    """Natural code words n0..n3 (byte t of nq = element 8q + t of a 32-group) -> cw[o + 4i], i = 0..3,
+    byte p of word i = element 4*_PI[p] + i (two 4x4 byte transposes side by side)."""
+    t = ((n0 >> _U(8)) ^ n1) & _MB
+    n1 ^= t
+    n0 ^= t << _U(8)
+    t = ((n2 >> _U(8)) ^ n3) & _MB
+    n3 ^= t
+    n2 ^= t << _U(8)
+    t = ((n0 >> _U(16)) ^ n2) & _MW
+    n2 ^= t
+    n0 ^= t << _U(16)
+    t = ((n1 >> _U(16)) ^ n3) & _MW
+    n3 ^= t
+    n1 ^= t << _U(16)
+    cw[o] = n0
+    cw[o + 4] = n1
+    cw[o + 8] = n2
+    cw[o + 12] = n3
+
+
+@njit(cache=True)
+def _dec_row_g(kind, row, lut, sp, r, cw, dw, d2, scw, mn):
+    """Row r of a group -> cw (uint64 view of the code scratch; Q4_0/Q5_0/Q8_0 signed, others unsigned),
+    dw[32b + 8r + p] = d of block b, d2[b] = m (Q4_1/Q5_1) or dmin (Q4_K/Q5_K); scw[32g + 8r + p] = scale
+    of position p of 32-group g (K-quants); mn = Q4_K/Q5_K mins (8 per superblock) or Q6_K scales (16)."""
+    nb = d2.shape[0]
+    if kind <= 4:
+        bs = (18, 20, 22, 24, 34)[kind]
+        oq = (2, 4, 6, 8, 2)[kind]
+        for b in range(nb):
+            o = b * bs
+            d = _f16(lut, row, o)
+            for p in range(8):
+                dw[32 * b + 8 * r + p] = d
+            if kind == 1 or kind == 3:
+                d2[b] = _f16(lut, row, o + 2)
+            if kind == 4:
+                _put4(cw, 16 * b + r, _u64(row, o + 2), _u64(row, o + 10), _u64(row, o + 18), _u64(row, o + 26))
+                continue
+            u0 = _u64(row, oq + o)
+            u1 = _u64(row, oq + o + 8)
+            w0 = u0 & _M4
+            w1 = u1 & _M4
+            w2 = (u0 >> _S4) & _M4
+            w3 = (u1 >> _S4) & _M4
+            if kind >= 2:
+                oh = o + oq - 4
+                w0 |= sp[row[oh]]
+                w1 |= sp[row[oh + 1]]
+                w2 |= sp[row[oh + 2]]
+                w3 |= sp[row[oh + 3]]
+            if kind == 0 or kind == 2:                  # bytewise q - 8 / q - 16
+                m = _M8 if kind == 0 else _M16
+                w0 = ((w0 | _MH) - m) ^ _MH
+                w1 = ((w1 | _MH) - m) ^ _MH
+                w2 = ((w2 | _MH) - m) ^ _MH
+                w3 = ((w3 | _MH) - m) ^ _MH
+            _put4(cw, 16 * b + r, w0, w1, w2, w3)
+    elif kind <= 6:                                     # Q4_K (144 B) / Q5_K (176 B)
+        bs = 144 if kind == 5 else 176
+        oq = 16 if kind == 5 else 48
+        for b in range(nb):
+            o = b * bs
+            d = _f16(lut, row, o)
+            for p in range(8):
+                dw[32 * b + 8 * r + p] = d
+            d2[b] = _f16(lut, row, o + 2)
+            for j in range(4):                          # get_scale_min_k4
+                lo = np.int64(row[o + 4 + j])
+                mid = np.int64(row[o + 8 + j])
+                hi = np.int64(row[o + 12 + j])
+                s0 = lo & 63
+                s1 = (hi & 15) | ((lo >> 6) << 4)
+                for p in range(8):
+                    scw[32 * (8 * b + j) + 8 * r + p] = s0
+                    scw[32 * (8 * b + 4 + j) + 8 * r + p] = s1
+                mn[b * 8 + j] = mid & 63
+                mn[b * 8 + 4 + j] = (hi >> 4) | ((mid >> 6) << 4)
+            for ch in range(4):                         # 32-byte chunk: low nibbles sub 2ch, high 2ch+1
+                lw0 = _U(0)
+                lw1 = _U(0)
+                lw2 = _U(0)
+                lw3 = _U(0)
+                hw0 = _U(0)
+                hw1 = _U(0)
+                hw2 = _U(0)
+                hw3 = _U(0)
+                for i in range(4):
+                    u = _u64(row, o + oq + 32 * ch + 8 * i)
+                    lo4 = u & _M4
+                    hi4 = (u >> _S4) & _M4
+                    if kind == 6:
+                        h = _u64(row, o + 16 + 8 * i)
+                        lo4 |= ((h >> _U(2 * ch)) & _M1) << _S4
+                        hi4 |= ((h >> _U(2 * ch + 1)) & _M1) << _S4
+                    if i == 0:
+                        lw0, hw0 = lo4, hi4
+                    elif i == 1:
+                        lw1, hw1 = lo4, hi4
+                    elif i == 2:
+                        lw2, hw2 = lo4, hi4
+                    else:
+                        lw3, hw3 = lo4, hi4
+                g = 8 * b + 2 * ch
+                _put4(cw, 16 * g + r, lw0, lw1, lw2, lw3)
+                _put4(cw, 16 * (g + 1) + r, hw0, hw1, hw2, hw3)
+    else:                                               # Q6_K: ql[128], qh[64], sc[16], d; unsigned 0..63
+        for b in range(nb):
+            o = b * 210
+            d = _f16(lut, row, o + 208)
+            for p in range(8):
+                dw[32 * b + 8 * r + p] = d
+            for s in range(16):
+                mn[b * 16 + s] = np.int8(row[o + 192 + s])
+            for v in range(8):                          # 32-vector v: lanes 0-3 sub-block 2v, 4-7 2v+1
+                for p in range(8):
+                    scw[32 * (8 * b + v) + 8 * r + p] = mn[b * 16 + 2 * v + ((p >> 1) & 1)]
+            for h in range(2):
+                for g in range(4):                      # 32-vector 4h + g: elements 128h + 32g + 8i + t
+                    n0 = _U(0)
+                    n1 = _U(0)
+                    n2 = _U(0)
+                    n3 = _U(0)
+                    for i in range(4):
+                        lw = _u64(row, o + 64 * h + 32 * (g & 1) + 8 * i)
+                        hw = _u64(row, o + 128 + 32 * h + 8 * i)
+                        q = ((lw >> _U(4 * (g >> 1))) & _M4) | (((hw >> _U(2 * g)) & _M2) << _S4)
+                        if i == 0:
+                            n0 = q
+                        elif i == 1:
+                            n1 = q
+                        elif i == 2:
+                            n2 = q
+                        else:
+                            n3 = q
+                    _put4(cw, 16 * (8 * b + 4 * h + g) + r, n0, n1, n2, n3)
+
+
+@njit(parallel=True, cache=True, fastmath=False)
+def _mm_g(kind, w, yr, dy, sy, bsums, lut, sp, out, n_chunks):
+    """order="ggml" for kinds 0..7 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; not repacked).
+    w uint8 [M, row_bytes]; yr int8 [N, _R*K] (layout above); dy f32 [N, nb]; sy f32 [N, nb] (Q8_1 s);
+    bsums int32 [N, nb*16] (Q8_K); out f32 [N, M]."""
+    M = w.shape[0]
+    N = yr.shape[0]
+    K = yr.shape[1] // _R
+    nb = K // 32 if kind <= 4 else K // 256
+    ng = K // 32
+    n_groups = (M + _R - 1) // _R
+    n_chunks = min(n_groups, n_chunks)
+    for ch in prange(n_chunks):
+        cw = np.zeros(_R * K // 8, np.uint64)
+        c = cw.view(np.int8)
+        dw = np.zeros(nb * 32, F32)
+        d2 = np.zeros((_R, nb), F32)
+        scw = np.zeros(ng * 32 if kind >= 5 else 1, np.int32)
+        mn = np.zeros((_R, nb * 16), np.int32)
+        acc = np.empty(32, F32)
+        accm = np.empty(16, F32)
+        lane = np.empty(32, np.int32)
+        for g in range(ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks):
+            r0 = g * _R
+            nr = min(_R, M - r0)
+            if nr < _R:                                  # padding rows: zero codes and scales
+                cw[:] = 0
+                dw[:] = 0
+                d2[:] = 0
+                scw[:] = 0
+                mn[:] = 0
+            for r in range(nr):
+                _dec_row_g(kind, w[r0 + r], lut, sp, r, cw, dw, d2[r], scw, mn[r])
+            for n in range(N):
+                yn = yr[n]
+                acc[:] = 0
+                accm[:] = 0
+                if kind <= 4:
+                    for b in range(nb):
+                        ddy = dy[n, b]
+                        cb = c[128 * b:128 * b + 128]
+                        yb = yn[128 * b:128 * b + 128]
+                        db = dw[32 * b:32 * b + 32]
+                        for j in range(32):
+                            l = (np.int32(cb[j]) * np.int32(yb[j]) + np.int32(cb[32 + j]) * np.int32(yb[32 + j])
+                                 + np.int32(cb[64 + j]) * np.int32(yb[64 + j])
+                                 + np.int32(cb[96 + j]) * np.int32(yb[96 + j]))
+                            acc[j] = F32(F64(db[j] * ddy) * F64(l) + F64(acc[j]))   # f32(dx*dy) exact
+                else:
+                    for b in range(nb):
+                        ddy = dy[n, b]
+                        lane[:] = 0
+                        for s in range(8):
+                            o = 128 * (8 * b + s)
+                            cb = c[o:o + 128]
+                            yb = yn[o:o + 128]
+                            sb = scw[32 * (8 * b + s):32 * (8 * b + s) + 32]
+                            for j in range(32):
+                                lane[j] += sb[j] * (np.int32(cb[j]) * np.int32(yb[j])
+                                                    + np.int32(cb[32 + j]) * np.int32(yb[32 + j])
+                                                    + np.int32(cb[64 + j]) * np.int32(yb[64 + j])
+                                                    + np.int32(cb[96 + j]) * np.int32(yb[96 + j]))
+                        bn = bsums[n, 16 * b:16 * b + 16]
+                        if kind == 7:                   # Q6_K: - 32*(sc_2k*bsum_2k + sc_2k+1*bsum_2k+1)
+                            for r in range(_R):
+                                mr = mn[r, 16 * b:16 * b + 16]
+                                for p in range(8):
+                                    k = 2 * (p & 3) + (p >> 2)          # lane _PI[p]
+                                    lane[8 * r + p] -= 32 * (mr[2 * k] * bn[2 * k] + mr[2 * k + 1] * bn[2 * k + 1])
+                        else:                           # Q4_K/Q5_K mins: 4 lanes per row, fma(-dm, ...)
+                            for r in range(_R):
+                                dm = F64(-(ddy * d2[r, b]))
+                                mr = mn[r, 8 * b:8 * b + 8]
+                                for i in range(4):
+                                    ml = (mr[2 * i] * (bn[4 * i] + bn[4 * i + 1])
+                                          + mr[2 * i + 1] * (bn[4 * i + 2] + bn[4 * i + 3]))
+                                    accm[4 * r + i] = F32(dm * F64(ml) + F64(accm[4 * r + i]))
+                        db = dw[32 * b:32 * b + 32]
+                        for j in range(32):
+                            acc[j] = F32(F64(ddy * db[j]) * F64(lane[j]) + F64(acc[j]))   # f32(dy*dx)
+                for r in range(nr):
+                    a = acc[8 * r:8 * r + 8]                # HA over lanes; lane _PI[p] sits at p
+                    res = ((a[0] + a[2]) + (a[1] + a[3])) + ((a[4] + a[6]) + (a[5] + a[7]))
+                    if kind == 1 or kind == 3:                            # + sequential f32 sum of m*s
+                        summs = d2[r, 0] * sy[n, 0]
+                        for b in range(1, nb):
+                            summs += d2[r, b] * sy[n, b]
+                        res = res + summs
+                    elif kind == 5 or kind == 6:
+                        m = accm[4 * r:4 * r + 4]
+                        res = res + ((m[0] + m[2]) + (m[1] + m[3]))
+                    out[n, r0 + r] = res
 
 
 # ------------------------------------------------------------------------------------------------
@@ -356,15 +639,19 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
-def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray) -> np.ndarray | None:
-    """quants.mul_mat(order="fast") for covered types: w uint8 [M, row_bytes] (F16: uint8 or float16
-    [M, K]); x f32 [N, K]. Returns f32 [N, M], or None if wtype is not covered."""
+def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast",
+              repacked: bool = False) -> np.ndarray | None:
+    """quants.mul_mat(order=order, repacked=repacked) for covered types: w uint8 [M, row_bytes] (F16: uint8
+    or float16 [M, K]); x f32 [N, K]. Returns f32 [N, M], or None if wtype is not covered.
+    order="ggml" with repacked Q4_0/Q4_K, and Q2_K/Q3_K, have the "fast" numerics (quants docstring)."""
     from . import quants as Q
     wtype = GGMLType(wtype)
     N, K = x.shape
     M = w.shape[0]
     if wtype not in COVERED:
         return None
+    if order not in ("fast", "ggml"):
+        raise ValueError(f"order must be 'ggml' or 'fast', not {order!r}")
     nbytes = w.shape[1] * w.itemsize if w.ndim == 2 else -1
     if nbytes != row_size(wtype, K):
         raise ValueError(f"{wtype.name} rows of {K} elements need {row_size(wtype, K)} B, got w {w.shape} "
@@ -373,12 +660,13 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray) -> np.ndarray | Non
     if wtype == T.F16:
         w16 = _readonly(w).view(np.uint16).reshape(M, K)
         y = np.ascontiguousarray(x.astype(np.float16).astype(F64))
+        mode = 0 if order == "fast" else (2 if N >= 2 and K % 8 == 0 and M % 4 == 0 else 1)
         with _launch_lock:
             numba.set_num_threads(_n_threads)
-            _mm_f16(w16, y, _F16_LUT, out)
+            _mm_f16(w16, y, _F16_LUT, out, mode)
         return out
     kind = _KIND[wtype]
-    W = 2 if kind >= 7 else 4
+    ggml = order == "ggml" and kind <= 7 and not (repacked and wtype in (T.Q4_0, T.Q4_K))
     if kind <= 4:
         if kind in (1, 3):
             qy, dy, sy = Q.quantize_q8_1(x)
@@ -386,17 +674,27 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray) -> np.ndarray | Non
             qy, dy = Q.quantize_q8_0(x)
             sy = dy
         ysum = qy.sum(axis=-1, dtype=np.int64)
-        bsums = np.zeros((N, 1), np.int64)
+        bsums = np.zeros((N, 1), np.int32 if ggml else np.int64)     # one _mm_g / _mm_q specialization
     else:
         qy, dy, bs = Q.quantize_q8_K(x)
         sy = dy
         ysum = np.zeros((N, 1), np.int64)
-        bsums = bs.reshape(N, -1).astype(np.int64)
+        bsums = bs.reshape(N, -1).astype(np.int32 if ggml else np.int64)
+    dy = np.ascontiguousarray(dy, F32)
+    sy = np.ascontiguousarray(sy, F32)
+    wr = _readonly(w).reshape(M, -1)
+    n_chunks = 16 * _n_threads
+    if ggml:
+        # yr[n, 128g + 32i + 8r + p] = element 32g + 4*_PI[p] + i, for each of the _R rows r
+        yg = qy.reshape(N, K // 32, 8, 4)[:, :, _PI].transpose(0, 1, 3, 2)[:, :, :, None, :]
+        yr = np.ascontiguousarray(np.broadcast_to(yg, (N, K // 32, 4, _R, 8))).reshape(N, _R * K)
+        with _launch_lock:
+            numba.set_num_threads(_n_threads)
+            _mm_g(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out, n_chunks)
+        return out
+    W = 2 if kind >= 7 else 4
     yw = np.ascontiguousarray(qy.reshape(N, K // (8 * W), W, 8).transpose(0, 2, 1, 3)).reshape(N, K)
-    args = (kind, _readonly(w).reshape(M, -1), yw, np.ascontiguousarray(dy, F32),
-            np.ascontiguousarray(sy, F32), ysum, bsums, _F16_LUT, _SPREAD, out, 16 * _n_threads)
-    kernel = _mm_q
     with _launch_lock:
         numba.set_num_threads(_n_threads)
-        kernel(*args)
+        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, n_chunks)
     return out

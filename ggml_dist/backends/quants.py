@@ -60,7 +60,7 @@ DEFAULT_ORDER = "ggml"
 # temporaries budget for mul_mat row chunks (bytes)
 _CHUNK_BYTES = 48 << 20
 
-# order="fast" runs the numba kernels of qkernels.py (same bits) unless GGML_DIST_NO_NUMBA=1 or numba is
+# mul_mat runs the numba kernels of qkernels.py (same bits, both orders) unless GGML_DIST_NO_NUMBA=1 or numba is
 # missing; tests flip USE_NUMBA to compare the two.
 USE_NUMBA = os.environ.get("GGML_DIST_NO_NUMBA", "") not in ("1", "true", "yes")
 _qkernels = None        # the module once imported; False if numba is missing
@@ -625,13 +625,16 @@ def _mm_kq(wtype, b, xq, repacked, order):
     return acc
 
 
-def _mm_float(wtype, wf: np.ndarray, y: np.ndarray, order: str) -> np.ndarray:
-    """wf [M, K], y [N, K] float32 (already in the vec_dot type's values)."""
+def _mm_float(wtype, wf: np.ndarray, y: np.ndarray, order: str, tiny: bool | None = None) -> np.ndarray:
+    """wf [M, K], y [N, K] float32 (already in the vec_dot type's values). `tiny`: whether the whole
+    matrix takes tinyBLAS (decided on the full M, not on this row chunk)."""
     M, K = wf.shape
     N = y.shape[0]
     if order == "fast":
         return (wf.astype(F64) @ y.T.astype(F64)).astype(F32)
-    if N >= 2 and K % 8 == 0 and M % 4 == 0:
+    if tiny is None:
+        tiny = N >= 2 and K % 8 == 0 and M % 4 == 0
+    if tiny:
         # tinyBLAS: one 8-lane accumulator, lane i gets elements = i (mod 8); HA
         w8 = wf.reshape(M, K // 8, 8).transpose(1, 2, 0)[..., None].astype(F64)   # [K/8, 8, M, 1]
         y8 = y.reshape(N, K // 8, 8).transpose(1, 2, 0)[:, :, None, :]            # [K/8, 8, 1, N]
@@ -721,10 +724,10 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
         repacked = wtype in (T.Q4_0, T.Q4_K) and M % 8 == 0
     repacked = bool(repacked) and wtype in (T.Q4_0, T.Q4_K)
 
-    if order == "fast" and USE_NUMBA:     # "fast" does not depend on `repacked`
+    if USE_NUMBA:                         # same bits as the numpy paths below, either order
         qk = _numba_kernels()
         if qk and wtype in qk.COVERED:
-            r = qk.mul_mat_q(wtype, w, x)
+            r = qk.mul_mat_q(wtype, w, x, order=order, repacked=repacked)
             return r[0] if squeeze else r
 
     if wtype in (T.F32, T.F16, T.BF16):
@@ -739,7 +742,7 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
         step = _chunk_rows(M, per_row + K * 8)
         for m0 in range(0, M, step):
             wc = w[m0:m0 + step] if wtype == T.F32 else dequantize(wtype, w[m0:m0 + step], K)
-            out[:, m0:m0 + step] = _mm_float(wtype, wc, y, order).T
+            out[:, m0:m0 + step] = _mm_float(wtype, wc, y, order, tiny).T
         return out[0] if squeeze else out
 
     if vt == T.Q8_0:

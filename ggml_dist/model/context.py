@@ -44,19 +44,57 @@ class ContextParams:
             raise ValueError("the KV cache type must be F16 or F32")
 
 
-class PendingLogits:
-    """The logits of a submitted batch; `result()` waits for the ubatches that produce them."""
+class StageLostError(RuntimeError):
+    """A backend lost the state the context relies on (a pipeline stage died): the context can
+    recover by restoring the backend and replaying its ubatch log."""
 
-    def __init__(self, parts: list[tuple[np.ndarray, Callable[[], np.ndarray]]], n_vocab: int) -> None:
-        self._parts = parts          # (batch indices of the output rows, fetch of those rows)
+    def __init__(self, msg: str, stage: int = -1) -> None:
+        super().__init__(msg)
+        self.stage = stage
+
+
+@dataclass
+class UbatchRecord:
+    """One submitted ubatch, kept (on a recoverable context) so the KV cache can be rebuilt exactly:
+    the same cells, the same graph shape, so the same numerics."""
+    ub: Ubatch
+    slot: np.ndarray
+    n_kv: int
+    fetch: Callable[[], np.ndarray] | None = None
+    value: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        if self.value is None:
+            assert self.fetch is not None
+            self.value = self.fetch()
+        return self.value
+
+
+class PendingLogits:
+    """The logits of a submitted batch; `result()` waits for the ubatches that produce them, and
+    recovers the context once if a stage was lost on the way."""
+
+    def __init__(self, ctx: "LlamaContext", records: list[UbatchRecord], n_vocab: int) -> None:
+        self._ctx = ctx
+        self._records = records
         self._n_vocab = n_vocab
 
     def result(self) -> np.ndarray:
+        for attempt in range(self._ctx.max_recoveries + 1):
+            try:
+                return self._collect()
+            except StageLostError:
+                if attempt == self._ctx.max_recoveries or not self._ctx.recoverable:
+                    raise
+                self._ctx.recover()
+        raise AssertionError("unreachable")
+
+    def _collect(self) -> np.ndarray:
         rows: dict[int, np.ndarray] = {}
-        for idx, fetch in self._parts:
-            out = fetch()
+        for rec in self._records:
+            out = rec.result()
             out = out.reshape(-1, out.shape[-1])
-            for r, i in enumerate(idx):
+            for r, i in enumerate(rec.ub.idx[rec.ub.output]):
                 rows[int(i)] = out[r]
         order = sorted(rows)
         return np.stack([rows[i] for i in order]) if order else np.zeros((0, self._n_vocab), np.float32)
@@ -88,6 +126,11 @@ class LlamaContext:
         self.after_alloc = after_alloc       # (sched, graph): a pipeline binds its stage exports here
         self.n_copies = n_copies
         self._inflight: deque = deque()      # per ubatch in flight: the events of its stages
+        self.recovery: Callable[[], None] | None = None   # a pipeline's hook: restore lost stages
+        self.max_recoveries = 3
+        self.log: list[UbatchRecord] = []    # ubatches to replay after a loss (recoverable only)
+        self.n_recoveries = 0
+        self.n_replayed_tokens = 0
         self.gf_res_prev: GraphResult | None = None
         self.n_reused = 0
         self.n_rebuilt = 0
@@ -124,22 +167,72 @@ class LlamaContext:
         if batch.n_tokens > free:
             raise ContextFullError(f"context full: {batch.n_tokens} tokens need cells, {free} of "
                                    f"{self.kv.kv_size} are free; use a larger --ctx")
-        parts = []
+        records = []
         splitter = BatchSplitter(batch)
         while (ub := splitter.split_simple(self.params.n_ubatch)) is not None:
-            fetch = self._process_ubatch(ub)
+            cells = self.kv.cells
+            slot = cells.find_slot(ub.n_tokens)
+            cells.apply(slot, ub.pos, ub.seq_ids)
+            rec = UbatchRecord(ub, slot, cells.n_kv())
+            if self.recoverable:
+                self.log.append(rec)
+            self._submit_recovering(rec)
             if ub.n_outputs:
-                parts.append((ub.idx[ub.output], fetch))
-        return PendingLogits(parts, hp.n_vocab)
+                records.append(rec)
+        return PendingLogits(self, records, hp.n_vocab)
 
     def synchronize(self) -> None:
         self.sched.synchronize()
 
-    def _process_ubatch(self, ub: Ubatch) -> Callable[[], np.ndarray]:
+    # -- recovery -------------------------------------------------------------------------------------
+    def _submit_recovering(self, rec: UbatchRecord) -> None:
+        for attempt in range(self.max_recoveries + 1):
+            try:
+                self._run(rec)
+                return
+            except StageLostError:
+                if attempt == self.max_recoveries or not self.recoverable:
+                    raise
+                self.recover()               # the replay runs `rec` too: it is already in the log
+                return
+
+    def recover(self) -> None:
+        """Restore lost backends (the pipeline's hook), then rebuild their KV caches by replaying
+        every logged ubatch whose tokens the cache still holds, in order, on the same cells. A
+        stage lost during the replay starts the recovery over (max_recoveries times)."""
+        for attempt in range(self.max_recoveries + 1):
+            try:
+                self._recover_once()
+                return
+            except StageLostError:
+                if attempt == self.max_recoveries:
+                    raise
+
+    def _recover_once(self) -> None:
+        assert self.recovery is not None, "this context has no recovery hook"
+        self.recovery()
+        self._inflight.clear()
+        self.gf_res_prev = None
+        self.sched.reset()
         cells = self.kv.cells
-        slot = cells.find_slot(ub.n_tokens)
-        cells.apply(slot, ub.pos, ub.seq_ids)
-        key = GraphKey(ub.n_tokens, ub.n_outputs, cells.n_kv())
+        keep = []
+        for rec in self.log:
+            ub = rec.ub
+            live = [(cells.pos[c] == p and bool(int(cells.seq[c]) >> min(s) & 1))
+                    for c, p, s in zip(rec.slot, ub.pos, ub.seq_ids)]
+            if not any(live):
+                continue                     # its tokens were removed: nothing to rebuild
+            keep.append(rec)
+            self.n_replayed_tokens += ub.n_tokens
+            self._run(rec)
+        self.log = keep
+        self.n_recoveries += 1
+
+    def _run(self, rec: UbatchRecord) -> None:
+        """Build or reuse the graph of the record's shape, set its inputs, compute (asynchronously on
+        a pipeline); rec.fetch then reads its logits."""
+        ub, slot = rec.ub, rec.slot
+        key = GraphKey(ub.n_tokens, ub.n_outputs, rec.n_kv)
         res = self.gf_res_prev
         if res is not None and res.key == key:
             if not self.pipelined:              # the previous compute may still read the inputs
@@ -164,10 +257,11 @@ class LlamaContext:
         logits = res.logits
         fetch_async = getattr(logits.buffer, "get_tensor_async", None)
         if fetch_async is not None:
-            return fetch_async(logits)
+            rec.fetch = fetch_async(logits)
+            return
         self.sched.synchronize()
         value = tensor_get(logits)
-        return lambda: value
+        rec.fetch = lambda: value
 
     def _set_inputs(self, res: GraphResult, ub: Ubatch, slot: np.ndarray, n_kv: int) -> None:
         inp = res.inputs
@@ -182,6 +276,8 @@ class LlamaContext:
     # -- sequences -----------------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         self.kv.cells.seq_rm(seq_id, p0, p1)
+        if self.log and self.kv.cells.used == 0:
+            self.log.clear()
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         self.kv.cells.seq_cp(src, dst, p0, p1)
@@ -191,3 +287,8 @@ class LlamaContext:
 
     def clear(self) -> None:
         self.kv.cells.clear()
+        self.log.clear()
+
+    @property
+    def recoverable(self) -> bool:
+        return self.recovery is not None

@@ -59,7 +59,8 @@ class TextStream:
 def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n_predict: int,
              params: SamplingParams = SamplingParams(), seq_id: int = 0,
              on_text: Callable[[str], None] | None = None, stop_at_eog: bool = True,
-             n_batch: int = 512) -> GenerationResult:
+             n_batch: int = 512, on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+    """Greedy or sampled continuation of prompt_tokens; on_token(index, id) runs after each token."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty: give at least one token")
     if n_predict < 0:
@@ -86,6 +87,8 @@ def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n
             break
         out.append(tok)
         history.append(tok)
+        if on_token is not None:
+            on_token(len(out), tok)
         piece = stream.push(tok)
         text.append(piece)
         if on_text and piece:

@@ -14,6 +14,7 @@ from ggml_dist.core.types import TYPE_TRAITS, GGMLType
 from ggml_dist.model.gguf import GGUFError, GGUFFile
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
+LLAMA_MAX_LAYERS = 512      # llama.cpp's limit; also bounds the work check_tensors does per layer
 
 
 @dataclass(slots=True)
@@ -79,6 +80,9 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
                  ("feed_forward_length", n_ff), ("context_length", n_ctx_train)):
         if v <= 0:
             raise GGUFError(f"{f.path}: {a}{k} = {v} must be positive")
+    if n_layer > LLAMA_MAX_LAYERS:
+        raise GGUFError(f"{f.path}: {a}block_count = {n_layer} exceeds the maximum of {LLAMA_MAX_LAYERS} "
+                        f"layers")
     n_head_kv = _key(f, a + "attention.head_count_kv", int, default=n_head)
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise GGUFError(f"{f.path}: {a}attention.head_count_kv = {n_head_kv} must be positive and divide "

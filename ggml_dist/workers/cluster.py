@@ -25,15 +25,19 @@ from ..core.context import Context
 from ..core.graph import Graph
 from ..core.tensor import Tensor
 from ..core.types import GGMLType
-from ..model.context import ContextParams, LlamaContext
+from ..model.context import ContextParams, LlamaContext, StageLostError
 from ..model.model import LlamaModel
 from .placement import Placement, place
 from .proxy import Call, Exports, RemoteBuffer, StageDevice, StageProxy
-from .stage import StageSpec, StageWorker
+from .stage import PlanMissingError, StageSpec, StageWorker
 
 
 class RayStartError(RuntimeError):
     """Ray could not be started or joined."""
+
+
+class RecoveryError(RuntimeError):
+    """A lost stage could not be brought back (no node can hold its layers)."""
 
 
 def connect(address: str | None = None, num_cpus: int | None = None,
@@ -79,16 +83,40 @@ class StageActor:
         return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream), dtype=np.uint8)
 
 
-def _ray_call(actor: Any) -> Call:
+def _lost(e: BaseException) -> bool:
+    """Does this Ray error mean a stage's state is gone (actor died or restarted, objects lost)?"""
+    import ray.exceptions as rex
+    lost_types = tuple(t for t in (getattr(rex, n, None) for n in (
+        "RayActorError", "ActorDiedError", "ActorUnavailableError", "ObjectLostError", "OwnerDiedError",
+        "ObjectReconstructionFailedError", "NodeDiedError", "WorkerCrashedError",
+        "ActorUnschedulableError")) if t is not None)
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, lost_types) or isinstance(e, PlanMissingError):
+            return True
+        e = getattr(e, "cause", None) or e.__cause__          # RayTaskError keeps the original in .cause
+    return False
+
+
+def _ray_call(actor: Any, stage: int, layers: tuple[int, int]) -> Call:
     import ray
 
     def submit(pid: str, desc: dict | None, inputs: bytearray, *ups: Any) -> Any:
         return actor.compute.remote(pid, desc, np.frombuffer(inputs, dtype=np.uint8), *ups)
 
-    def wait(handles: list) -> None:
-        ray.get(handles)                 # raises the stage's error, if any
+    def guarded(fn):
+        def call(handles: list):
+            try:
+                return fn(handles)
+            except Exception as e:
+                if _lost(e):
+                    raise StageLostError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) lost its "
+                                         f"state: {type(e).__name__}", stage) from e
+                raise RuntimeError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) failed: {e}") from e
+        return call
 
-    return Call(submit, lambda hs: ray.get(hs), wait)
+    return Call(submit, guarded(lambda hs: ray.get(hs)), guarded(lambda hs: ray.get(hs)))
 
 
 @dataclass
@@ -100,12 +128,15 @@ class Pipeline:
     proxies: list[StageProxy]
     ctx: LlamaContext
     infos: list[dict] = field(default_factory=list)
+    specs: list[StageSpec] = field(default_factory=list)
+    actor_cls: Any = None
+    recover_timeout_s: float = 120.0
 
     @classmethod
     def launch(cls, model_path: str, n_stages: int, params: ContextParams = ContextParams(),
                n_copies: int | None = None, layers: list[tuple[int, int]] | None = None,
                budgets: list[int] | None = None, threads_per_stage: int = 1,
-               max_restarts: int = 0, node_ids: list[str] | None = None) -> "Pipeline":
+               max_restarts: int = 3, node_ids: list[str] | None = None) -> "Pipeline":
         """Place the layers, start one actor per stage (spread over the nodes, or pinned to node_ids)
         and wait until every stage has mapped its weights."""
         import ray
@@ -115,14 +146,16 @@ class Pipeline:
         placement = place(model.file, hp, n_stages, params.n_ctx, kv_size, 0, 1, budgets, layers)
         actor_cls = ray.remote(num_cpus=threads_per_stage, max_restarts=max_restarts,
                                max_task_retries=0)(StageActor)
-        actors, proxies = [], []
+        actors, proxies, specs = [], [], []
         for sp in placement.stages:
             spec = StageSpec(sp.stage, str(model.path), sp.layers, sp.stage == 0,
                              sp.stage == n_stages - 1, params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa,
                              int(params.type_k), params.n_seq_max, params.exact, threads_per_stage)
+            specs.append(spec)
             actor = actor_cls.options(scheduling_strategy=_strategy(node_ids, sp.stage)).remote(spec)
             actors.append(actor)
-            proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(actor), StageDevice(f"stage{sp.stage}")))
+            proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(actor, sp.stage, sp.layers),
+                                      StageDevice(f"stage{sp.stage}")))
         infos = ray.get([a.info.remote() for a in actors])      # fail fast if a stage cannot load
         weights = _driver_weights(model, placement, proxies)
         cpu = CPUDevice("driver").init_backend(opts=ComputeOptions(exact=params.exact))
@@ -131,7 +164,58 @@ class Pipeline:
                            n_copies=n_copies or max(1, min(4, n_stages)), weights=weights,
                            layer_buft=lambda il: stage_of[il].device.buft,
                            after_alloc=lambda sched, g: _bind_exports(sched, g, proxies))
-        return cls(model, placement, actors, proxies, ctx, infos)
+        pl = cls(model, placement, actors, proxies, ctx, infos, specs, actor_cls)
+        ctx.recovery = pl.recover_stages
+        return pl
+
+    # -- faults ---------------------------------------------------------------------------------------
+    def kill_stage(self, k: int) -> None:
+        """Kill stage k's actor process (Ray restarts it if restarts remain): fault injection."""
+        import ray
+        ray.kill(self.actors[k], no_restart=False)
+
+    def recover_stages(self) -> None:
+        """Wait until every stage answers again: Ray restarts a killed actor (on another node if its
+        node is gone); a stage dead for good gets a new actor. Then forget what the stages knew
+        (plans, in-flight results): the context replays its log next."""
+        import ray
+        import ray.exceptions as rex
+        deadline = time.time() + self.recover_timeout_s
+        for k in range(len(self.actors)):
+            n_dead = 0
+            while True:
+                left = deadline - time.time()
+                try:
+                    ray.get(self.actors[k].ping.remote(), timeout=max(1.0, left))
+                    break
+                except rex.GetTimeoutError:
+                    raise self._unrecoverable(k) from None
+                except rex.RayActorError:
+                    # a restarting actor queues the ping; one that keeps refusing is dead for good
+                    n_dead += 1
+                    if left <= 0:
+                        raise self._unrecoverable(k) from None
+                    if n_dead >= 3:
+                        self._replace(k)
+                        n_dead = 0
+                    time.sleep(0.2)
+        for p in self.proxies:
+            p.reset()
+
+    def _replace(self, k: int) -> None:
+        """A new actor for stage k, anywhere it fits (its old one is dead for good)."""
+        sp = self.specs[k]
+        actor = self.actor_cls.options(scheduling_strategy="SPREAD").remote(sp)
+        self.actors[k] = actor
+        self.proxies[k].call = _ray_call(actor, k, sp.layers)
+
+    def _unrecoverable(self, k: int) -> RecoveryError:
+        s = self.placement.stages[k]
+        return RecoveryError(
+            f"stage {k} (layers {s.layers[0]}..{s.layers[1] - 1}) did not come back within "
+            f"{self.recover_timeout_s:.0f} s: no node could take it (it needs "
+            f"{(s.weight_bytes + s.kv_bytes) / 2**20:.1f} MiB: weights {s.weight_bytes / 2**20:.1f}, "
+            f"KV {s.kv_bytes / 2**20:.1f}); add a node with that much memory and retry")
 
     def stats(self) -> list[dict]:
         import ray
@@ -160,11 +244,12 @@ class Pipeline:
 
 
 def _strategy(node_ids: list[str] | None, stage: int) -> Any:
-    """SPREAD over the cluster's nodes, or a hard pin to node_ids[stage]."""
+    """SPREAD over the cluster's nodes, or node_ids[stage] (soft: if that node is lost, Ray may restart
+    the stage on another node that has room)."""
     if not node_ids:
         return "SPREAD"
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return NodeAffinitySchedulingStrategy(node_id=node_ids[stage % len(node_ids)], soft=False)
+    return NodeAffinitySchedulingStrategy(node_id=node_ids[stage % len(node_ids)], soft=True)
 
 
 def _bind_exports(sched: Any, graph: Graph, proxies: list[StageProxy]) -> None:

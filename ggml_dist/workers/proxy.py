@@ -221,6 +221,16 @@ class StageProxy:
                 return np.array(wt.data)
         raise RuntimeError(f"{self.name}: the call's result holds no '{key}'")
 
+    def reset(self) -> None:
+        """Forget everything the actor was told or asked: after it restarted, it knows no plans and
+        its results in flight are gone."""
+        self.sent_plans.clear()
+        self.pending_host.clear()
+        self.pending_up.clear()
+        self.last_handle = None
+        if self.exports is not None:
+            self.exports.handles.clear()
+
     # -- synchronisation ----------------------------------------------------------------------------
     def synchronize(self) -> None:
         if self.last_handle is not None:

@@ -33,6 +33,10 @@ from .wire import WireTensor, decode, encode
 MAX_PLANS = 8
 
 
+class PlanMissingError(RuntimeError):
+    """A call names a plan this stage never received: it was restarted and lost its plans."""
+
+
 @dataclass
 class StageSpec:
     """What one stage loads: a layer range (plus embeddings / head when first / last)."""
@@ -128,7 +132,8 @@ class StageWorker:
             self.plans.move_to_end(pid)
             return self.plans[pid]
         if desc is None:
-            raise PlanError(f"stage {self.spec.stage_id}: unknown plan {pid} and no description sent")
+            raise PlanMissingError(f"stage {self.spec.stage_id}: unknown plan {pid} (restarted?) and no "
+                                   f"description sent")
         plan = rebuild(desc, self.weights, self.kv_tensors)
         galloc = Gallocr([self.buft])
         galloc.reserve(plan.graph)

@@ -1,5 +1,6 @@
-"""Tests for ggml_dist.backends.qkernels: the numba kernels give the same bits as the numpy "fast" path
-of quants.mul_mat for every covered type (and quants.mul_mat dispatches to them)."""
+"""Tests for ggml_dist.backends.qkernels: the numba kernels give the same bits as the numpy paths of
+quants.mul_mat, order="fast" and order="ggml", for every covered type (and quants.mul_mat dispatches to
+them)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,6 +21,14 @@ def numpy_fast(t, w, x, monkeypatch):
     monkeypatch.setattr(Q, "USE_NUMBA", False)
     try:
         return Q.mul_mat(t, w, x, order="fast")
+    finally:
+        monkeypatch.setattr(Q, "USE_NUMBA", True)
+
+
+def numpy_order(t, w, x, order, monkeypatch, repacked=None):
+    monkeypatch.setattr(Q, "USE_NUMBA", False)
+    try:
+        return Q.mul_mat(t, w, x, order=order, repacked=repacked)
     finally:
         monkeypatch.setattr(Q, "USE_NUMBA", True)
 
@@ -48,7 +57,37 @@ def test_covered_types_bit_identical(t, monkeypatch):
         assert got.shape == (N, M) and got.dtype == F32
         assert np.array_equal(got, ref), f"{t.name} N={N}: max |diff| {np.abs(got - ref).max()}"
         # the public entry point dispatches to the kernels
-        np.testing.assert_array_equal(Q.mul_mat(t, w, x), ref)
+        np.testing.assert_array_equal(Q.mul_mat(t, w, x, order="fast"), ref)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_ggml_order_bit_identical(t, monkeypatch):
+    # order="ggml" (AVX2 lane orders; repacked Q4_0/Q4_K chains at M = 64; F16 vec_dot for N = 1 or
+    # M = 37, tinyBLAS for N >= 2 and M = 64): numba == numpy for N in {1, 2, 7, 64}, zero blocks
+    K = 544 if t == T.F16 else 512          # F16: a K % 32 tail (vec_dot) with K % 8 == 0 (tinyBLAS)
+    xs = (np.random.default_rng(int(t) + 1).standard_normal((64, K)) * 3).astype(F32)
+    xs[0, :256] = 0
+    xs[5, 100] = 40.0
+    for M in (37, 64):
+        w = weights(t, M, K, seed=int(t) + M)
+        for rp in ((None, False) if t in (T.Q4_0, T.Q4_K) and M == 64 else (None,)):
+            for N in (1, 2, 7, 64):
+                x = xs[:N]
+                ref = numpy_order(t, w, x, "ggml", monkeypatch, repacked=rp)
+                got = Q.mul_mat(t, w, x, order="ggml", repacked=rp)
+                assert got.shape == (N, M) and got.dtype == F32
+                assert np.array_equal(got, ref), \
+                    f"{t.name} M={M} N={N} repacked={rp}: max |diff| {np.abs(got - ref).max()}"
+                rk = M % 8 == 0 if rp is None else rp
+                np.testing.assert_array_equal(qk.mul_mat_q(t, w, x, order="ggml", repacked=rk), ref)
+
+
+def test_ggml_order_is_not_fast():
+    # the two orders really differ (guards against a dispatch that silently ignores `order`)
+    K, M = 2048, 64
+    w = weights(T.Q4_1, M, K, seed=11)
+    x = np.random.default_rng(12).standard_normal((3, K)).astype(F32)
+    assert not np.array_equal(Q.mul_mat(T.Q4_1, w, x, order="ggml"), Q.mul_mat(T.Q4_1, w, x, order="fast"))
 
 
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q6_K])
@@ -57,14 +96,15 @@ def test_readonly_strided_and_1d(t, monkeypatch):
     K, M = 256, 9
     w = weights(t, M, K, seed=5)
     x = np.random.default_rng(6).standard_normal((3, K)).astype(F32)
-    ref = numpy_fast(t, w, x, monkeypatch)
-    ro = w.copy()
-    ro.flags.writeable = False
-    np.testing.assert_array_equal(Q.mul_mat(t, ro, x), ref)
-    big = np.zeros((M, 2, w.shape[1] + 3), np.uint8)
-    big[:, 0, 3:] = w
-    np.testing.assert_array_equal(Q.mul_mat(t, big[:, 0, 3:], x), ref)
-    np.testing.assert_array_equal(Q.mul_mat(t, w, x[1]), ref[1])
+    for order in ("fast", "ggml"):
+        ref = numpy_order(t, w, x, order, monkeypatch)
+        ro = w.copy()
+        ro.flags.writeable = False
+        np.testing.assert_array_equal(Q.mul_mat(t, ro, x, order=order), ref)
+        big = np.zeros((M, 2, w.shape[1] + 3), np.uint8)
+        big[:, 0, 3:] = w
+        np.testing.assert_array_equal(Q.mul_mat(t, big[:, 0, 3:], x, order=order), ref)
+        np.testing.assert_array_equal(Q.mul_mat(t, w, x[1], order=order), ref[1])
 
 
 def test_threads_do_not_change_results(monkeypatch):
@@ -76,9 +116,11 @@ def test_threads_do_not_change_results(monkeypatch):
     try:
         qk.set_threads(1)
         one = qk.mul_mat_q(T.Q4_K, w, x)
+        one_g = qk.mul_mat_q(T.Q4_K, w, x, order="ggml")
     finally:
         qk.set_threads(n0)
     np.testing.assert_array_equal(qk.mul_mat_q(T.Q4_K, w, x), one)
+    np.testing.assert_array_equal(qk.mul_mat_q(T.Q4_K, w, x, order="ggml"), one_g)
     with pytest.raises(ValueError):
         qk.set_threads(0)
 
@@ -89,3 +131,5 @@ def test_not_covered_and_bad_rows():
     assert qk.mul_mat_q(T.F32, np.ones((2, 64), F32), x) is None
     with pytest.raises(ValueError):
         qk.mul_mat_q(T.Q4_0, np.zeros((2, 30), np.uint8), x)
+    with pytest.raises(ValueError):
+        qk.mul_mat_q(T.Q4_0, np.zeros((2, 36), np.uint8), x, order="bad")

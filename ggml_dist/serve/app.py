@@ -1,0 +1,263 @@
+"""The HTTP face of the engine: OpenAI's completions and chat completions, models, health, metrics.
+
+Bodies are read by hand (size-limited) and validated with the protocol models, so every bad request gets
+OpenAI's error object with a 4xx status instead of FastAPI's 422 format. Generated text travels from the
+engine thread to the request's handler through an asyncio queue (loop.call_soon_threadsafe).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..model.sampling import SamplingParams
+from .engine import Engine, Event, NotReady, QueueFull, Request
+from .protocol import (APIError, ChatRequest, CompletionRequest, chat_body, completion_body, new_id,
+                       usage, usage_chunk, validation_error)
+
+MAX_BODY_BYTES = 1 << 20          # a 1 MiB prompt is far past any context this server runs
+_DISCONNECT_POLL_S = 0.25         # how often a non-streaming handler asks whether its client left
+
+
+def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="ggml-dist", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = engine.metrics
+    created = int(time.time())
+
+    endpoints = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+    @app.exception_handler(APIError)
+    async def _api_error(http: HTTPRequest, e: APIError) -> JSONResponse:
+        if http.url.path in endpoints:
+            outcome = "rejected" if e.status in (429, 503) else "invalid" if e.status < 500 else "error"
+            metrics.count_request(endpoints[http.url.path], outcome)
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: HTTPRequest, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: HTTPRequest, e: Exception) -> JSONResponse:
+        err = APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    # -- read-only endpoints -------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.load_error:
+            return JSONResponse({"status": "error", "error": engine.load_error}, status_code=503)
+        if not engine.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        n_run = engine.n_running()
+        return JSONResponse({"status": "ok", "slots_idle": engine.cfg.n_parallel - n_run,
+                             "slots_processing": n_run, "queue": engine.queue_length()})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "ggml_dist"}]})
+
+    @app.get("/metrics")
+    def prometheus() -> PlainTextResponse:          # sync: stage stats are a blocking Ray call
+        ctx = engine.ctx
+        gauges = {
+            "queue_length": ("requests waiting for a slot", float(engine.queue_length())),
+            "requests_running": ("requests holding a slot", float(engine.n_running())),
+            "slots_total": ("sequence slots (--parallel)", float(engine.cfg.n_parallel)),
+            "kv_cells_used": ("KV cache cells holding a token", float(ctx.kv.cells.used if ctx else 0)),
+            "kv_cells_total": ("KV cache cells", float(ctx.n_ctx if ctx else 0)),
+            "ready": ("1 once every stage has loaded", float(engine.ready.is_set() and not engine.load_error)),
+        }
+        busy = engine.stage_busy() if engine.ready.is_set() and not engine.load_error else []
+        return PlainTextResponse(metrics.render(gauges, busy),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- generation ----------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest) -> Response:
+        try:
+            req = CompletionRequest.model_validate(await _read_json(http, max_body_bytes))
+        except ValidationError as e:
+            raise validation_error(e) from None
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise _invalid("only one prompt per request is supported (n=1)", "prompt")
+            prompt = prompt[0]
+        tok = _tokenizer(engine)
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt, add_special=True, parse_special=True)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < tok.n_vocab]
+            if bad:
+                raise _invalid(f"token id {bad[0]} is outside the vocabulary "
+                               f"(0..{tok.n_vocab - 1})", "prompt")
+        return await _generate(http, engine, "completions", req, ids, req.max_tokens_or_default(),
+                               model_name, chat=False, echo=req.echo and isinstance(prompt, str) and prompt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest) -> Response:
+        try:
+            req = ChatRequest.model_validate(await _read_json(http, max_body_bytes))
+        except ValidationError as e:
+            raise validation_error(e) from None
+        tok = _tokenizer(engine)
+        template = engine.cfg.chat_template or tok.chat_template
+        if not template:
+            raise _invalid("the model has no chat template (tokenizer.chat_template); start the "
+                           "server with --chat-template, or use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, template=template)
+        except Exception as e:      # a template's raise_exception (e.g. roles out of order)
+            raise _invalid(f"the chat template rejected the messages: {e}", "messages") from None
+        ids = tok.encode(text, add_special=True, parse_special=True)
+        room = max(1, engine.n_ctx_slot - len(ids))
+        return await _generate(http, engine, "chat", req, ids, req.max_tokens_or_default(room),
+                               model_name, chat=True)
+
+    app.state.engine = engine
+    return app
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+def _invalid(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _tokenizer(engine: Engine) -> Any:
+    try:
+        return engine.tokenizer
+    except NotReady as e:
+        raise APIError(503, str(e), "server_error", code="model_not_ready") from None
+
+
+async def _read_json(http: HTTPRequest, limit: int) -> Any:
+    """The body as JSON, refused with 413 past `limit` bytes (declared or streamed)."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       code="body_too_large")
+    buf = bytearray()
+    async for chunk in http.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+    try:
+        obj = json.loads(buf)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the body must be a JSON object, not {type(obj).__name__}", code="invalid_json")
+    return obj
+
+
+async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: CompletionRequest | ChatRequest,
+                    ids: list[int], max_tokens: int, model_name: str, chat: bool,
+                    echo: str | bool = False) -> Response:
+    metrics = engine.metrics
+    n_slot = engine.n_ctx_slot
+    if not ids:
+        raise _invalid("the prompt is empty", "prompt")
+    if len(ids) >= n_slot:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context per request is "
+                       f"{n_slot} tokens (--ctx {engine.cfg.n_ctx} / --parallel {engine.cfg.n_parallel}), "
+                       f"which must hold the prompt and at least one generated token",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    if max_tokens > n_slot:
+        raise APIError(400, f"max_tokens={max_tokens} exceeds the context per request ({n_slot} tokens)",
+                       param="max_tokens", code="invalid_value")
+    sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                              min_p=req.min_p, repeat_penalty=req.repeat_penalty, seed=req.seed)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    greq = Request(ids, max_tokens, sampling, req.stop_list(),
+                   on_event=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+    try:
+        engine.submit(greq)
+    except QueueFull as e:
+        raise APIError(429, f"server busy: {e}", "rate_limit_error", code="queue_full") from None
+    except NotReady as e:
+        raise APIError(503, str(e), "server_error", code="model_not_ready") from None
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        return StreamingResponse(_sse(engine, endpoint, greq, queue, rid, model_name, chat, req.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    parts: list[str] = [echo] if isinstance(echo, str) else []
+    t_check = time.monotonic()
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                ev = None
+            if ev is not None:
+                parts.append(ev.text)
+                if ev.finish_reason is not None:
+                    break
+            if time.monotonic() - t_check >= _DISCONNECT_POLL_S:
+                t_check = time.monotonic()
+                if await http.is_disconnected():     # nobody will read the answer: free the slot
+                    engine.cancel(greq)
+                    metrics.count_request(endpoint, "cancelled")
+                    return Response(status_code=499)
+    except asyncio.CancelledError:
+        engine.cancel(greq)
+        raise
+    if ev.finish_reason == "error":
+        raise APIError(500, f"generation failed: {ev.error}", "server_error")
+    metrics.count_request(endpoint, "ok")
+    use = usage(ev.n_prompt, ev.n_gen)
+    build = chat_body if chat else completion_body
+    return JSONResponse(build(rid, model_name, "".join(parts), ev.finish_reason, use, chunk=False))
+
+
+async def _sse(engine: Engine, endpoint: str, greq: Request, queue: asyncio.Queue[Event], rid: str,
+               model_name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; Starlette cancels this generator when the client goes away, and the
+    `finally` then cancels the sequence so its slot is freed at the engine's next turn."""
+    def sse(body: dict[str, Any]) -> str:
+        return f"data: {json.dumps(body)}\n\n"
+
+    done = False
+    try:
+        if chat:     # OpenAI's first chat chunk carries the role
+            yield sse(chat_body(rid, model_name, "", None, None, chunk=True, first=True))
+        while True:
+            ev = await queue.get()
+            if ev.finish_reason == "error":
+                done = True
+                engine.metrics.count_request(endpoint, "error")
+                yield sse(APIError(500, f"generation failed: {ev.error}", "server_error").body())
+                return
+            if ev.text:
+                yield sse(chat_body(rid, model_name, ev.text, None, None, chunk=True) if chat else
+                          completion_body(rid, model_name, ev.text, None, None, chunk=True))
+            if ev.finish_reason is None:
+                continue
+            done = True
+            finish = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
+            yield sse(chat_body(rid, model_name, "", finish, None, chunk=True) if chat else
+                      completion_body(rid, model_name, "", finish, None, chunk=True))
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield sse(usage_chunk(rid, model_name, obj, usage(ev.n_prompt, ev.n_gen)))
+            yield "data: [DONE]\n\n"
+            engine.metrics.count_request(endpoint, "ok")
+            return
+    finally:
+        if not done:
+            engine.cancel(greq)
+            engine.metrics.count_request(endpoint, "cancelled")

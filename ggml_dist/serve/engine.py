@@ -1,0 +1,362 @@
+"""Continuous batching over one LlamaContext (llama.cpp server's slots and update_slots).
+
+    submit(request)   -> the admission queue (bounded: QueueFull past max_queue)
+    engine thread, each turn:
+        1. reap     sequences that are cancelled and not in flight free their slot (seq_rm)
+        2. admit    queued requests take free slots; the slot index is the KV sequence id
+        3. fill     while fewer than `depth` micro-batches are in flight and some sequences are idle,
+                    submit a micro-batch: one token per decoding sequence, then prompt chunks
+        4. collect  wait for the oldest micro-batch; sample each output row, stream the text
+
+On a pipeline of K stages `depth` is K: the active sequences fall into K groups, and a group is sent
+again as soon as its logits are back, so stage k works on one group while stage k+1 works on another
+(vLLM's max_concurrent_batches). In one process depth is 1 and every idle sequence shares one batch.
+A sequence is in at most one micro-batch at a time, so its positions in a batch are consecutive and its
+KV writes happen in order. Every slot owns n_ctx / n_parallel cells of the cache, as in llama-server.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..model.context import ContextParams, LlamaContext, PendingLogits
+from ..model.generate import TextStream
+from ..model.model import LlamaModel
+from ..model.sampling import Sampler, SamplingParams
+from ..model.tokenizer import Tokenizer
+from ..model.ubatch import Batch
+from .metrics import Metrics
+from .stop import StopMatcher
+
+
+class QueueFull(RuntimeError):
+    """The admission queue holds max_queue requests already."""
+
+
+class NotReady(RuntimeError):
+    """The model (or a stage actor) is still loading, or failed to load."""
+
+
+# -- requests and their events -----------------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """A piece of text for the client; the last event of a request has finish_reason set
+    ("stop", "length", "cancelled" or "error")."""
+    text: str = ""
+    finish_reason: str | None = None
+    n_prompt: int = 0
+    n_gen: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    on_event: Callable[[Event], None]      # called from the engine thread; must not block
+    t_arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class Sequence:
+    req: Request
+    slot: int
+    sampler: Sampler
+    stream: TextStream
+    stop: StopMatcher
+    history: list[int]                      # prompt, then generated tokens (for repeat penalty)
+    n_past: int = 0                         # tokens already in the KV cache
+    n_gen: int = 0
+    in_flight: bool = False
+    t_last: float | None = None             # when the previous token was emitted
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_past < len(self.req.prompt)
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    pending: PendingLogits
+    parts: list[tuple[Sequence, int, bool]]     # (sequence, tokens it put in, has an output row)
+
+
+# -- engine ------------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_path: str
+    n_stages: int = 1
+    address: str | None = None
+    n_parallel: int = 4
+    n_ctx: int = 2048
+    n_batch: int = 512
+    max_queue: int = 64
+    threads_per_stage: int = 1
+    n_copies: int | None = None             # micro-batches in flight on a pipeline (default: stages)
+    chat_template: str | None = None        # Jinja source overriding the GGUF's tokenizer.chat_template
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_parallel <= 64:
+            raise ValueError(f"--parallel must be 1..64 (KV sequence ids), got {self.n_parallel}")
+        if self.n_ctx // self.n_parallel < 8:
+            raise ValueError(f"--ctx {self.n_ctx} over --parallel {self.n_parallel} leaves "
+                             f"{self.n_ctx // self.n_parallel} cells per slot; raise --ctx")
+        if self.n_stages < 1 or self.max_queue < 0:
+            raise ValueError(f"--stages must be >= 1 and the queue bound >= 0 "
+                             f"({self.n_stages}, {self.max_queue})")
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, metrics: Metrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.n_ctx_slot = cfg.n_ctx // cfg.n_parallel
+        self.model: LlamaModel | None = None
+        self.ctx: LlamaContext | None = None
+        self.pipeline: Any = None               # workers.cluster.Pipeline, when on Ray
+        self.depth = 1
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.busy_s = 0.0                       # in-process compute time (one stage)
+        self._queue: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._slots: list[Sequence | None] = [None] * cfg.n_parallel
+        self._in_flight: collections.deque[MicroBatch] = collections.deque()
+        self._stopping = False
+        self._next_slot = 0                     # round-robin start when filling micro-batches
+        self._thread = threading.Thread(target=self._run, name="ggml-dist-engine", daemon=True)
+
+    # -- life cycle (any thread) ------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self.ready.wait(timeout) or self.load_error:
+            raise NotReady(self.load_error or f"the model did not load within {timeout} s")
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.model is None:
+            raise NotReady(self.load_error or "the model is still loading")
+        return self.model.tokenizer
+
+    # -- requests (event-loop thread) -------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        if not self.ready.is_set() or self.load_error:
+            raise NotReady(self.load_error or "the model is still loading; retry when /health is ok")
+        assert 0 < len(req.prompt) < self.n_ctx_slot, "the app checks the prompt against the slot size"
+        with self._cv:
+            n_idle = sum(s is None for s in self._slots)
+            if len(self._queue) >= self.cfg.max_queue + n_idle:
+                raise QueueFull(f"{len(self._queue)} requests queued and {self.cfg.n_parallel} "
+                                f"running; retry later")
+            self._queue.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        with self._cv:
+            req.cancelled = True
+            self._cv.notify()
+
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    def n_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def stage_busy(self) -> list[float]:
+        if self.pipeline is None:
+            return [self.busy_s]
+        return [float(st["compute_s"]) for st in self.pipeline.stats()]
+
+    # -- engine thread ----------------------------------------------------------------------------------
+    def _load(self) -> None:
+        cfg = self.cfg
+        params = ContextParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
+                               n_seq_max=cfg.n_parallel)
+        if cfg.n_stages <= 1 and not cfg.address:
+            self.model = LlamaModel.load(cfg.model_path)
+            self.ctx = LlamaContext(self.model, params)
+        else:
+            from ..workers.cluster import Pipeline, connect
+            print(f"ggml-dist serve: {connect(cfg.address, num_cpus=max(2, cfg.n_stages * cfg.threads_per_stage))}",
+                  file=sys.stderr)
+            self.depth = cfg.n_copies or cfg.n_stages
+            # Pipeline.launch returns once every stage actor has mapped its weights
+            self.pipeline = Pipeline.launch(cfg.model_path, cfg.n_stages, params, n_copies=self.depth,
+                                            threads_per_stage=cfg.threads_per_stage)
+            self.model, self.ctx = self.pipeline.model, self.pipeline.ctx
+        # one token through every stage: compiles kernels and plans before the first request
+        self.ctx.decode(Batch.from_tokens([self.model.tokenizer.bos_id or 0]))
+        self.ctx.seq_rm(0)
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as e:      # reported by /health and to every request, not raised
+            self.load_error = f"loading {self.cfg.model_path} failed: {type(e).__name__}: {e}"
+            print(f"ggml-dist serve: {self.load_error}", file=sys.stderr)
+            self.ready.set()
+            return
+        self.ready.set()
+        while True:
+            with self._cv:
+                while (not self._stopping and not self._queue and not self._in_flight
+                       and not any(self._slots)):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                self._reap()
+                self._admit()
+            try:
+                self._fill()
+                if self._in_flight:
+                    self._collect(self._in_flight.popleft())
+            except Exception as e:   # a failed step fails its requests; the server keeps serving
+                self._fail_all(f"{type(e).__name__}: {e}")
+        for s in self._slots:
+            if s is not None:
+                s.in_flight = False
+                self._finish(s, "cancelled")
+
+    def _reap(self) -> None:
+        if any(r.cancelled for r in self._queue):
+            for r in [r for r in self._queue if r.cancelled]:
+                self._queue.remove(r)
+                r.on_event(Event(finish_reason="cancelled", n_prompt=len(r.prompt)))
+        for s in self._slots:
+            if s is not None and s.req.cancelled and not s.in_flight:
+                self._finish(s, "cancelled")
+
+    def _admit(self) -> None:
+        while self._queue and None in self._slots:
+            req = self._queue.popleft()
+            if req.cancelled:
+                req.on_event(Event(finish_reason="cancelled", n_prompt=len(req.prompt)))
+                continue
+            slot = self._slots.index(None)
+            assert self.ctx is not None and self.model is not None
+            assert self.ctx.seq_pos_max(slot) < 0, f"slot {slot} was not cleared"
+            self._slots[slot] = Sequence(req, slot, Sampler(req.sampling), TextStream(self.model.tokenizer),
+                                         StopMatcher(req.stops), list(req.prompt))
+            self.metrics.add_prompt(len(req.prompt))
+
+    def _fill(self) -> None:
+        """Submit micro-batches until `depth` are in flight or no sequence is idle."""
+        assert self.ctx is not None
+        n_active = sum(s is not None for s in self._slots)
+        per_batch = max(1, math.ceil(n_active / self.depth))
+        while len(self._in_flight) < self.depth:
+            n = len(self._slots)
+            idle = [s for k in range(n) if (s := self._slots[(self._next_slot + k) % n]) is not None
+                    and not s.in_flight and not s.req.cancelled]
+            if not idle:
+                return
+            # decoding sequences first (one token each), then prompt chunks in what is left of n_batch
+            idle.sort(key=lambda s: s.prefilling)
+            tokens: list[int] = []
+            pos: list[int] = []
+            seq_ids: list[frozenset[int]] = []
+            output: list[bool] = []
+            parts: list[tuple[Sequence, int, bool]] = []
+            for s in idle[:per_batch]:
+                budget = self.cfg.n_batch - len(tokens)
+                if budget <= 0:
+                    break
+                if s.prefilling:
+                    chunk = s.req.prompt[s.n_past:s.n_past + budget]
+                else:
+                    chunk = [s.history[-1]]
+                last = s.n_past + len(chunk) == len(s.history)
+                tokens += chunk
+                pos += range(s.n_past, s.n_past + len(chunk))
+                seq_ids += [frozenset({s.slot})] * len(chunk)
+                output += [False] * (len(chunk) - 1) + [last]
+                parts.append((s, len(chunk), last))
+                s.in_flight = True
+            self._next_slot = (parts[-1][0].slot + 1) % n
+            batch = Batch(np.asarray(tokens, np.int32), np.asarray(pos, np.int32), seq_ids,
+                          np.asarray(output, bool))
+            t0 = time.perf_counter()
+            pending = self.ctx.submit(batch)
+            self.busy_s += time.perf_counter() - t0
+            self._in_flight.append(MicroBatch(pending, parts))
+
+    def _collect(self, mb: MicroBatch) -> None:
+        t0 = time.perf_counter()
+        logits = mb.pending.result()             # [n_outputs, n_vocab] in batch order
+        self.busy_s += time.perf_counter() - t0
+        row = 0
+        for s, n_tokens, has_out in mb.parts:
+            s.in_flight = False
+            s.n_past += n_tokens
+            if has_out:
+                row += 1
+                if s.req.cancelled:
+                    self._finish(s, "cancelled")
+                else:
+                    self._sample(s, logits[row - 1])
+
+    def _sample(self, s: Sequence, logits: np.ndarray) -> None:
+        assert self.model is not None
+        tok = s.sampler.sample(logits, s.history)
+        now = time.perf_counter()
+        if s.t_last is None:
+            self.metrics.add_token(now - s.req.t_arrival, None)
+        else:
+            self.metrics.add_token(None, now - s.t_last)
+        s.t_last = now
+        if self.model.tokenizer.is_eog(tok):
+            self._finish(s, "stop")
+            return
+        s.history.append(tok)
+        s.n_gen += 1
+        text, hit = s.stop.push(s.stream.push(tok))
+        if hit:
+            self._finish(s, "stop", text, flush=False)
+        elif s.n_gen >= s.req.max_tokens or len(s.history) >= self.n_ctx_slot:
+            self._finish(s, "length", text)
+        elif text:
+            s.req.on_event(Event(text))
+
+    def _finish(self, s: Sequence, reason: str, text: str = "", flush: bool = True,
+                error: str | None = None) -> None:
+        """Send the last event and free the slot at once (its cells go back to the cache)."""
+        assert self.ctx is not None and not s.in_flight, f"slot {s.slot} finished while in flight"
+        if flush and reason in ("stop", "length"):
+            tail, hit = s.stop.push(s.stream.flush())
+            text += tail if hit else tail + s.stop.flush()
+        self.ctx.seq_rm(s.slot)
+        self._slots[s.slot] = None
+        s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error))
+
+    def _fail_all(self, msg: str) -> None:
+        print(f"ggml-dist serve: step failed: {msg}", file=sys.stderr)
+        self._in_flight.clear()
+        for s in self._slots:
+            if s is not None:
+                s.in_flight = False
+                self._finish(s, "error", error=msg)
+        assert self.ctx is not None
+        self.ctx.clear()

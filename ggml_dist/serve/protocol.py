@@ -1,0 +1,161 @@
+"""The OpenAI wire format: request models (validated with pydantic), response and chunk builders, and
+the API error that the app turns into `{"error": {...}}` with an HTTP status.
+
+Only what ggml_dist can honour is accepted: n=1, no logprobs, no tools. Unknown fields are ignored, as
+the OpenAI API does for forward compatibility, so clients that send `user` or `logit_bias` still work.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
+                      model_validator)
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error returned to the client as OpenAI's error object with `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (`messages.0.content`)."""
+    err = e.errors()[0]
+    # drop pydantic's union-member tags ("prompt.str", "prompt.list[int]"): keep indices and field names
+    names = {n for m in (CompletionRequest, ChatRequest, ChatMessage) for n in m.model_fields}
+    kept: list[str] = []
+    for p in err["loc"]:
+        if not (isinstance(p, int) or p in names):
+            break
+        kept.append(str(p))
+    param = ".".join(kept) or None
+    return APIError(400, f"invalid value for '{param}': {err['msg']}", param=param,
+                    code="invalid_value")
+
+
+# -- requests ----------------------------------------------------------------------------------------
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    # strict types: "5" is not 5; a strict float still takes an int, as JSON does not tell 1 from 1.0
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=40, ge=0)            # llama.cpp extension (0 = off)
+    min_p: StrictFloat = Field(default=0.05, ge=0.0, le=1.0)    # llama.cpp extension
+    repeat_penalty: StrictFloat = Field(default=1.0, gt=0.0)    # llama.cpp extension
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    n: StrictInt = Field(default=1, ge=1, le=1)
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # clients send `"temperature": null` for "not set"; the field's default applies
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    def stop_list(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise APIError(400, f"'stop' takes at most 4 sequences, got {len(stops)}", param="stop")
+        return tuple(s for s in stops if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[StrictInt] | list[str]
+    echo: StrictBool = False
+
+    def max_tokens_or_default(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 16     # the OpenAI default
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """Content parts of type text, joined (images and audio are refused by the caller)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        out = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            out.append(part["text"])
+        return "".join(out)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+
+    def max_tokens_or_default(self, room: int) -> int:
+        n = self.max_completion_tokens or self.max_tokens
+        return n if n is not None else room          # chat: until EOG or the context is full
+
+
+# -- responses ---------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str | None,
+                    use: dict[str, int] | None, chunk: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                         "finish_reason": finish}]}
+    if use is not None or not chunk:
+        body["usage"] = use
+    return body
+
+
+def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None,
+              chunk: bool, first: bool = False) -> dict[str, Any]:
+    if chunk:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
+            ({"content": text} if text else {})
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": model, "choices": [choice]}
+        if use is not None:
+            body["usage"] = use
+        return body
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": use}
+
+
+def usage_chunk(rid: str, model: str, obj: str, use: dict[str, int]) -> dict[str, Any]:
+    """The extra last chunk of stream_options.include_usage: empty choices, usage set."""
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": use}
