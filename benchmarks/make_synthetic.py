@@ -14,26 +14,18 @@ import resource
 import sys
 import time
 
-from ggml_dist.model.pull import cache_dir
-from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
-
-TINYLLAMA_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632,
-                               wtype="Q4_0", embd_type="Q4_0", tied=False, seed=11)
+from ggml_dist.model.synthetic import TINYLLAMA_Q4_0, cached_synthetic
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rewrite even if the file exists")
     args = ap.parse_args(argv)
-    path = cache_dir() / f"synthetic-{TINYLLAMA_Q4_0.name}.gguf"
-    if args.force or not path.is_file():
-        tmp = path.with_suffix(".gguf.part")
-        t0 = time.perf_counter()
-        write_synthetic(tmp, TINYLLAMA_Q4_0)
-        tmp.replace(path)          # a killed run never leaves a truncated file under the final name
-        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"wrote {path.stat().st_size / 1e6:.0f} MB in {time.perf_counter() - t0:.0f} s, "
-              f"peak RSS {rss_mb:.0f} MB", file=sys.stderr)
+    t0 = time.perf_counter()
+    path = cached_synthetic(TINYLLAMA_Q4_0, force=args.force)
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{path.stat().st_size / 1e6:.0f} MB ready in {time.perf_counter() - t0:.0f} s, "
+          f"peak RSS {rss_mb:.0f} MB", file=sys.stderr)
     print(path)
     return 0
 

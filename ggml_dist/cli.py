@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                    "whose GGUF has none")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
-    p.add_argument("what", choices=["alloc", "pipeline"])
+    p.add_argument("what", choices=["alloc", "pipeline", "decode", "faults"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
 
@@ -311,8 +311,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import alloc, pipeline
-    mains = {"alloc": alloc.main, "pipeline": pipeline.main}
+    from .bench import alloc, decode, faults, pipeline
+    mains = {"alloc": alloc.main, "pipeline": pipeline.main, "decode": decode.main, "faults": faults.main}
     return mains[args.what](args.rest)
 
 

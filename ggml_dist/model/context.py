@@ -8,6 +8,7 @@ graph keeps the scheduler's splits and the allocator's plan, and only its input 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -131,6 +132,7 @@ class LlamaContext:
         self.log: list[UbatchRecord] = []    # ubatches to replay after a loss (recoverable only)
         self.n_recoveries = 0
         self.n_replayed_tokens = 0
+        self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
         self.gf_res_prev: GraphResult | None = None
         self.n_reused = 0
         self.n_rebuilt = 0
@@ -200,9 +202,11 @@ class LlamaContext:
         """Restore lost backends (the pipeline's hook), then rebuild their KV caches by replaying
         every logged ubatch whose tokens the cache still holds, in order, on the same cells. A
         stage lost during the replay starts the recovery over (max_recoveries times)."""
+        t0 = time.perf_counter()
         for attempt in range(self.max_recoveries + 1):
             try:
                 self._recover_once()
+                self.recovery_s.append(time.perf_counter() - t0)
                 return
             except StageLostError:
                 if attempt == self.max_recoveries:

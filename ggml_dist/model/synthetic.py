@@ -160,3 +160,19 @@ def write_synthetic(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+TINYLLAMA_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632,
+                               wtype="Q4_0", embd_type="Q4_0", tied=False, seed=11)
+
+
+def cached_synthetic(spec: SyntheticSpec, force: bool = False) -> Path:
+    """The model of `spec` in the user cache, written once (via a .part file, so a killed run never
+    leaves a truncated file under the final name)."""
+    from .pull import cache_dir
+    path = cache_dir() / f"synthetic-{spec.name}.gguf"
+    if force or not path.is_file():
+        tmp = path.with_suffix(".gguf.part")
+        write_synthetic(tmp, spec)
+        tmp.replace(path)
+    return path
