@@ -318,7 +318,7 @@ def _kv_end(lay: Layout) -> int:
     return lay.kv_spans[-1][2]
 
 
-def _mut_alignment(rng: random.Random, buf: bytearray, lay: Layout) -> bytearray:
+def _mut_alignment(rng: random.Random, buf: bytearray, lay: Layout) -> str:
     a = rng.choice([0, 1, 2, 3, 8, 16, 24, 32, 48, 64, 4096, 2**31, 2**32 - 1, 2**40, 2**63])
     vt = VT_UINT32 if a < 2**32 and rng.random() < 0.8 else rng.choice([VT_UINT64, 5, 6, VT_STRING])
     if vt == VT_STRING:
@@ -335,7 +335,7 @@ def _mut_alignment(rng: random.Random, buf: bytearray, lay: Layout) -> bytearray
     # the data keeps its 32-aligned position when the new alignment is not usable
     out = _rebuild(bytes(header), lay, a if a and not a & (a - 1) else 32)
     buf[:] = out
-    return f"alignment={a} type={vt}"  # type: ignore[return-value]
+    return f"alignment={a} type={vt}"
 
 
 def _mut_dup_key(rng: random.Random, buf: bytearray, lay: Layout) -> str:

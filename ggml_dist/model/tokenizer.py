@@ -7,6 +7,8 @@ produced (tests/data/make_tokenizer_ref.py).
 """
 from __future__ import annotations
 
+import logging
+
 import enum
 import functools
 import heapq
@@ -18,6 +20,8 @@ import regex
 
 from ggml_dist.model.gguf import GGUFError, GGUFFile
 
+
+log = logging.getLogger(__name__)
 
 class TokenType(enum.IntEnum):
     """llama_token_type as stored in tokenizer.ggml.token_type."""
@@ -253,9 +257,10 @@ class Tokenizer:
             self.add_space_prefix = True if add_space_prefix is None else add_space_prefix
             unk_default = 0
         self.add_eos = False if add_eos is None else add_eos
-        self.bos_id = self._id_or_none(default_bos if bos_id is None else bos_id)
-        self.eos_id = self._id_or_none(default_eos if eos_id is None else eos_id)
-        self.unk_id = self._id_or_none(unk_default if unk_id is None else unk_id)
+        # llama.cpp: a special id outside the vocabulary is "bad": warn and keep the default id
+        self.bos_id = self._id_or_none(self._special(bos_id, default_bos, "bos"))
+        self.eos_id = self._id_or_none(self._special(eos_id, default_eos, "eos"))
+        self.unk_id = self._id_or_none(self._special(unk_id, unk_default, "unk"))
         self.pad_id = self._id_or_none(pad_id)
         self.eot_id = self._id_or_none(eot_id)
         self.eom_id = self._id_or_none(eom_id)
@@ -266,6 +271,14 @@ class Tokenizer:
                                 and self.tokens[i]), key=lambda i: -len(self.tokens[i].encode("utf-8")))
         self._bpe_cache: dict[str, tuple[int, ...]] = {}
         self._pieces: dict[bool, list[bytes | None]] = {True: [None] * n, False: [None] * n}
+
+    def _special(self, i: int | None, default: int | None, what: str) -> int | None:
+        if i is None:
+            return default
+        if not 0 <= i < len(self.tokens):
+            log.warning("bad special token: '%s' = %d, using default id %s", what, i, default)
+            return default
+        return i
 
     def _id_or_none(self, i: int | None) -> int | None:
         if i is None or i < 0 or i >= len(self.tokens):
@@ -320,6 +333,14 @@ class Tokenizer:
                 raise GGUFError(f"{f.path}: '{key}' = {v!r} is not a {kind.__name__}")
             return v
 
+        try:
+            return cls._from_metadata(model, tokens, arr, opt, merges)
+        except GGUFError as e:
+            msg = str(e)
+            raise GGUFError(msg if msg.startswith(str(f.path)) else f"{f.path}: {msg}") from None
+
+    @classmethod
+    def _from_metadata(cls, model, tokens, arr, opt, merges) -> "Tokenizer":
         return cls(model, tokens, scores=arr("tokenizer.ggml.scores"),
                    token_types=arr("tokenizer.ggml.token_type"), merges=merges,
                    pre=opt("tokenizer.ggml.pre", str) or "default",

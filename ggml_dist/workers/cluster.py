@@ -73,6 +73,9 @@ class StageActor:
     def info(self) -> dict[str, Any]:
         return self.worker.info()
 
+    def receive_weights(self, msg: np.ndarray) -> int:
+        return self.worker.receive_weights(msg)
+
     def stats(self) -> dict[str, Any]:
         return self.worker.get_stats()
 
@@ -136,7 +139,8 @@ class Pipeline:
     def launch(cls, model_path: str, n_stages: int, params: ContextParams = ContextParams(),
                n_copies: int | None = None, layers: list[tuple[int, int]] | None = None,
                budgets: list[int] | None = None, threads_per_stage: int = 1,
-               max_restarts: int = 3, node_ids: list[str] | None = None) -> "Pipeline":
+               max_restarts: int = 3, node_ids: list[str] | None = None,
+               stage_model_path: str | None = None) -> "Pipeline":
         """Place the layers, start one actor per stage (spread over the nodes, or pinned to node_ids)
         and wait until every stage has mapped its weights."""
         import ray
@@ -148,7 +152,7 @@ class Pipeline:
                                max_task_retries=0)(StageActor)
         actors, proxies, specs = [], [], []
         for sp in placement.stages:
-            spec = StageSpec(sp.stage, str(model.path), sp.layers, sp.stage == 0,
+            spec = StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
                              sp.stage == n_stages - 1, params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa,
                              int(params.type_k), params.n_seq_max, params.exact, threads_per_stage)
             specs.append(spec)
@@ -157,6 +161,10 @@ class Pipeline:
             proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(actor, sp.stage, sp.layers),
                                       StageDevice(f"stage{sp.stage}")))
         infos = ray.get([a.info.remote() for a in actors])      # fail fast if a stage cannot load
+        for k, info in enumerate(infos):
+            if info["needs_weights"]:                           # its node cannot read the file
+                _send_weights(model, specs[k], actors[k])
+                infos[k] = ray.get(actors[k].info.remote())
         weights = _driver_weights(model, placement, proxies)
         cpu = CPUDevice("driver").init_backend(opts=ComputeOptions(exact=params.exact))
         stage_of = {il: p for p in proxies for il in range(*p.layers)}
@@ -187,6 +195,8 @@ class Pipeline:
                 left = deadline - time.time()
                 try:
                     ray.get(self.actors[k].ping.remote(), timeout=max(1.0, left))
+                    if ray.get(self.actors[k].info.remote())["needs_weights"]:
+                        _send_weights(self.model, self.specs[k], self.actors[k])
                     break
                 except rex.GetTimeoutError:
                     raise self._unrecoverable(k) from None
@@ -241,6 +251,17 @@ class Pipeline:
         for a in self.actors:
             ray.kill(a)
         self.actors.clear()
+
+
+def _send_weights(model: LlamaModel, spec: StageSpec, actor: Any) -> None:
+    """Send a stage the bytes of its layers' weights, once, as one wire message (quantized as stored)."""
+    import ray
+    from ..backends.base import tensor_array
+    from .wire import WireTensor, encode
+    names = spec.weight_names(list(model.weights), "output.weight" not in model.weights)
+    msg = encode([WireTensor(n, model.weights[n].type, model.weights[n].ne, tensor_array(model.weights[n]))
+                  for n in names])
+    ray.get(actor.receive_weights.remote(np.frombuffer(msg, dtype=np.uint8)))
 
 
 def _strategy(node_ids: list[str] | None, stage: int) -> Any:

@@ -20,13 +20,15 @@ from typing import Any
 import numpy as np
 
 from ..alloc.gallocr import Gallocr
-from ..backends.base import tensor_array
+from ..backends.base import BufferUsage, tensor_array
 from ..backends.cpu import CPUDevice, compute_graph
 from ..backends.cpu_ops import ComputeOptions
+from ..core.context import Context
+from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..model.gguf import load_gguf
 from ..model.kv_cache import KVCache
-from ..model.weights import MappedBuffer, load_weights
+from ..model.weights import MAPPED_BUFT, MappedBuffer, load_weights
 from .plan import PlanError, RebuiltPlan, rebuild
 from .wire import WireTensor, decode, encode
 
@@ -68,6 +70,17 @@ class StageSpec:
         return out
 
 
+class ReceivedBuffer:
+    """Weights sent by the driver: a read-only host buffer over the received message."""
+    is_host = True
+
+    def __init__(self, msg: Any) -> None:
+        self.base = np.frombuffer(msg, dtype=np.uint8)
+        self.size = self.base.nbytes
+        self.buft = MAPPED_BUFT
+        self.usage = BufferUsage.WEIGHTS
+
+
 @dataclass
 class StageStats:
     n_calls: int = 0
@@ -84,12 +97,17 @@ class StageWorker:
         self.spec = spec
         if spec.n_threads > 0:
             os.environ.setdefault("OMP_NUM_THREADS", str(spec.n_threads))
-        f = load_gguf(spec.model_path)
-        tied = "output.weight" not in f.tensors
-        names = spec.weight_names(list(f.tensors), tied)
-        self.weights = load_weights(f, names, MappedBuffer(str(f.path)))
-        if spec.last and tied:                       # the tied head reads token_embd under its own name
-            self.weights["output.weight"] = self.weights["token_embd.weight"]
+            try:
+                from ..backends import qkernels
+                qkernels.set_threads(spec.n_threads)
+            except (ImportError, ValueError):
+                pass
+        self.weights: dict[str, Tensor] = {}
+        self._weight_msg: Any = None                 # keeps received weight bytes alive
+        if os.access(spec.model_path, os.R_OK):      # map our layers from the file, zero-copy
+            f = load_gguf(spec.model_path)
+            names = spec.weight_names(list(f.tensors), "output.weight" not in f.tensors)
+            self._set_weights(load_weights(f, names, MappedBuffer(str(f.path))))
         self.device = CPUDevice(f"stage{spec.stage_id}")
         self.buft = self.device.get_buffer_type()
         self.kv = KVCache(spec.n_embd_k_gqa, spec.n_embd_v_gqa, spec.n_ctx, range(*spec.layers),
@@ -99,6 +117,31 @@ class StageWorker:
         self.opts = ComputeOptions(exact=spec.exact)
         self.plans: OrderedDict[str, tuple[RebuiltPlan, Gallocr]] = OrderedDict()
         self.stats = StageStats()
+
+    def _set_weights(self, weights: dict[str, Tensor]) -> None:
+        self.weights = weights
+        if self.spec.last and "output.weight" not in weights:   # tied head: token_embd under its name
+            self.weights["output.weight"] = weights["token_embd.weight"]
+
+    @property
+    def needs_weights(self) -> bool:
+        return not self.weights
+
+    def receive_weights(self, msg: Any) -> int:
+        """This node cannot read the GGUF path: take the layers' weights from the driver, once. They
+        stay as received (quantized blocks), in one host buffer over the message's bytes."""
+        tensors, _ = decode(msg)
+        buf = ReceivedBuffer(msg)
+        ctx = Context(len(tensors) * 400 + 1024, no_alloc=True, name="received-weights")
+        weights = {}
+        base = np.frombuffer(msg, dtype=np.uint8)
+        for wt in tensors:
+            t = ctx.new_tensor(wt.type, wt.ne).set_name(wt.name)
+            t.buffer, t.data = buf, int(wt.data.ctypes.data - base.ctypes.data)
+            weights[wt.name] = t
+        self._weight_msg = msg
+        self._set_weights(weights)
+        return sum(t.nbytes for t in weights.values())
 
     # -- info ---------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -110,7 +153,7 @@ class StageWorker:
         except ImportError:
             pass
         return {"stage": self.spec.stage_id, "pid": os.getpid(), "node": os.uname().nodename,
-                "node_id": node_id,
+                "node_id": node_id, "needs_weights": self.needs_weights,
                 "layers": list(self.spec.layers), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
                 "kv_bytes": self.kv.nbytes, "compute_bytes": self.compute_bytes()}
 
@@ -145,6 +188,9 @@ class StageWorker:
         return plan, galloc
 
     def compute(self, pid: str, desc: dict | None, inputs: bytes, *upstream: bytes) -> bytearray:
+        if self.needs_weights:
+            raise RuntimeError(f"stage {self.spec.stage_id} cannot read {self.spec.model_path} and was "
+                               f"sent no weights")
         t0 = time.perf_counter()
         plan, galloc = self._plan(pid, desc)
         if not galloc.alloc_graph(plan.graph):       # replay: binds the recorded addresses

@@ -272,3 +272,36 @@ def test_bpe_pre_tokenizers_live_llama_cpp(pre: str, tmp_path: Path) -> None:
         arr = (llama_cpp.llama_token * len(want))(*want)
         n = llama_cpp.llama_detokenize(vocab, arr, len(want), buf, 4096, False, False)
         assert tok.detokenize(want) == buf.raw[:n], repr(text)
+
+
+# an unsupported tokenizer model names the file in its error (found by the GGUF fuzzer)
+def test_unsupported_tokenizer_model_names_file(tmp_path):
+    import gguf
+    from ggml_dist.model.gguf import GGUFError, load_gguf
+    from ggml_dist.model.tokenizer import Tokenizer
+    p = tmp_path / "tok.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tokenizer_model("wordpiece9")
+    w.add_token_list(["a", "b"])
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(GGUFError, match=r"tok\.gguf.*not supported"):
+        Tokenizer.from_gguf(load_gguf(p))
+
+
+# a BOS id outside the vocabulary is replaced by the default id, as llama.cpp does
+def test_bad_special_id_uses_default(tmp_path):
+    from ggml_dist.model.gguf import load_gguf
+    from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+    from ggml_dist.model.tokenizer import Tokenizer
+    import gguf
+    src = load_gguf(write_synthetic(tmp_path / "s.gguf", SyntheticSpec(n_layer=1)))
+    p = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(p), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(list(src.metadata["tokenizer.ggml.tokens"]))
+    w.add_token_scores([float(x) for x in src.metadata["tokenizer.ggml.scores"]])
+    w.add_token_types([int(x) for x in src.metadata["tokenizer.ggml.token_type"]])
+    w.add_bos_token_id(10**6)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    tok = Tokenizer.from_gguf(load_gguf(p))
+    assert tok.bos_id == 1 and tok.encode("ab")[0] == 1

@@ -101,3 +101,17 @@ def test_pipeline_multinode_cluster(model_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# a stage whose node cannot read the GGUF path gets its layers' weights from the driver, once
+def test_weights_sent_when_path_unreadable(local_ray, model_path):
+    ref_batch, ref_steps = _reference(model_path, TOKENS)
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), stage_model_path="/nonexistent/m.gguf")
+    try:
+        assert not any(i["needs_weights"] for i in pl.infos)
+        assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
+        pl.kill_stage(1)                       # a restarted stage is sent its weights again
+        assert np.array_equal(pl.ctx.decode(Batch.from_tokens([5], pos0=len(TOKENS))), ref_steps[0])
+        assert pl.ctx.n_recoveries == 1
+    finally:
+        pl.shutdown()
