@@ -69,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = kill_study(str(resolve_model(a.model)), a.stages, a.runs, a.tokens)
     try:
         from .fuzz_gguf import run_fuzz                                   # the loader fuzzer
-        fz = run_fuzz(a.fuzz_cases)
-        out.update({"fuzz_cases": fz["fuzz_cases"], "fuzz_failures": fz["fuzz_failures"]})
+        fz = run_fuzz(a.fuzz_cases, jobs=2)
+        out.update({"fuzz_cases": fz.fuzz_cases, "fuzz_failures": fz.fuzz_failures})
     except ImportError as e:
         out.update({"fuzz_cases": 0, "fuzz_failures": None, "fuzz_note": str(e)})
     print(json.dumps(out))
