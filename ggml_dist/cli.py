@@ -25,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "local Ray, or join the cluster of a `ray job submit` job)")
     p.add_argument("--layers", default=None, help="explicit layer ranges per stage, e.g. 0-14,15-29")
     p.add_argument("--n-copies", type=int, default=None, help="micro-batches in flight (default: stages)")
-    p.add_argument("--threads", type=int, default=None, help="threads per stage (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (per stage with --stages; default: the cores available, 1 per stage)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the stages here")
 
 
@@ -121,6 +122,7 @@ def _apply_config(args: argparse.Namespace) -> None:
         for k, v in load_run_config(args.config, _CONFIG_KEYS).items():
             if getattr(args, k, None) in (None, False):
                 setattr(args, k, v)
+    args.threads_given = getattr(args, "threads", None) is not None
     for k, v in _DEFAULTS.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -157,6 +159,9 @@ def _load(args: argparse.Namespace):
     _apply_config(args)
     path = resolve_model(args.model)
     if args.stages <= 1 and not args.address:
+        if getattr(args, "threads_given", False):
+            from .backends import qkernels
+            qkernels.set_threads(args.threads)
         model = LlamaModel.load(path)
         return model, LlamaContext(model, _params(args)), None
     from .workers.cluster import Pipeline, connect
