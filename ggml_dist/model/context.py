@@ -218,19 +218,20 @@ class LlamaContext:
         self._inflight.clear()
         self.gf_res_prev = None
         self.sched.reset()
-        cells = self.kv.cells
-        keep = []
+        self._prune_log()
         for rec in self.log:
-            ub = rec.ub
-            live = [(cells.pos[c] == p and bool(int(cells.seq[c]) >> min(s) & 1))
-                    for c, p, s in zip(rec.slot, ub.pos, ub.seq_ids)]
-            if not any(live):
-                continue                     # its tokens were removed: nothing to rebuild
-            keep.append(rec)
-            self.n_replayed_tokens += ub.n_tokens
+            self.n_replayed_tokens += rec.ub.n_tokens
             self._run(rec)
-        self.log = keep
         self.n_recoveries += 1
+
+    def _prune_log(self) -> None:
+        """Drop logged ubatches none of whose tokens the cache still holds (nothing to rebuild)."""
+        cells = self.kv.cells
+
+        def live(rec: UbatchRecord) -> bool:
+            return any(cells.pos[c] == p and bool(int(cells.seq[c]) >> min(s) & 1)
+                       for c, p, s in zip(rec.slot, rec.ub.pos, rec.ub.seq_ids))
+        self.log = [rec for rec in self.log if live(rec)]
 
     def _run(self, rec: UbatchRecord) -> None:
         """Build or reuse the graph of the record's shape, set its inputs, compute (asynchronously on
@@ -280,8 +281,8 @@ class LlamaContext:
     # -- sequences -----------------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         self.kv.cells.seq_rm(seq_id, p0, p1)
-        if self.log and self.kv.cells.used == 0:
-            self.log.clear()
+        if self.log:
+            self._prune_log()
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         self.kv.cells.seq_cp(src, dst, p0, p1)

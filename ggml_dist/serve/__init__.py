@@ -8,8 +8,17 @@
 """
 from __future__ import annotations
 
-from .app import create_app
-from .engine import Engine, EngineConfig
-from .server import ServerThread, serve
+from typing import Any
 
 __all__ = ["create_app", "serve", "Engine", "EngineConfig", "ServerThread"]
+
+_HOME = {"create_app": "app", "serve": "server", "ServerThread": "server", "Engine": "engine",
+         "EngineConfig": "engine"}
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy exports: FastAPI and uvicorn load only when the server is used (PEP 562)."""
+    if name not in _HOME:
+        raise AttributeError(f"module 'ggml_dist.serve' has no attribute '{name}'")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

@@ -150,7 +150,7 @@ class StageProxy:
         self.exports: Exports | None = None
         self.pending_host: dict[Tensor, np.ndarray] = {}
         self.pending_up: dict[Tensor, tuple[Any, str]] = {}      # input copy -> (handle, key)
-        self.sent_plans: set[str] = set()
+        self.sent_plans: OrderedDict[str, None] = OrderedDict()   # mirrors the stage's plan LRU
         self._descs: OrderedDict[tuple, tuple[str, dict]] = OrderedDict()
         self.last_handle: Any = None
         self.n_calls = 0
@@ -171,9 +171,10 @@ class StageProxy:
         assert self.exports is not None, "Exports.of(sched, graph) must be bound before compute"
         pid, desc = self._describe(graph)
         host = [WireTensor(f"h:{t.name}", t.type, t.ne, a) for t, a in self.pending_host.items()]
-        ups = list(OrderedDict.fromkeys(h for h, _ in self.pending_up.values()))
-        handle = self.call.submit(pid, None if pid in self.sent_plans else desc, encode(host), *ups)
-        self.sent_plans.add(pid)
+        ups = list({id(h): h for h, _ in self.pending_up.values()}.values())   # each producer's result once
+        known = pid in self.sent_plans
+        handle = self.call.submit(pid, None if known else desc, encode(host), *ups)
+        self._touch_plan(pid)
         self.pending_host.clear()
         self.pending_up.clear()
         for t in graph.nodes:
@@ -181,6 +182,15 @@ class StageProxy:
                 self.exports.handles[t] = handle
         self.last_handle = handle
         self.n_calls += 1
+
+    def _touch_plan(self, pid: str) -> None:
+        """The stage runs calls in order and keeps MAX_PLANS plans, least recently used out: the
+        same bookkeeping here tells whether it still has a plan, so a description is resent in time."""
+        from .stage import MAX_PLANS
+        self.sent_plans[pid] = None
+        self.sent_plans.move_to_end(pid)
+        while len(self.sent_plans) > MAX_PLANS:
+            self.sent_plans.popitem(last=False)
 
     def _describe(self, graph: Graph) -> tuple[str, dict]:
         """The split's plan: cached per (nodes, input sources), so a reused graph costs a dict lookup."""

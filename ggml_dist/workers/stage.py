@@ -32,7 +32,7 @@ from ..model.weights import MAPPED_BUFT, MappedBuffer, load_weights
 from .plan import PlanError, RebuiltPlan, rebuild
 from .wire import WireTensor, decode, encode
 
-MAX_PLANS = 8
+MAX_PLANS = 32           # plans a stage keeps (LRU); its proxy mirrors the same LRU
 
 
 class PlanMissingError(RuntimeError):

@@ -1,0 +1,232 @@
+"""Serving benchmark: N concurrent streaming clients against `ggml-dist serve` for a fixed time.
+
+    python benchmarks/serve.py [--model smollm2-135m] [--duration 30] [--clients 1,4,8] [--stages 1,2]
+    python benchmarks/serve.py --soak 16 --duration 20      # concurrency soak on a synthetic model
+
+Each (stages, clients) point starts a server on a free loopback port (--parallel = the largest client
+count), runs the clients for --duration seconds (requests in flight at the deadline finish and count),
+and reports requests completed, errors, aggregate generated tok/s and p50/p99 time to first token and
+inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process, without
+the server, for comparison. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad
+requests from N clients and counts every unexpected answer as an error. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+PROMPTS = ["The capital of France is", "Once upon a time there was", "The three primary colors are",
+           "Water boils at a temperature of", "The largest planet in the solar system is",
+           "A good way to learn programming is", "The first person to walk on the moon was",
+           "In the beginning of the twentieth century"]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)), 4) if xs else None
+
+
+def _stream_one(c: httpx.Client, url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+    """(ttft, inter-token gaps, tokens) of one streaming completion; raises on any failure."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    n_tokens = 0
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with c.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev["error"]["message"])
+            if ev.get("usage"):
+                n_tokens = ev["usage"]["completion_tokens"]
+            elif ev["choices"] and ev["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("no text streamed")
+    # a chunk can carry several tokens (held-back UTF-8); gaps are per chunk
+    return times[0] - t0, list(np.diff(times)), n_tokens
+
+
+def run_clients(url: str, n_clients: int, duration: float, max_tokens: int) -> dict:
+    ttft: list[float] = []
+    itl: list[float] = []
+    done = [0]
+    errors: list[str] = []
+    tokens = [0]
+    lock = threading.Lock()
+    deadline = time.perf_counter() + duration
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=600) as c:
+            i = k
+            while time.perf_counter() < deadline:
+                try:
+                    a, gaps, n = _stream_one(c, url, PROMPTS[i % len(PROMPTS)], max_tokens)
+                    with lock:
+                        ttft.append(a)
+                        itl.extend(gaps)
+                        tokens[0] += n
+                        done[0] += 1
+                except Exception as e:          # counted, and the client carries on
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+                i += n_clients
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"clients": n_clients, "requests": done[0], "errors": len(errors), "error_samples": errors[:3],
+            "generated_tokens": tokens[0], "wall_s": round(wall, 2),
+            "aggregate_tok_s": round(tokens[0] / wall, 3),
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99)}
+
+
+def single_stream_decode(path: str, n: int) -> float:
+    from ggml_dist.model.context import ContextParams, LlamaContext
+    from ggml_dist.model.generate import generate
+    from ggml_dist.model.model import LlamaModel
+    m = LlamaModel.load(path)
+    ctx = LlamaContext(m, ContextParams(n_ctx=512))
+    ids = m.tokenizer.encode(PROMPTS[0])
+    generate(ctx, m.tokenizer, ids, 2)                 # warm-up (kernel compile, plans)
+    ctx.clear()
+    return round(generate(ctx, m.tokenizer, ids, n, stop_at_eog=False).decode_tok_s, 3)
+
+
+def bench(args: argparse.Namespace) -> dict:
+    from ggml_dist.model.pull import resolve_model
+    from ggml_dist.serve import EngineConfig, ServerThread
+    path = str(resolve_model(args.model))
+    clients = [int(x) for x in args.clients.split(",")]
+    stages = [int(x) for x in args.stages.split(",")]
+    out: dict = {"model": Path(path).name, "duration_s": args.duration, "max_tokens": args.max_tokens,
+                 "single_stream_decode_tok_s": single_stream_decode(path, args.max_tokens), "runs": []}
+    ray_up = False
+    for k in stages:
+        if k > 1 and not ray_up:
+            from ggml_dist.workers.cluster import connect
+            connect(num_cpus=max(4, k))
+            ray_up = True
+        cfg = EngineConfig(path, n_stages=k, n_parallel=max(clients), n_ctx=max(clients) * 256)
+        with ServerThread(cfg, model_name=out["model"]) as srv:
+            for n in clients:
+                r = run_clients(srv.url, n, args.duration, args.max_tokens)
+                r["stages"] = k
+                r["x_single_stream"] = round(r["aggregate_tok_s"] / out["single_stream_decode_tok_s"], 2)
+                print(json.dumps(r), file=sys.stderr)
+                out["runs"].append(r)
+    if ray_up:
+        import ray
+        ray.shutdown()
+    return out
+
+
+# -- soak ----------------------------------------------------------------------------------------------
+
+def soak(args: argparse.Namespace) -> dict:
+    """N clients for --duration s: random request kinds; any unexpected answer counts as an error."""
+    from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+    from ggml_dist.serve import EngineConfig, ServerThread
+    chatml = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+              "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    path = args.soak_model or str(write_synthetic(Path(tempfile.mkdtemp()) / "soak.gguf",
+                                                  SyntheticSpec(n_layer=2, tied=False, seed=3)))
+    counts: dict[str, int] = {}
+    errors: list[str] = []
+    lock = threading.Lock()
+    deadline = time.perf_counter() + args.duration
+
+    def note(kind: str, ok: bool, detail: str = "") -> None:
+        with lock:
+            counts[kind] = counts.get(kind, 0) + 1
+            if not ok:
+                errors.append(f"{kind}: {detail[:200]}")
+
+    def client(k: int) -> None:
+        rng = random.Random(k)
+        with httpx.Client(timeout=120) as c:
+            while time.perf_counter() < deadline:
+                kind = rng.choice(["stream", "plain", "chat", "disconnect", "bad", "stop"])
+                body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(1, 40),
+                        "temperature": rng.choice([0, 0.8])}
+                try:
+                    if kind == "stream" or kind == "disconnect":
+                        with c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+                            ok = r.status_code in (200, 429)
+                            n = 0
+                            for line in r.iter_lines():
+                                n += 1
+                                if kind == "disconnect" and n >= 3:
+                                    break
+                            note(kind, ok, str(r.status_code))
+                    elif kind == "chat":
+                        r = c.post(url + "/v1/chat/completions",
+                                   json={"messages": [{"role": "user", "content": body["prompt"]}],
+                                         "max_tokens": body["max_tokens"]})
+                        note(kind, r.status_code in (200, 429) and
+                             (r.status_code == 429 or r.json()["choices"][0]["message"]["role"] == "assistant"),
+                             r.text)
+                    elif kind == "bad":
+                        r = c.post(url + "/v1/completions", content=b'{"prompt": "x", "max_tokens": "many"}')
+                        note(kind, r.status_code == 400 and "error" in r.json(), r.text)
+                    else:
+                        r = c.post(url + "/v1/completions", json={**body, "stop": [" ", "e"]})
+                        note(kind, r.status_code in (200, 429), r.text)
+                except Exception as e:
+                    note(kind, False, f"{type(e).__name__}: {e}")
+
+    cfg = EngineConfig(path, n_parallel=args.parallel, n_ctx=args.parallel * 256, max_queue=args.soak,
+                       chat_template=chatml)
+    with ServerThread(cfg) as srv:
+        url = srv.url
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(args.soak)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        time.sleep(0.5)
+        health = httpx.get(url + "/health").json()
+        metrics = httpx.get(url + "/metrics").text
+    leaked = health["slots_processing"] != 0 or "ggml_dist_kv_cells_used 0\n" not in metrics
+    return {"mode": "soak", "clients": args.soak, "parallel": args.parallel, "wall_s": round(wall, 2),
+            "requests": counts, "errors": len(errors) + int(leaked), "error_samples": errors[:5],
+            "slots_leaked": leaked}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds per point (soak: in all)")
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--soak", type=int, default=0, help="run the soak with this many clients instead")
+    ap.add_argument("--soak-model", default=None, help="GGUF for the soak (default: a synthetic one)")
+    ap.add_argument("--parallel", type=int, default=4, help="server slots in the soak")
+    args = ap.parse_args(argv)
+    print(json.dumps(soak(args) if args.soak else bench(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

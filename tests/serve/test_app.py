@@ -1,0 +1,248 @@
+"""The server end to end with the official openai client: same tokens as single greedy runs, streaming,
+stop strings, cancellation, OpenAI-style errors, /health and /metrics."""
+from __future__ import annotations
+
+import pytest
+
+for _mod in ("fastapi", "uvicorn", "httpx", "openai"):     # the serve extras
+    pytest.importorskip(_mod)
+
+import asyncio  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from ggml_dist.model.context import ContextParams, LlamaContext  # noqa: E402
+from ggml_dist.model.generate import generate  # noqa: E402
+from ggml_dist.model.model import LlamaModel  # noqa: E402
+
+from .conftest import CHATML  # noqa: E402
+
+PROMPTS = ["hello world", "the quick brown fox", "a b c", "zz top", "one two three four five six",
+           "lorem ipsum"]
+
+
+@pytest.fixture(scope="module")
+def model(serve_model):
+    return LlamaModel.load(serve_model)
+
+
+def reference(model, prompt: str, n: int) -> str:
+    """A separate single-sequence greedy run of the same prompt."""
+    ids = model.tokenizer.encode(prompt, add_special=True, parse_special=True)
+    return generate(LlamaContext(model, ContextParams(n_ctx=1024)), model.tokenizer, ids, n).text
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    m = re.search(rf"^ggml_dist_{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def wait_idle(server, timeout: float = 5.0) -> None:
+    t0 = time.monotonic()
+    while httpx.get(server.url + "/health").json()["slots_processing"]:
+        assert time.monotonic() - t0 < timeout, "a slot stayed busy"
+        time.sleep(0.02)
+
+
+# non-streaming completion: the text of a single greedy run, usage counted
+def test_completion(server, model):
+    r = client(server).completions.create(model="synthetic", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert r.choices[0].text == reference(model, PROMPTS[0], 12)
+    assert r.choices[0].finish_reason == "length"
+    n_prompt = len(model.tokenizer.encode(PROMPTS[0]))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 12)
+
+
+# streaming completion: chunks join to the same text; the last carries finish_reason, then usage
+def test_completion_stream(server, model):
+    chunks = list(client(server).completions.create(
+        model="synthetic", prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference(model, PROMPTS[1], 10)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+
+
+# chat, plain and streamed: the template-rendered prompt's greedy text; the first chunk has the role
+def test_chat(server, model):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt = model.tokenizer.apply_chat_template(msgs, template=CHATML)
+    want = reference(model, prompt, 8)
+    c = client(server)
+    r = c.chat.completions.create(model="synthetic", messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model="synthetic", messages=msgs, max_tokens=8, temperature=0,
+                                            stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# concurrent greedy streams (more than the 4 slots, arriving staggered) give the separate runs' text
+def test_concurrent_greedy_same_as_separate(server, model):
+    lengths = [8, 20, 12, 16, 24, 10]
+    want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths)]
+
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        await asyncio.sleep(0.01 * i)
+        stream = await c.completions.create(model="synthetic", prompt=PROMPTS[i], max_tokens=lengths[i],
+                                            temperature=0, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(c, i) for i in range(len(PROMPTS))))
+
+    assert asyncio.run(main()) == want
+    wait_idle(server)
+    assert metric(server, "kv_cells_used") == 0
+
+
+# stop strings end the text before the first match, streamed or not
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop(server, model, stream):
+    full = reference(model, PROMPTS[2], 16)
+    stop = full[6:9]
+    want = full[:full.index(stop)]
+    c = client(server)
+    r = c.completions.create(model="synthetic", prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop],
+                             stream=stream)
+    if stream:
+        chunks = list(r)
+        text, finish = "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert (text, finish) == (want, "stop")
+
+
+# a seed makes temperature sampling reproducible
+def test_seeded_sampling(server):
+    c = client(server)
+    kw = dict(model="synthetic", prompt=PROMPTS[3], max_tokens=12, temperature=0.9, seed=7, extra_body={"top_k": 0})
+    assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
+
+
+# a client that drops a stream mid-way cancels its sequence: the slot and its KV cells free at once
+def test_cancel_stream(server):
+    before = metric(server, "generated_tokens_total")
+    body = {"prompt": PROMPTS[4], "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(g.startswith("data: ") for g in got)
+    wait_idle(server)
+    assert metric(server, "kv_cells_used") == 0
+    assert metric(server, "generated_tokens_total") - before < 900
+    assert 'outcome="cancelled"' in httpx.get(server.url + "/metrics").text
+
+
+# a non-streaming client that gives up is noticed too
+def test_cancel_nonstream(server):
+    before = metric(server, "generated_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": PROMPTS[5], "max_tokens": 900}, timeout=0.3)
+    time.sleep(0.4)
+    wait_idle(server)
+    assert metric(server, "generated_tokens_total") - before < 900
+
+
+# malformed or out-of-range requests get OpenAI's error object and a 4xx, and the server carries on
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+])
+def test_bad_requests(server, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + path, headers={"Content-Type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+
+
+# a prompt longer than the per-request context is a 400 (context_length_exceeded), not a crash
+def test_prompt_too_long(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.completions.create(model="synthetic", prompt=[300] * 1100, max_tokens=4)
+    assert ei.value.code == "context_length_exceeded"
+    assert c.completions.create(model="synthetic", prompt="ok", max_tokens=2).usage.completion_tokens == 2
+
+
+# bodies past the size limit are refused before parsing; unknown routes answer in the same format
+def test_body_limit_and_404(server):
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "' + b"a" * (2 << 20) + b'"}')
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+# /health, /v1/models and /metrics report what they should
+def test_health_models_metrics(server):
+    h = httpx.get(server.url + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    assert [m.id for m in client(server).models.list().data] == ["synthetic"]
+    text = httpx.get(server.url + "/metrics").text
+    for name in ["requests_total", "prompt_tokens_total", "generated_tokens_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count", "queue_length",
+                 "kv_cells_used", "stage_busy_seconds_total"]:
+        assert f"ggml_dist_{name}" in text, name
+    assert metric(server, "generated_tokens_total") > 0
+    assert re.search(r'^ggml_dist_stage_busy_seconds_total\{stage="0"\} [0-9.]+$', text, re.M)
+    assert float(re.search(r'stage_busy_seconds_total\{stage="0"\} (\S+)', text).group(1)) > 0
+
+
+# a full queue answers 429 instead of growing, and takes requests again once a slot is free
+def test_queue_full(serve_model):
+    from ggml_dist.serve import EngineConfig, ServerThread
+    with ServerThread(EngineConfig(serve_model, n_parallel=1, n_ctx=2048, max_queue=0)) as srv:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                          json={"prompt": "x", "max_tokens": 1500, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()          # keep a reference: a dropped iterator closes the stream
+            next(lines)
+            r2 = httpx.post(srv.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2})
+            assert r2.status_code == 429 and r2.json()["error"]["code"] == "queue_full"
+            with pytest.raises(openai.RateLimitError):
+                client(srv).completions.create(model="m", prompt="y", max_tokens=2)
+        wait_idle(srv)
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2}).status_code == 200
+
+
+# /health is 503 "loading" until the engine has loaded, and "error" if loading failed; requests get 503
+def test_health_before_ready(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from ggml_dist.serve import Engine, EngineConfig, create_app
+    engine = Engine(EngineConfig(str(tmp_path / "missing.gguf")))
+    with TestClient(create_app(engine, "m")) as tc:
+        assert tc.get("/health").status_code == 503 and tc.get("/health").json()["status"] == "loading"
+        r = tc.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+        engine.start()
+        engine.ready.wait(10)
+        h = tc.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "error" and "missing.gguf" in h.json()["error"]

@@ -1,0 +1,67 @@
+"""Stage workers and proxies without Ray: a driver context over in-process stages, plan LRU mirroring."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggml_dist.backends.cpu import CPUDevice
+from ggml_dist.model.context import ContextParams, LlamaContext
+from ggml_dist.model.model import LlamaModel
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+from ggml_dist.model.ubatch import Batch
+from ggml_dist.workers import stage as stage_mod
+from ggml_dist.workers.cluster import _bind_exports, _driver_weights
+from ggml_dist.workers.placement import place
+from ggml_dist.workers.proxy import Call, StageDevice, StageProxy
+from ggml_dist.workers.stage import StageSpec, StageWorker
+
+
+def local_pipeline(path, n_stages: int, params: ContextParams):
+    """The Ray pipeline's driver side, with each actor replaced by a StageWorker called directly."""
+    model = LlamaModel.load(path)
+    hp = model.hp
+    pl = place(model.file, hp, n_stages, params.n_ctx)
+    workers, proxies = [], []
+    for sp in pl.stages:
+        w = StageWorker(StageSpec(sp.stage, str(path), sp.layers, sp.stage == 0, sp.stage == n_stages - 1,
+                                  params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa))
+        workers.append(w)
+        call = Call(submit=lambda pid, desc, inp, *ups, w=w: w.compute(pid, desc, inp, *ups),
+                    get=lambda hs: hs, wait=lambda hs: None)
+        proxies.append(StageProxy(sp.stage, sp.layers, call, StageDevice(f"stage{sp.stage}")))
+    stage_of = {il: p for p in proxies for il in range(*p.layers)}
+    ctx = LlamaContext(model, params, backends=[*proxies, CPUDevice().init_backend()],
+                       weights=_driver_weights(model, pl, proxies),
+                       layer_buft=lambda il: stage_of[il].device.buft,
+                       after_alloc=lambda sched, g: _bind_exports(sched, g, proxies))
+    return model, ctx, workers
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("stl") / "m.gguf", SyntheticSpec(n_layer=3, seed=4))
+
+
+# in-process stages give bitwise the single-process logits
+def test_local_stages_bitwise(path):
+    toks = [1, 30, 40, 50, 60]
+    model, ctx, _ = local_pipeline(path, 3, ContextParams(n_ctx=256))
+    ref = LlamaContext(model, ContextParams(n_ctx=256))
+    assert np.array_equal(ctx.decode(Batch.from_tokens(toks, all_outputs=True)),
+                          ref.decode(Batch.from_tokens(toks, all_outputs=True)))
+
+
+# more graph shapes than a stage keeps plans: the proxy's mirror of the LRU resends descriptions in time
+def test_plan_lru_mirrored(path, monkeypatch):
+    monkeypatch.setattr(stage_mod, "MAX_PLANS", 2)
+    model, ctx, workers = local_pipeline(path, 2, ContextParams(n_ctx=256, n_batch=64))
+    ref = LlamaContext(model, ContextParams(n_ctx=256, n_batch=64))
+    pos = 0
+    for n in [3, 5, 1, 7, 3, 1, 5, 2, 7]:          # 5 shapes, revisited in an order that evicts
+        toks = list(range(10, 10 + n))
+        a = ctx.decode(Batch.from_tokens(toks, pos0=pos, all_outputs=True))
+        b = ref.decode(Batch.from_tokens(toks, pos0=pos, all_outputs=True))
+        assert np.array_equal(a, b)
+        pos += n
+    assert all(len(w.plans) <= 2 for w in workers)
+    assert all(w.stats.n_plans > 2 for w in workers)   # evicted plans were described again
