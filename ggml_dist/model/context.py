@@ -133,6 +133,7 @@ class LlamaContext:
         self.n_recoveries = 0
         self.n_replayed_tokens = 0
         self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
+        self.recovering = False              # True while a lost stage is being brought back
         self.gf_res_prev: GraphResult | None = None
         self.n_reused = 0
         self.n_rebuilt = 0
@@ -203,14 +204,18 @@ class LlamaContext:
         every logged ubatch whose tokens the cache still holds, in order, on the same cells. A
         stage lost during the replay starts the recovery over (max_recoveries times)."""
         t0 = time.perf_counter()
-        for attempt in range(self.max_recoveries + 1):
-            try:
-                self._recover_once()
-                self.recovery_s.append(time.perf_counter() - t0)
-                return
-            except StageLostError:
-                if attempt == self.max_recoveries:
-                    raise
+        self.recovering = True
+        try:
+            for attempt in range(self.max_recoveries + 1):
+                try:
+                    self._recover_once()
+                    self.recovery_s.append(time.perf_counter() - t0)
+                    return
+                except StageLostError:
+                    if attempt == self.max_recoveries:
+                        raise
+        finally:
+            self.recovering = False
 
     def _recover_once(self) -> None:
         assert self.recovery is not None, "this context has no recovery hook"

@@ -229,7 +229,7 @@ class Pipeline:
 
     def stats(self) -> list[dict]:
         import ray
-        return ray.get([a.stats.remote() for a in self.actors])
+        return ray.get([a.stats.remote() for a in self.actors], timeout=30)
 
     def write_trace(self, path: str) -> None:
         """Chrome/Perfetto trace: one track per stage actor, one slice per micro-batch split it ran."""
