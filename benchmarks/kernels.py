@@ -1,11 +1,13 @@
-"""MUL_MAT kernel benchmark: numpy "fast" path vs the numba kernels (same bits), weights kept quantized.
+"""MUL_MAT kernel benchmark: numpy paths vs the numba kernels (same bits), weights kept quantized, for both
+accumulation orders of quants.mul_mat ("fast"; "ggml" with repacked=False, i.e. the AVX2 lane orders; the
+repacked Q4_0/Q4_K "ggml" chains have the "fast" numerics and run the "fast" kernel).
 
 Prints one JSON object: {"threads", "copy": {...}, "cases": [{"type", "M", "K", "weight_bytes",
-"gemv": {"numpy": {...}, "numba": {...}}, "gemm64": {...}}]}. gemv (N = 1) reports GB/s of weight bytes read
+"gemv": {"numpy": {...}, "numba": {...}, "numpy_ggml": {...}, "numba_ggml": {...}}, "gemm64": {...}}]}. gemv (N = 1) reports GB/s of weight bytes read
 and G weights/s; gemm (N = 64) GFLOP/s (2*M*K*N). "copy" is a plain numpy copy of 256 MB measured in the
 same run (GB/s counts the bytes read), the memory-bandwidth yardstick for gemv.
 
-    python -m benchmarks.kernels [--threads 2] [--quick]
+    python -m benchmarks.kernels [--threads 2] [--quick] [--orders fast,ggml]
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from ggml_dist.core.types import GGMLType
 
 # (type, M rows, K): a 1B-class Q4_0 matrix and the SmolLM2-135M shapes (q/o, ffn up/gate, ffn down, head)
 CASES = [("Q4_0", 16384, 4096)] + [(t, m, k) for t in ("Q4_1", "Q8_0")
-                                   for m, k in ((576, 576), (1536, 576), (576, 1536), (49152, 576))]
+                                   for m, k in ((576, 576), (1536, 576), (576, 1536), (49152, 576))] + \
+    [("Q4_K", 2048, 2048), ("Q6_K", 2048, 2048), ("F16", 1536, 576)]
 
 
 def best_time(fn: Callable[[], Any], min_total: float = 0.3, min_runs: int = 3, max_runs: int = 50) -> float:
@@ -43,35 +46,42 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> dict[str, float]:
     return {"bytes": nbytes, "read_GBps": nbytes / t / 1e9, "read_write_GBps": 2 * nbytes / t / 1e9}
 
 
-def mm(wtype: GGMLType, w: np.ndarray, x: np.ndarray, use_numba: bool) -> np.ndarray:
+def mm(wtype: GGMLType, w: np.ndarray, x: np.ndarray, use_numba: bool, order: str = "fast") -> np.ndarray:
     Q.USE_NUMBA = use_numba
     try:
-        return Q.mul_mat(wtype, w, x, order="fast")
+        return Q.mul_mat(wtype, w, x, order=order, repacked=False)
     finally:
         Q.USE_NUMBA = True
 
 
-def run_case(tname: str, M: int, K: int, n_gemm: int, skip_numpy_gemm: bool) -> dict[str, Any]:
+def run_case(tname: str, M: int, K: int, n_gemm: int, skip_numpy_gemm: bool,
+             orders: tuple[str, ...] = ("fast", "ggml")) -> dict[str, Any]:
     t = GGMLType[tname]
     rng = np.random.default_rng(0)
     w = Q.quantize(t, (rng.standard_normal((M, K)) * 0.05).astype(np.float32))
     x = rng.standard_normal((n_gemm, K)).astype(np.float32)
     out: dict[str, Any] = {"type": tname, "M": M, "K": K, "weight_bytes": int(w.nbytes)}
-    assert np.array_equal(mm(t, w, x[:1], True), mm(t, w, x[:1], False)), f"{tname} {M}x{K}: numba != numpy"
-    gemv = {}
-    for name, use in (("numpy", False), ("numba", True)):
-        s = best_time(lambda: mm(t, w, x[:1], use))
-        gemv[name] = {"ms": s * 1e3, "GBps": w.nbytes / s / 1e9, "Gweights_per_s": M * K / s / 1e9}
-    gemv["speedup"] = gemv["numpy"]["ms"] / gemv["numba"]["ms"]
+    gemv: dict[str, Any] = {}
+    gemm: dict[str, Any] = {}
+    for order in orders:
+        sfx = "" if order == "fast" else "_" + order
+        assert np.array_equal(mm(t, w, x[:1], True, order), mm(t, w, x[:1], False, order)), \
+            f"{tname} {M}x{K} {order}: numba != numpy"
+        for name, use in (("numpy", False), ("numba", True)):
+            s = best_time(lambda: mm(t, w, x[:1], use, order))
+            gemv[name + sfx] = {"ms": s * 1e3, "GBps": w.nbytes / s / 1e9, "Gweights_per_s": M * K / s / 1e9}
+        gemv["speedup" + sfx] = gemv["numpy" + sfx]["ms"] / gemv["numba" + sfx]["ms"]
+        for name, use in (("numpy", False), ("numba", True)):
+            if name == "numpy" and skip_numpy_gemm:
+                continue
+            s = best_time(lambda: mm(t, w, x, use, order), min_total=0.0, min_runs=2 if M * K > 1 << 24 else 3)
+            gemm[name + sfx] = {"ms": s * 1e3, "GFLOPs": 2 * M * K * n_gemm / s / 1e9}
+        if "numpy" + sfx in gemm:
+            gemm["speedup" + sfx] = gemm["numpy" + sfx]["ms"] / gemm["numba" + sfx]["ms"]
+    if "fast" in orders and "ggml" in orders:     # cost of the bit-faithful order in the numba kernels
+        gemv["ggml_over_fast"] = gemv["numba_ggml"]["ms"] / gemv["numba"]["ms"]
+        gemm["ggml_over_fast"] = gemm["numba_ggml"]["ms"] / gemm["numba"]["ms"]
     out["gemv"] = gemv
-    gemm = {}
-    for name, use in (("numpy", False), ("numba", True)):
-        if name == "numpy" and skip_numpy_gemm:
-            continue
-        s = best_time(lambda: mm(t, w, x, use), min_total=0.0, min_runs=2 if M * K > 1 << 24 else 3)
-        gemm[name] = {"ms": s * 1e3, "GFLOPs": 2 * M * K * n_gemm / s / 1e9}
-    if "numpy" in gemm:
-        gemm["speedup"] = gemm["numpy"]["ms"] / gemm["numba"]["ms"]
     out[f"gemm{n_gemm}"] = gemm
     return out
 
@@ -81,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-gemm", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="skip the numpy gemm timings (slowest part)")
+    ap.add_argument("--orders", default="fast,ggml", help="comma-separated accumulation orders to time")
     args = ap.parse_args(argv)
     qkernels.set_threads(args.threads)
     result: dict[str, Any] = {"threads": args.threads, "copy": copy_bandwidth(), "cases": []}
     for tname, M, K in CASES:
-        result["cases"].append(run_case(tname, M, K, args.n_gemm, args.quick))
+        result["cases"].append(run_case(tname, M, K, args.n_gemm, args.quick, tuple(args.orders.split(","))))
     print(json.dumps(result, indent=1))
     return 0
 

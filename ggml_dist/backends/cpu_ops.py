@@ -136,18 +136,33 @@ def _glu(t, dst, srcs, opts):
 
 # -- matrix ----------------------------------------------------------------------------------------
 def _mul_mat(t, dst, srcs, opts):
-    """dst[i3, i2, j, i] = W[i3', i2', i, :] . X[i3, i2, j, :]; W broadcasts over dims 2, 3."""
+    """dst[i3, i2, j, i] = W[i3', i2', i, :] . X[i3, i2, j, :]; W broadcasts over dims 2, 3.
+
+    The r2 slices of X that share one weight slice (GQA heads) go through one quants.mul_mat call with
+    their rows stacked: every output element depends only on its own row pair in every path, and
+    ``vec_n`` keeps the per-slice row count that picks ggml's F16/F32 order (vec_dot vs tinyBLAS).
+    Not for exact=True (float32 BLAS) nor F32/BF16 weights in the "fast" order (float64 BLAS), whose
+    rounding may depend on the shape."""
     a_t, b_t = t.src[0], t.src[1]
     assert a_t is not None and b_t is not None
     w, x = srcs[0], srcs[1]
     r2, r3 = b_t.ne[2] // a_t.ne[2], b_t.ne[3] // a_t.ne[3]
+    n11, K = b_t.ne[1], b_t.ne[0]
+    stack = r2 > 1 and not opts.exact and n11 > 0 and \
+        (quants.DEFAULT_ORDER == "ggml" or a_t.type not in (GGMLType.F32, GGMLType.BF16))
+    g2 = r2 if stack else 1
     for i3 in range(b_t.ne[3]):
-        for i2 in range(b_t.ne[2]):
+        for i2 in range(0, b_t.ne[2], g2):
             wm = w[i3 // r3, i2 // r2]
             if a_t.type in (GGMLType.F16, GGMLType.BF16):    # quants.mul_mat takes raw rows
                 wm = (wm if wm.strides[-1] == 2 else np.ascontiguousarray(wm)).view(np.uint8)
-            xm = to_f32(x[i3, i2], b_t.type, b_t.ne[0])
-            dst[i3, i2] = quants.mul_mat(a_t.type, wm, np.ascontiguousarray(xm, F32), exact=opts.exact)
+            if g2 == 1:
+                xm = to_f32(x[i3, i2], b_t.type, K)
+                dst[i3, i2] = quants.mul_mat(a_t.type, wm, np.ascontiguousarray(xm, F32), exact=opts.exact)
+                continue
+            xm = np.ascontiguousarray(to_f32(x[i3, i2:i2 + g2], b_t.type, K), F32).reshape(g2 * n11, K)
+            r = quants.mul_mat(a_t.type, wm, xm, exact=False, vec_n=n11)
+            dst[i3, i2:i2 + g2] = r.reshape(g2, n11, r.shape[-1])
 
 
 def _get_rows(t, dst, srcs, opts):

@@ -19,8 +19,13 @@ Integers are exact (int64 lanes), so only the float steps above fix the result.
 Decode (N = 1) and prefill (N >= 2) share one loop nest: decoding a row group once and reusing each
 activation load for ``_R`` rows is what makes N = 1 memory-bound rather than decode-bound.
 
-API: ``mul_mat_q(wtype, w, x, order="fast", repacked=False) -> f32 [N, M]`` (None when the type is not
-covered), ``set_threads(n)``,
+Decode-sized calls: for Q4_0..Q8_0 in the "ggml" order the activation quantization and the ``yr`` layout
+run in one numba call (``_prep_q8_g``, same bits as quants.quantize_q8_0/_q8_1); products of at most
+``_SERIAL_WORK`` multiply-adds run on the calling thread (``*_serial``: the same row-group bodies without a
+parallel launch, which costs more than such a product).
+
+API: ``mul_mat_q(wtype, w, x, order="fast", repacked=False, vec_n=None) -> f32 [N, M]`` (None when the
+type is not covered; ``vec_n`` as in quants.mul_mat), ``set_threads(n)``,
 ``get_threads()``, ``COVERED``.
 """
 from __future__ import annotations
@@ -39,6 +44,8 @@ F32 = np.float32
 F64 = np.float64
 
 _R = 4        # weight rows per pass: each activation load is reused _R times
+# multiply-adds (N*M*K) below which a kernel runs on the calling thread: a parallel launch costs more
+_SERIAL_WORK = 1 << 17
 
 # kind codes passed to the kernels (one generic kernel per block size, branches per row, not per element)
 _KIND = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4, T.Q4_K: 5, T.Q5_K: 6, T.Q6_K: 7, T.Q2_K: 8,
@@ -324,11 +331,26 @@ def _mm_f16(w, y, lut, out, mode):
     """w uint16 [M, K] (f16 bits); y f64 [N, K] (values already rounded to f16); out f32 [N, M].
     mode 0: "fast" (one float64 sum, rounded once); 1: ggml_vec_dot_f16 (4 x 8 f32 lanes over 32-element
     steps, fold, HB; tail summed in double); 2: tinyBLAS (one 8-lane f32 accumulator, HA)."""
+    n_groups = (w.shape[0] + _R - 1) // _R
+    n_chunks = min(n_groups, 64)
+    for ch in prange(n_chunks):
+        _mm_f16_rows(w, y, lut, out, mode, ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks)
+
+
+@njit(cache=True, fastmath=False)
+def _mm_f16_serial(w, y, lut, out, mode):
+    """_mm_f16 on the calling thread (no parallel launch: small matrices)."""
+    _mm_f16_rows(w, y, lut, out, mode, 0, (w.shape[0] + _R - 1) // _R)
+
+
+@njit(cache=True, fastmath=False)
+def _mm_f16_rows(w, y, lut, out, mode, g_lo, g_hi):
+    """_mm_f16 for the row groups g_lo .. g_hi - 1."""
     M, K = w.shape
     N = y.shape[0]
     K8 = K - K % 8
     K32 = K - K % 32
-    for g in prange((M + _R - 1) // _R):
+    for g in range(g_lo, g_hi):
         r0 = g * _R
         nr = min(_R, M - r0)
         wf = np.empty((_R, K), F64)
@@ -418,43 +440,66 @@ def _put4(cw, o, n0, n1, n2, n3):
 
 
 @njit(cache=True)
+def _dec_row_g32(kind, row, lut, sp, r, cw, dw, d2):
+    """_dec_row_g for kinds 0..4 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): one loop per type with its block layout
+    as constants (the generic loop with the layout in variables ran ~3x slower)."""
+    nb = d2.shape[0]
+    if kind == 0:
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 18, 2, False, False, _M8)
+    elif kind == 1:
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 20, 4, True, False, _U(0))
+    elif kind == 2:
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 22, 6, False, True, _M16)
+    elif kind == 3:
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 24, 8, True, True, _U(0))
+    else:
+        for b in range(nb):
+            o = b * 34
+            d = _f16(lut, row, o)
+            for p in range(8):
+                dw[32 * b + 8 * r + p] = d
+            _put4(cw, 16 * b + r, _u64(row, o + 2), _u64(row, o + 10), _u64(row, o + 18), _u64(row, o + 26))
+
+
+@njit(cache=True, inline="always")
+def _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, bs, oq, has_m, has_h, center):
+    """Blocks of a Q4_0/Q4_1/Q5_0/Q5_1 row (bs bytes, codes at oq, m at 2 if has_m, 5th bits at oq - 4 if
+    has_h, codes minus `center` bytewise) -> the _dec_row_g layout."""
+    for b in range(nb):
+        o = b * bs
+        d = _f16(lut, row, o)
+        for p in range(8):
+            dw[32 * b + 8 * r + p] = d
+        if has_m:
+            d2[b] = _f16(lut, row, o + 2)
+        u0 = _u64(row, oq + o)
+        u1 = _u64(row, oq + o + 8)
+        w0 = u0 & _M4
+        w1 = u1 & _M4
+        w2 = (u0 >> _S4) & _M4
+        w3 = (u1 >> _S4) & _M4
+        if has_h:
+            oh = o + oq - 4
+            w0 |= sp[row[oh]]
+            w1 |= sp[row[oh + 1]]
+            w2 |= sp[row[oh + 2]]
+            w3 |= sp[row[oh + 3]]
+        if center != _U(0):                             # bytewise q - 8 / q - 16
+            w0 = ((w0 | _MH) - center) ^ _MH
+            w1 = ((w1 | _MH) - center) ^ _MH
+            w2 = ((w2 | _MH) - center) ^ _MH
+            w3 = ((w3 | _MH) - center) ^ _MH
+        _put4(cw, 16 * b + r, w0, w1, w2, w3)
+
+
+@njit(cache=True)
 def _dec_row_g(kind, row, lut, sp, r, cw, dw, d2, scw, mn):
     """Row r of a group -> cw (uint64 view of the code scratch; Q4_0/Q5_0/Q8_0 signed, others unsigned),
     dw[32b + 8r + p] = d of block b, d2[b] = m (Q4_1/Q5_1) or dmin (Q4_K/Q5_K); scw[32g + 8r + p] = scale
     of position p of 32-group g (K-quants); mn = Q4_K/Q5_K mins (8 per superblock) or Q6_K scales (16)."""
     nb = d2.shape[0]
     if kind <= 4:
-        bs = (18, 20, 22, 24, 34)[kind]
-        oq = (2, 4, 6, 8, 2)[kind]
-        for b in range(nb):
-            o = b * bs
-            d = _f16(lut, row, o)
-            for p in range(8):
-                dw[32 * b + 8 * r + p] = d
-            if kind == 1 or kind == 3:
-                d2[b] = _f16(lut, row, o + 2)
-            if kind == 4:
-                _put4(cw, 16 * b + r, _u64(row, o + 2), _u64(row, o + 10), _u64(row, o + 18), _u64(row, o + 26))
-                continue
-            u0 = _u64(row, oq + o)
-            u1 = _u64(row, oq + o + 8)
-            w0 = u0 & _M4
-            w1 = u1 & _M4
-            w2 = (u0 >> _S4) & _M4
-            w3 = (u1 >> _S4) & _M4
-            if kind >= 2:
-                oh = o + oq - 4
-                w0 |= sp[row[oh]]
-                w1 |= sp[row[oh + 1]]
-                w2 |= sp[row[oh + 2]]
-                w3 |= sp[row[oh + 3]]
-            if kind == 0 or kind == 2:                  # bytewise q - 8 / q - 16
-                m = _M8 if kind == 0 else _M16
-                w0 = ((w0 | _MH) - m) ^ _MH
-                w1 = ((w1 | _MH) - m) ^ _MH
-                w2 = ((w2 | _MH) - m) ^ _MH
-                w3 = ((w3 | _MH) - m) ^ _MH
-            _put4(cw, 16 * b + r, w0, w1, w2, w3)
+        _dec_row_g32(kind, row, lut, sp, r, cw, dw, d2)
     elif kind <= 6:                                     # Q4_K (144 B) / Q5_K (176 B)
         bs = 144 if kind == 5 else 176
         oq = 16 if kind == 5 else 48
@@ -540,14 +585,28 @@ def _mm_g(kind, w, yr, dy, sy, bsums, lut, sp, out, n_chunks):
     """order="ggml" for kinds 0..7 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; not repacked).
     w uint8 [M, row_bytes]; yr int8 [N, _R*K] (layout above); dy f32 [N, nb]; sy f32 [N, nb] (Q8_1 s);
     bsums int32 [N, nb*16] (Q8_K); out f32 [N, M]."""
+    n_groups = (w.shape[0] + _R - 1) // _R
+    n_chunks = min(n_groups, n_chunks)
+    for ch in prange(n_chunks):
+        _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, ch * n_groups // n_chunks,
+                   (ch + 1) * n_groups // n_chunks)
+
+
+@njit(cache=True, fastmath=False)
+def _mm_g_serial(kind, w, yr, dy, sy, bsums, lut, sp, out):
+    """_mm_g on the calling thread (no parallel launch: small matrices)."""
+    _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, 0, (w.shape[0] + _R - 1) // _R)
+
+
+@njit(cache=True, fastmath=False)
+def _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, g_lo, g_hi):
+    """_mm_g for the row groups g_lo .. g_hi - 1 (rows _R*g ..)."""
     M = w.shape[0]
     N = yr.shape[0]
     K = yr.shape[1] // _R
     nb = K // 32 if kind <= 4 else K // 256
     ng = K // 32
-    n_groups = (M + _R - 1) // _R
-    n_chunks = min(n_groups, n_chunks)
-    for ch in prange(n_chunks):
+    if True:
         cw = np.zeros(_R * K // 8, np.uint64)
         c = cw.view(np.int8)
         dw = np.zeros(nb * 32, F32)
@@ -557,7 +616,7 @@ def _mm_g(kind, w, yr, dy, sy, bsums, lut, sp, out, n_chunks):
         acc = np.empty(32, F32)
         accm = np.empty(16, F32)
         lane = np.empty(32, np.int32)
-        for g in range(ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks):
+        for g in range(g_lo, g_hi):
             r0 = g * _R
             nr = min(_R, M - r0)
             if nr < _R:                                  # padding rows: zero codes and scales
@@ -567,7 +626,10 @@ def _mm_g(kind, w, yr, dy, sy, bsums, lut, sp, out, n_chunks):
                 scw[:] = 0
                 mn[:] = 0
             for r in range(nr):
-                _dec_row_g(kind, w[r0 + r], lut, sp, r, cw, dw, d2[r], scw, mn[r])
+                if kind <= 4:
+                    _dec_row_g32(kind, w[r0 + r], lut, sp, r, cw, dw, d2[r])
+                else:
+                    _dec_row_g(kind, w[r0 + r], lut, sp, r, cw, dw, d2[r], scw, mn[r])
             for n in range(N):
                 yn = yr[n]
                 acc[:] = 0
@@ -630,7 +692,74 @@ def _mm_g(kind, w, yr, dy, sy, bsums, lut, sp, out, n_chunks):
 
 
 # ------------------------------------------------------------------------------------------------
+# activation quantization for _mm_g in one call (quants.quantize_q8_0 / _q8_1 + the yr layout)
+@njit(cache=True)
+def _f16_round(v, lut):
+    """float32 -> nearest-even float16 -> float32 (numpy's npy_floatbits_to_halfbits, finite v)."""
+    a = np.empty(1, F32)
+    a[0] = v
+    f = np.int64(a.view(np.uint32)[0])
+    f_exp = f & 0x7F800000
+    h_sgn = (f >> 16) & 0x8000
+    if f_exp >= 0x47800000:                             # overflow (inputs are finite)
+        return lut[h_sgn + 0x7C00]
+    if f_exp <= 0x38000000:                             # subnormal or zero half
+        if f_exp < 0x33000000:
+            return lut[h_sgn]
+        e = f_exp >> 23
+        f_sig = (0x00800000 + (f & 0x007FFFFF)) >> (113 - e)
+        if (f_sig & 0x3FFF) != 0x1000 or (f & 0x7FF) != 0:
+            f_sig += 0x1000
+        return lut[h_sgn + (f_sig >> 13)]
+    h_exp = (f_exp - 0x38000000) >> 13
+    f_sig = f & 0x007FFFFF
+    if (f_sig & 0x3FFF) != 0x1000:
+        f_sig += 0x1000
+    return lut[h_sgn + (((f_sig >> 13) + h_exp) & 0xFFFF)]
+
+
+@njit(cache=True)
+def _prep_q8_g(x, q8_1, lut, yr, dy, sy):
+    """x f32 [N, K] -> yr int8 [N, _R*K] (the _mm_g layout), dy, sy f32 [N, K/32]: quants.quantize_q8_0
+    (q8_1=False; sy = dy) or quantize_q8_1, the same float steps. Returns False (nothing to trust) if x
+    has a non-finite value, where the caller takes the numpy path."""
+    N, K = x.shape
+    nb = K // 32
+    q = np.empty(32, np.int8)
+    for n in range(N):
+        for b in range(nb):
+            xb = x[n, 32 * b:32 * b + 32]
+            amax = F32(0)
+            for j in range(32):
+                v = xb[j]
+                if not np.isfinite(v):
+                    return False
+                av = abs(v)
+                if av > amax:
+                    amax = av
+            d = amax / F32(127)
+            idv = F32(127) / amax if amax != 0 else F32(0)
+            isum = 0
+            for j in range(32):
+                qj = np.int8(np.rint(xb[j] * idv))
+                q[j] = qj
+                isum += qj
+            dy[n, b] = _f16_round(d, lut)
+            sy[n, b] = _f16_round(d * F32(isum), lut) if q8_1 else dy[n, b]
+            o = 128 * b
+            for i in range(4):
+                for p in range(8):
+                    c = q[4 * ((2 * p) % 8 + p // 4) + i]          # element 4*_PI[p] + i
+                    for r in range(_R):
+                        yr[n, o + 32 * i + 8 * r + p] = c
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
 # entry point
+_NO_BSUMS = np.zeros((1, 1), np.int32)        # bsums for kinds 0..4 (not read)
+
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     """One numba specialization for mapped (read-only) and owned weights alike."""
     a = np.ascontiguousarray(a)
@@ -640,7 +769,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast",
-              repacked: bool = False) -> np.ndarray | None:
+              repacked: bool = False, vec_n: int | None = None) -> np.ndarray | None:
     """quants.mul_mat(order=order, repacked=repacked) for covered types: w uint8 [M, row_bytes] (F16: uint8
     or float16 [M, K]); x f32 [N, K]. Returns f32 [N, M], or None if wtype is not covered.
     order="ggml" with repacked Q4_0/Q4_K, and Q2_K/Q3_K, have the "fast" numerics (quants docstring)."""
@@ -657,16 +786,36 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
         raise ValueError(f"{wtype.name} rows of {K} elements need {row_size(wtype, K)} B, got w {w.shape} "
                          f"{w.dtype}")
     out = np.empty((N, M), F32)
+    serial = _n_threads == 1 or N * M * K <= _SERIAL_WORK
     if wtype == T.F16:
         w16 = _readonly(w).view(np.uint16).reshape(M, K)
         y = np.ascontiguousarray(x.astype(np.float16).astype(F64))
-        mode = 0 if order == "fast" else (2 if N >= 2 and K % 8 == 0 and M % 4 == 0 else 1)
+        vn = N if vec_n is None else vec_n            # rows that pick vec_dot (1) or tinyBLAS (>= 2)
+        mode = 0 if order == "fast" else (2 if vn >= 2 and K % 8 == 0 and M % 4 == 0 else 1)
+        if serial:
+            _mm_f16_serial(w16, y, _F16_LUT, out, mode)
+            return out
         with _launch_lock:
             numba.set_num_threads(_n_threads)
             _mm_f16(w16, y, _F16_LUT, out, mode)
         return out
     kind = _KIND[wtype]
     ggml = order == "ggml" and kind <= 7 and not (repacked and wtype in (T.Q4_0, T.Q4_K))
+    wr = _readonly(w).reshape(M, -1)
+    if ggml and kind <= 4 and x.dtype == F32:
+        # one numba call for quantize_q8_0/_q8_1 and the yr layout below (same bits)
+        xc = np.ascontiguousarray(x)
+        yr = np.empty((N, _R * K), np.int8)
+        dy = np.empty((N, K // 32), F32)
+        sy = np.empty((N, K // 32), F32)
+        if _prep_q8_g(xc, kind == 1 or kind == 3, _F16_LUT, yr, dy, sy):
+            if serial:
+                _mm_g_serial(kind, wr, yr, dy, sy, _NO_BSUMS, _F16_LUT, _SPREAD, out)
+                return out
+            with _launch_lock:
+                numba.set_num_threads(_n_threads)
+                _mm_g(kind, wr, yr, dy, sy, _NO_BSUMS, _F16_LUT, _SPREAD, out, 16 * _n_threads)
+            return out
     if kind <= 4:
         if kind in (1, 3):
             qy, dy, sy = Q.quantize_q8_1(x)
@@ -682,12 +831,14 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
         bsums = bs.reshape(N, -1).astype(np.int32 if ggml else np.int64)
     dy = np.ascontiguousarray(dy, F32)
     sy = np.ascontiguousarray(sy, F32)
-    wr = _readonly(w).reshape(M, -1)
     n_chunks = 16 * _n_threads
     if ggml:
         # yr[n, 128g + 32i + 8r + p] = element 32g + 4*_PI[p] + i, for each of the _R rows r
         yg = qy.reshape(N, K // 32, 8, 4)[:, :, _PI].transpose(0, 1, 3, 2)[:, :, :, None, :]
         yr = np.ascontiguousarray(np.broadcast_to(yg, (N, K // 32, 4, _R, 8))).reshape(N, _R * K)
+        if serial:
+            _mm_g_serial(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out)
+            return out
         with _launch_lock:
             numba.set_num_threads(_n_threads)
             _mm_g(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out, n_chunks)

@@ -673,7 +673,7 @@ def _chunk_rows(M: int, per_row: int) -> int:
 
 
 def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
-            repacked: bool | None = None, order: str | None = None) -> np.ndarray:
+            repacked: bool | None = None, order: str | None = None, vec_n: int | None = None) -> np.ndarray:
     """ggml CPU MUL_MAT: dst[n, m] = dot(W[m], X[n]) -> float32 [N, M].
 
     w: uint8 [M, row_bytes] (block types, F16, BF16; f16/uint16 arrays are accepted too) or float32 [M, K]
@@ -688,6 +688,9 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     pass per block over 8 lanes x M x N); "fast" = one fma chain per output over blocks (the repacked
     kernels' order, ULP-level off the vec_dot order) and, for F32/F16/BF16, a float64 BLAS product
     rounded once. None = DEFAULT_ORDER.
+    vec_n: the row count of X that picks the F32/F16/BF16 order="ggml" path (vec_dot for 1, tinyBLAS for
+    >= 2); None = N. Lets a caller stack the rows of several ggml slices (each output depends only on its
+    own row pair in every path) and keep each slice's order.
     """
     wtype = GGMLType(wtype)
     x = np.asarray(x, F32)
@@ -727,7 +730,7 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     if USE_NUMBA:                         # same bits as the numpy paths below, either order
         qk = _numba_kernels()
         if qk and wtype in qk.COVERED:
-            r = qk.mul_mat_q(wtype, w, x, order=order, repacked=repacked)
+            r = qk.mul_mat_q(wtype, w, x, order=order, repacked=repacked, vec_n=vec_n)
             return r[0] if squeeze else r
 
     if wtype in (T.F32, T.F16, T.BF16):
@@ -737,7 +740,7 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
             y = x.astype(np.float16).astype(F32)
         else:
             y = dequantize(T.BF16, quantize(T.BF16, x), K)
-        tiny = N >= 2 and K % 8 == 0 and M % 4 == 0
+        tiny = (N if vec_n is None else vec_n) >= 2 and K % 8 == 0 and M % 4 == 0
         per_row = (8 * N * 8 + 32) if tiny else (32 * N * 8 + 32 * 8)
         step = _chunk_rows(M, per_row + K * 8)
         for m0 in range(0, M, step):

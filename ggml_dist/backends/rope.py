@@ -93,6 +93,30 @@ def libm_sinf(theta: np.ndarray) -> np.ndarray:
     return np.array([_cos_sin_one(float(v))[1] for v in flat], F32).reshape(theta.shape)
 
 
+_CACHE: dict = {}            # the last few rope_cache results: every layer ropes Q and K at the same positions
+_CACHE_MAX = 8
+
+
+def _rope_cache_cached(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+                       attn_factor: float, corr_dims: tuple[float, float],
+                       freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """rope_cache, memoized on the values of its arguments (results are read-only)."""
+    key = (pos.dtype.str, pos.tobytes(), n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr_dims,
+           None if freq_factors is None else (freq_factors.dtype.str, freq_factors.tobytes()))
+    hit = _CACHE.get(key)
+    if hit is None:
+        cos, sin = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr_dims, freq_factors)
+        cos.flags.writeable = False
+        sin.flags.writeable = False
+        if len(_CACHE) >= _CACHE_MAX:
+            try:                                        # oldest entry (another thread may race us)
+                _CACHE.pop(next(iter(_CACHE)), None)
+            except (StopIteration, RuntimeError):
+                pass
+        hit = _CACHE[key] = (cos, sin)
+    return hit
+
+
 def rope_forward(t: Tensor, dst: np.ndarray, srcs: list) -> None:
     """x: [ne3, n_tok, n_head, head_dim]; rotates pairs (NORM: 2i, 2i+1; NEOX: i, i+n_dims/2)."""
     _, n_dims, mode, _, n_ctx_orig = (int(v) for v in t.op_params[:5])
@@ -102,7 +126,7 @@ def rope_forward(t: Tensor, dst: np.ndarray, srcs: list) -> None:
     pos = srcs[1].reshape(-1)
     ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
     corr = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
-    cos, sin = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
+    cos, sin = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]    # broadcast over ne3 and heads
     if mode & ROPE_TYPE_NEOX:
         x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]

@@ -583,3 +583,43 @@ def test_rope_iterated_theta_large_positions(ctx, rng):
     np.testing.assert_allclose(got, exp, atol=2e-6)
     direct = _rope_ref(x, p, n_dims, False)
     assert np.abs(direct - exp).max() > 1e-4
+
+
+# MUL_MAT with weights broadcast over dim 2 (GQA: r2 query heads per KV head) stacks the r2 slices into
+# one quants.mul_mat call; the bits equal per-slice calls (ggml's per-slice order: F16 vec_dot for
+# ne11 == 1, tinyBLAS for ne11 >= 2; quantized weights), for ne11 in {1, 2, 5}
+@pytest.mark.parametrize("wtype", [F16, F32, GGMLType.Q4_1, GGMLType.Q8_0])
+@pytest.mark.parametrize("n11", [1, 2, 5])
+def test_mul_mat_broadcast_stacked_bits(ctx, rng, wtype, n11):
+    from ggml_dist.backends import quants as Q
+    K, M, A2, r2 = 64, 12, 2, 3
+    wf = randn(rng, 1, A2, M, K)
+    if wtype == F16:
+        feed = wf.astype(np.float16)
+    elif wtype == F32:
+        feed = wf
+    else:
+        feed = Q.quantize(wtype, wf.reshape(-1, K)).reshape(1, A2, M, -1)
+    x = randn(rng, 1, A2 * r2, n11, K)
+    a, b = new(ctx, wtype, K, M, A2, 1), new(ctx, F32, K, n11, A2 * r2, 1)
+    got = run(ops.mul_mat(ctx, a, b), {a: feed, b: x})
+    for i2 in range(A2 * r2):
+        wm = feed[0, i2 // r2]
+        if wtype == F16:
+            wm = wm.view(np.uint8)
+        exp = Q.mul_mat(wtype, wm, x[0, i2])
+        assert np.array_equal(got[0, i2], exp), (wtype, n11, i2)
+
+
+# vexp's numba twin gives vexp_numpy's bits: random f32 bit patterns (nan, inf, subnormals), the
+# softmax/SiLU range and the |n| > 126 / > 192 rescaling branches
+def test_vexp_numba_twin_bits():
+    from ggml_dist.backends import numerics as nm
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.integers(0, 2 ** 32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.uniform(-200, 200, 200_000).astype(np.float32),
+                        np.array([np.inf, -np.inf, np.nan, 0, -0.0, 88.7, 88.8, -87.3, -103, -104, 126.5,
+                                  -126.5, 192.5, -192.5], np.float32)])
+    with np.errstate(all="ignore"):
+        got, ref = nm.vexp(x.reshape(-1, 2)), nm.vexp_numpy(x.reshape(-1, 2))
+    assert got.shape == ref.shape and np.array_equal(got.view(np.uint32), ref.view(np.uint32))

@@ -133,3 +133,71 @@ def test_not_covered_and_bad_rows():
         qk.mul_mat_q(T.Q4_0, np.zeros((2, 30), np.uint8), x)
     with pytest.raises(ValueError):
         qk.mul_mat_q(T.Q4_0, np.zeros((2, 36), np.uint8), x, order="bad")
+
+
+def test_prep_q8_g_matches_numpy_quantizers():
+    # the one-call activation quantization of the N = 1.. ggml path: same codes (in the yr layout) and
+    # f16-rounded scales as quants.quantize_q8_0 / _q8_1, including tiny (subnormal f16) and huge scales
+    rng = np.random.default_rng(7)
+    for K, N in ((64, 1), (576, 3)):
+        for scale in (1.0, 1e-6, 3e-3, 1e4, 1e7):
+            x = (rng.standard_normal((N, K)) * scale).astype(F32)
+            x[0, :32] = 0
+            yr = np.empty((N, qk._R * K), np.int8)
+            dy = np.empty((N, K // 32), F32)
+            sy = np.empty_like(dy)
+            for q81 in (False, True):
+                assert qk._prep_q8_g(x, q81, qk._F16_LUT, yr, dy, sy)
+                with np.errstate(over="ignore"):
+                    if q81:
+                        qy, d, s = Q.quantize_q8_1(x)
+                    else:
+                        qy, d = Q.quantize_q8_0(x)
+                        s = d
+                yg = qy.reshape(N, K // 32, 8, 4)[:, :, qk._PI].transpose(0, 1, 3, 2)[:, :, :, None, :]
+                yr2 = np.broadcast_to(yg, (N, K // 32, 4, qk._R, 8)).reshape(N, qk._R * K)
+                assert np.array_equal(yr, yr2)
+                assert np.array_equal(dy.view(np.uint32), d.view(np.uint32))
+                assert np.array_equal(sy.view(np.uint32), s.view(np.uint32))
+    x = np.ones((1, 64), F32)
+    x[0, 3] = np.nan                                    # non-finite: the caller takes the numpy path
+    assert not qk._prep_q8_g(x, True, qk._F16_LUT, np.empty((1, qk._R * 64), np.int8),
+                             np.empty((1, 2), F32), np.empty((1, 2), F32))
+
+
+def test_f16_round_matches_numpy():
+    # float32 -> float16 (nearest even) -> float32 for normals, subnormals, ties and overflow
+    from numba import njit
+
+    @njit
+    def many(v, lut, out):
+        for i in range(v.shape[0]):
+            out[i] = qk._f16_round(v[i], lut)
+    rng = np.random.default_rng(3)
+    bits = np.concatenate([rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32),
+                           np.arange(0x33000000 - 5000, 0x48000000 + 5000, 4099, dtype=np.uint32),
+                           (np.arange(0, 2 ** 19, 7, dtype=np.uint32) << 13) | np.uint32(0x1000)])
+    v = bits.view(F32)
+    v = v[np.isfinite(v)]
+    out = np.empty_like(v)
+    many(v, qk._F16_LUT, out)
+    with np.errstate(over="ignore"):
+        ref = v.astype(np.float16).astype(F32)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+def test_serial_and_parallel_launch_same_bits():
+    # small products run on the calling thread, large ones in parallel: the same bits
+    rng = np.random.default_rng(11)
+    for t in (T.Q4_1, T.Q8_0, T.Q4_K, T.F16):
+        w = weights(t, 64, 512, seed=5)
+        x = (rng.standard_normal((3, 512)) * 2).astype(F32)
+        old = qk._SERIAL_WORK
+        try:
+            qk._SERIAL_WORK = 0
+            par = qk.mul_mat_q(t, w, x, order="ggml")
+            qk._SERIAL_WORK = 1 << 40
+            ser = qk.mul_mat_q(t, w, x, order="ggml")
+        finally:
+            qk._SERIAL_WORK = old
+        assert np.array_equal(par, ser), t.name
