@@ -8,7 +8,8 @@ prefill: one prompt of micro_batches x ubatch tokens, decoded as micro_batches u
 decode:  micro_batches sequences, one per micro-batch; every step submits each sequence's next token as
          its own micro-batch, then samples all of them.
 The bound comes from the single-stage times t_k of one micro-batch on stage k, measured by the
-actors' own clocks in the run with one micro-batch (no overlap, so no contention between stages):
+actors' own clocks in a run of the same micro-batches with n_copies=1 (one in flight: no overlap,
+so no contention between stages):
 GPipe time = sum_k t_k + (M - 1) * max_k t_k. efficiency = tok_s / ideal_tok_s. ideal_inrun_tok_s
 uses the stage times measured during the run itself (inflated by stages sharing cores).
 bubble_frac = 1 - (busy time summed over stages) / (stages x wall time).
@@ -136,18 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = _ints(a.stages)
     connect(num_cpus=max(2, max(stages) * a.threads))
     runs = []
-    mbs = sorted(set(_ints(a.micro_batches)) | {1})           # 1: the single-stage times for the bound
     for k in stages:
-        solo: list[float] | None = None
-        for mb in mbs:
+        for mb in _ints(a.micro_batches):
+            # the single-stage times: the same micro-batches with one in flight (no overlap, no contention)
+            solo = run_one(path, k, mb, 1, a.ubatch, a.mode, a.steps, a.threads)
             for nc in (_ints(a.n_copies) if a.n_copies else [max(1, min(4, k))]):
-                r = run_one(path, k, mb, nc, a.ubatch, a.mode, a.steps, a.threads)
+                r = solo if nc == 1 else run_one(path, k, mb, nc, a.ubatch, a.mode, a.steps, a.threads)
+                r = dict(r)
                 t_k, n_mb, processed = r.pop("_t_k"), r.pop("_n_mb"), r.pop("_processed")
-                if mb == 1 and solo is None:
-                    solo = t_k
-                ideal = _gpipe(solo or t_k, n_mb)
+                ideal = _gpipe(solo["_t_k"], n_mb)
                 r["ideal_tok_s"] = round(processed / ideal, 3) if ideal else 0.0
                 r["efficiency"] = round(r["tok_s"] / r["ideal_tok_s"], 3) if r["ideal_tok_s"] else None
+                r["solo_stage_ms"] = [round(t * 1e3, 2) for t in solo["_t_k"]]
                 runs.append(r)
                 if not a.json:
                     print(r, file=sys.stderr)
