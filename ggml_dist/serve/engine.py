@@ -186,15 +186,17 @@ class Engine:
         return sum(s is not None for s in self._slots)
 
     def stage_busy(self) -> list[float]:
-        """Compute seconds per stage; the last known figures while a stage is unreachable."""
+        """Compute seconds per stage (the engine's own in one process); the last known figures while a
+        stage is unreachable."""
         if self.pipeline is None:
-            return []
+            return [self.busy_s]
         try:
             self._stage_busy = [float(st["compute_s"]) for st in self.pipeline.stats()]
         except Exception:                                 # a stage is down: metrics must still answer
             pass
         return list(getattr(self, "_stage_busy", []))
 
+    # -- engine thread ----------------------------------------------------------------------------------
     def _load(self) -> None:
         cfg = self.cfg
         params = ContextParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
