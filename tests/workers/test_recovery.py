@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+from contextlib import contextmanager
 
 import pytest
 
@@ -76,8 +77,9 @@ def test_kill_stage_process_by_pid(local_ray, model_path, want):
         pl.shutdown()
 
 
-# a node removed from a multi-node cluster: its stage restarts on the spare node, same tokens
-def test_node_removed(model_path, want):
+@contextmanager
+def two_node_pipeline(model_path, recover_timeout_s: float, spare: bool):
+    """Stage 0 on the head, stage 1 on a second node (the victim); optionally a spare third node."""
     from ray.cluster_utils import Cluster
     if ray.is_initialized():
         ray.shutdown()
@@ -89,38 +91,28 @@ def test_node_removed(model_path, want):
         head_id = ray.get_runtime_context().get_node_id()
         victim_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head_id)
         pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), node_ids=[head_id, victim_id])
-        pl.recover_timeout_s = 60
-        cluster.add_node(num_cpus=1)                  # the spare node the stage moves to
-        cluster.wait_for_nodes()
+        pl.recover_timeout_s = recover_timeout_s
+        if spare:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
         try:
-            got = _run_with_fault(pl, 6, lambda p: cluster.remove_node(victim))
-            assert got == want and pl.ctx.n_recoveries >= 1
+            yield pl, lambda p: cluster.remove_node(victim)
         finally:
             pl.shutdown()
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# a node removed from a multi-node cluster: its stage restarts on the spare node, same tokens
+def test_node_removed(model_path, want):
+    with two_node_pipeline(model_path, 60, spare=True) as (pl, remove_victim):
+        got = _run_with_fault(pl, 6, remove_victim)
+        assert got == want and pl.ctx.n_recoveries >= 1
 
 
 # no node can take the lost stage: a clear error naming the stage and its memory, not a hang
 def test_unrecoverable_is_clear(model_path):
-    from ray.cluster_utils import Cluster
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        victim = cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
-        head_id = ray.get_runtime_context().get_node_id()
-        victim_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head_id)
-        pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), node_ids=[head_id, victim_id])
-        pl.recover_timeout_s = 8
-        try:
-            with pytest.raises(RecoveryError, match=r"stage 1 \(layers 2..3\).*MiB"):
-                _run_with_fault(pl, 3, lambda p: cluster.remove_node(victim))
-        finally:
-            pl.shutdown()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with two_node_pipeline(model_path, 8, spare=False) as (pl, remove_victim):
+        with pytest.raises(RecoveryError, match=r"stage 1 \(layers 2..3\).*MiB"):
+            _run_with_fault(pl, 3, remove_victim)
