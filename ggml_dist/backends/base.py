@@ -7,7 +7,7 @@ into a numpy shape/strides there and nowhere else.
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -142,12 +142,3 @@ def tensor_set(t: Tensor, value: np.ndarray) -> None:
 def tensor_get(t: Tensor) -> np.ndarray:
     """ggml_backend_tensor_get: a copy of the tensor's contents, shape ne reversed (4-d)."""
     return t.buffer.get_tensor(t)
-
-
-def squeeze_shape(t: Tensor) -> tuple[int, ...]:
-    """The numpy shape of t without the unused leading dims (n_dims of them kept)."""
-    return tuple(reversed(t.ne[: t.n_dims]))
-
-
-def srcs_of(t: Tensor) -> Sequence[Tensor | None]:
-    return t.src

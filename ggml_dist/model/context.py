@@ -79,11 +79,14 @@ class PendingLogits:
         self._ctx = ctx
         self._records = records
         self._n_vocab = n_vocab
+        self._out: np.ndarray | None = None
 
     def result(self) -> np.ndarray:
         for attempt in range(self._ctx.max_recoveries + 1):
             try:
-                return self._collect()
+                if self._out is None:
+                    self._out = self._collect()
+                return self._out
             except StageLostError:
                 if attempt == self._ctx.max_recoveries or not self._ctx.recoverable:
                     raise
@@ -98,7 +101,10 @@ class PendingLogits:
             for r, i in enumerate(rec.ub.idx[rec.ub.output]):
                 rows[int(i)] = out[r]
         order = sorted(rows)
-        return np.stack([rows[i] for i in order]) if order else np.zeros((0, self._n_vocab), np.float32)
+        out = np.stack([rows[i] for i in order]) if order else np.zeros((0, self._n_vocab), np.float32)
+        for rec in self._records:          # the log keeps records for replay, not their results:
+            rec.value = rec.fetch = None   # free the logits and the result handles they pin
+        return out
 
 
 class LlamaContext:
@@ -265,6 +271,11 @@ class LlamaContext:
         if self.pipelined:
             self._inflight.append([b.event_record() for b in self.backends if hasattr(b, "inputs_by_value")])
         logits = res.logits
+        if ub.n_outputs == 0:                  # nothing to read: pin no result
+            if not self.pipelined:
+                self.sched.synchronize()
+            rec.fetch = None
+            return
         fetch_async = getattr(logits.buffer, "get_tensor_async", None)
         if fetch_async is not None:
             rec.fetch = fetch_async(logits)
