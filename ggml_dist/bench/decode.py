@@ -46,7 +46,7 @@ def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str
     t2 = time.perf_counter()
     return {"prompt_tok_s": prompt_len / (t1 - t0), "decode_tok_s": gen / (t2 - t1),
             "weight_bytes": m.weight_bytes(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
 
 
 def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
@@ -63,7 +63,19 @@ def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int) -> dict
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     t2 = time.perf_counter()
     return {"prompt_tok_s": prompt_len / (t1 - t0), "decode_tok_s": gen / (t2 - t1),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """VmHWM of this process (ru_maxrss would carry the parent's peak across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def copy_gb_s() -> float:
