@@ -20,21 +20,21 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..alloc.gallocr import Gallocr
-from ..backends.base import DeviceType, array_at
+from ..backends.base import DeviceType
 from ..core.context import TENSOR_SIZE, Context, graph_overhead
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
-from .assign import SchedAssignError, assign_backends, buffer_supported, is_weight, tensor_backend_id
+from .assign import SchedAssignError, assign_backends, tensor_backend_id
+from .copy import _is_async_capable, cpy_tensor_async, tensor_copy
+from .split import GGML_SCHED_MAX_SPLIT_INPUTS, Split, build_graph_copy, pass5_split
 from .trace import TraceRecorder
 
 log = logging.getLogger(__name__)
 
 GGML_SCHED_MAX_BACKENDS = 16
-GGML_SCHED_MAX_SPLIT_INPUTS = 30
 GGML_SCHED_MAX_COPIES = 4
 
 EvalCallback = Callable[[Tensor, bool], bool]
@@ -42,66 +42,6 @@ EvalCallback = Callable[[Tensor, bool], bool]
 
 class SchedError(RuntimeError):
     """The scheduler could not allocate or run a graph."""
-
-
-@dataclass(slots=True)
-class Split:
-    """ggml_backend_sched_split: nodes [i_start, i_end) of the user's graph on one backend."""
-    backend_id: int
-    i_start: int
-    i_end: int = 0
-    inputs: list[Tensor] = field(default_factory=list)
-    inputs_capacity: int = GGML_SCHED_MAX_SPLIT_INPUTS
-    graph: Graph | None = None
-
-    @property
-    def n_inputs(self) -> int:
-        return len(self.inputs)
-
-
-# -- copies between backends ---------------------------------------------------------------------------
-def tensor_copy(src: Tensor, dst: Tensor) -> None:
-    """ggml_backend_tensor_copy, blocking. Copies are layout-identical duplicates (same ne and nb)."""
-    sb, db = src.buffer, dst.buffer
-    assert sb is not None and db is not None and src.data is not None and dst.data is not None, \
-        f"copy {src.name} -> {dst.name} between unallocated tensors"
-    if hasattr(sb, "base") and hasattr(db, "base"):
-        array_at(db.base, dst.data, dst)[...] = array_at(sb.base, src.data, src)
-    else:
-        db.set_tensor(dst, sb.get_tensor(src))
-
-
-def _is_async_capable(backend: Any) -> bool:
-    return all(hasattr(backend, m) for m in ("submit", "event_record", "event_wait"))
-
-
-def cpy_tensor_async(src_backend: Any, dst_backend: Any, src: Tensor, dst: Tensor,
-                     dst_free: Any = None) -> bool:
-    """ggml's iface.cpy_tensor_async: a backend's own implementation if it has one, else, for two
-    stream-ordered backends, the copy runs in the source's stream (as CUDA's peer copy does) and the
-    destination waits for it. Returns False where neither applies (the caller copies synchronously).
-
-    differs from ggml: the source stream first waits for `dst_free` (the destination's event of this copy
-    slot), because a copy slot is rewritten every n_copies micro-batches and nothing else stops the source
-    from overwriting it while the destination still reads it."""
-    own = getattr(dst_backend, "cpy_tensor_async", None)
-    if own is not None:
-        return bool(own(src_backend, src, dst))
-    if not (_is_async_capable(src_backend) and _is_async_capable(dst_backend)):
-        return False
-    if dst_free is not None:
-        src_backend.event_wait(dst_free)
-    src_backend.submit(lambda: tensor_copy(src, dst))
-    dst_backend.event_wait(src_backend.event_record())
-    return True
-
-
-def _grow_set(arr: list[int], i: int, v: int) -> None:
-    """Write arr[i], growing it with zeros: positions past the last graph keep stale values, as ggml's
-    fixed-size id arrays do (alloc_splits compares positionally)."""
-    if i >= len(arr):
-        arr.extend([0] * (i + 1 - len(arr)))
-    arr[i] = v
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------
@@ -241,149 +181,17 @@ class Sched:
         self.leaf_backend_ids, self.prev_leaf_backend_ids = self.prev_leaf_backend_ids, self.leaf_backend_ids
         self._build_graph_copy(graph)
 
-    def _tensor_copy_slot(self, s: Tensor, b: int) -> list[Tensor | None]:
-        per_backend = self.hv_tensor_copies.get(s)
-        if per_backend is None:
-            per_backend = self.hv_tensor_copies[s] = [[None] * self.n_copies for _ in range(self.n_backends)]
-        return per_backend[b]
-
     def tensor_id_copy(self, s: Tensor, b: int, c: int) -> Tensor | None:
         per_backend = self.hv_tensor_copies.get(s)
         return per_backend[b][c] if per_backend is not None else None
 
-    def _dup_tensor_layout(self, s: Tensor, name: str) -> Tensor:
-        """ggml_dup_tensor_layout: same type, ne and nb (a copy of a view keeps the view's strides)."""
-        t = self.ctx.new_tensor(s.type, s.ne)
-        t.nb = s.nb
-        t.set_name(name)
-        return t
-
     def _pass5_split(self, graph: Graph) -> None:
         """Pass 5 (§3.3 S5): cut the node list into splits and create the copies of the inputs."""
-        nodes = graph.nodes
-        i = 0
-        first_backend = -1
-        while i < len(nodes):
-            if not nodes[i].is_view_op:
-                first_backend = tensor_backend_id(self, nodes[i])
-                break
-            i += 1
-        if first_backend == -1:
-            # differs from ggml: a graph with only view ops leaves splits[0].backend_id stale there; here
-            # it is the last backend (CPU), which has nothing to compute for it anyway
-            first_backend = self.n_backends - 1
-        split = Split(first_backend, 0)
-        self.splits = [split]
-        cur = first_backend
-        for i in range(i, len(nodes)):
-            node = nodes[i]
-            if node.is_view_op:
-                continue
-            nb = tensor_backend_id(self, node)
-            assert nb != -1, f"node '{node.name}' has no backend after pass 4"
-            need_new_split = False
-            if nb == cur and split.n_inputs > 0:
-                for s in node.src:
-                    if s is None:
-                        continue
-                    sb = tensor_backend_id(self, s)
-                    # (w) a weight on another backend that cur cannot read: a new split lets the memory of
-                    # earlier offloaded weight copies be reused
-                    if is_weight(s) and sb != cur and not buffer_supported(self, s, cur):
-                        need_new_split = True
-                        break
-                    # (c) the input list is full and s would need a new copy
-                    if (split.n_inputs >= split.inputs_capacity and sb != cur
-                            and self.tensor_id_copy(s, cur, 0) is None and not buffer_supported(self, s, cur)):
-                        need_new_split = True
-                        break
-            if nb != cur or need_new_split:
-                split.i_end = i
-                split = Split(nb, i)
-                self.splits.append(split)
-                cur = nb
-            for j, s in enumerate(node.src):
-                if s is None:
-                    continue
-                sb = tensor_backend_id(self, s)
-                assert sb != -1, f"source '{s.name}' of '{node.name}' has no backend after pass 4"
-                if s.flags & TensorFlag.INPUT and self.n_copies > 1 and self.tensor_id_copy(s, sb, 0) is None:
-                    # (g) graph inputs get n_copies slots on their own backend; slot cur_copy is s itself
-                    slot = self._tensor_copy_slot(s, sb)
-                    bname = self.backends[sb].name
-                    for c in range(self.n_copies):
-                        cp = s if c == self.cur_copy else self._dup_tensor_layout(s, f"{bname}#{s.name}#{c}")
-                        cp.flags |= TensorFlag.INPUT | TensorFlag.OUTPUT   # never freed by the allocator
-                        slot[c] = cp
-                        self.causes[cp] = "4.cpy"
-                    assert len(self.graph_inputs) < GGML_SCHED_MAX_SPLIT_INPUTS, "too many graph inputs"
-                    self.graph_inputs.append(s)
-                if sb != cur and not buffer_supported(self, s, cur):
-                    # (x) a cross-backend operand: one copy per (tensor, backend), made by the first split
-                    if self.tensor_id_copy(s, cur, 0) is None:
-                        slot = self._tensor_copy_slot(s, cur)
-                        bname = self.backends[cur].name
-                        for c in range(self.n_copies):
-                            cp = self._dup_tensor_layout(s, f"{bname}#{s.name}#{c}")
-                            if self.n_copies > 1:
-                                cp.flags |= TensorFlag.INPUT | TensorFlag.OUTPUT
-                            slot[c] = cp
-                            self.causes[cp] = "4.cpy"
-                        if split.n_inputs >= split.inputs_capacity:
-                            split.inputs_capacity *= 2
-                            log.warning("split #%d: more than %d inputs, growing the list to %d",
-                                        len(self.splits) - 1, split.n_inputs, split.inputs_capacity)
-                        split.inputs.append(s)
-                    node.src[j] = self.tensor_id_copy(s, cur, self.cur_copy)   # mutates the user's graph
-        split.i_end = len(nodes)
+        pass5_split(self, graph)
 
     def _build_graph_copy(self, graph: Graph) -> None:
-        """S8-S11: the graph copy. Per split, each input gets a dependency view (keeps the source alive up
-        to here) and its copy (allocated at the start of the split); then the split's own nodes. Leafs:
-        pipeline copies first (n_copies > 1), then the original leafs (§3.3 S9-S10, §3.5)."""
-        n_inputs = sum(sp.n_inputs for sp in self.splits)
-        size = max(graph.n_nodes, graph.n_leafs) + 2 * self.n_copies * (len(self.graph_inputs) + n_inputs)
-        gc = self.graph
-        gc.size = max(gc.size, size)
-        gc.nodes, gc.leafs, gc.use_counts = [], [], {}
-        nodes, leafs = gc.nodes, gc.leafs
-        ids, leaf_ids = self.node_backend_ids, self.leaf_backend_ids
-        for sp in self.splits:
-            sp.graph = graph.view(sp.i_start, sp.i_end)
-            for s in sp.inputs:
-                cp = self.tensor_id_copy(s, sp.backend_id, self.cur_copy)
-                assert cp is not None
-                dep = self.ctx.view_tensor(s)
-                dep.src = [s]
-                _grow_set(ids, len(nodes), tensor_backend_id(self, s))
-                nodes.append(dep)
-                _grow_set(ids, len(nodes), sp.backend_id)
-                nodes.append(cp)
-            for t in graph.nodes[sp.i_start:sp.i_end]:
-                _grow_set(ids, len(nodes), tensor_backend_id(self, t))
-                nodes.append(t)
-        if self.n_copies > 1:
-            for s in self.graph_inputs:
-                sb = tensor_backend_id(self, s)
-                for c in range(self.n_copies):
-                    _grow_set(leaf_ids, len(leafs), sb)
-                    leafs.append(self.tensor_id_copy(s, sb, c))          # type: ignore[arg-type]
-            for sp in self.splits:
-                for s in sp.inputs:
-                    for c in range(self.n_copies):
-                        _grow_set(leaf_ids, len(leafs), sp.backend_id)
-                        leafs.append(self.tensor_id_copy(s, sp.backend_id, c))  # type: ignore[arg-type]
-        for t in graph.leafs:
-            _grow_set(leaf_ids, len(leafs), tensor_backend_id(self, t))
-            leafs.append(t)
-        uc = gc.use_counts
-        for t in nodes:
-            uc.setdefault(t, 0)
-            for s in t.src:
-                if s is not None:
-                    uc[s] = uc.get(s, 0) + 1
-        for t in leafs:
-            uc.setdefault(t, 0)
+        """S8-S11: the graph copy (split.py)."""
+        build_graph_copy(self, graph)
 
     def _node_ids(self) -> list[int]:
         return self.node_backend_ids[: self.graph.n_nodes]
