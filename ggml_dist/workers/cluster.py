@@ -11,6 +11,7 @@ Ray's loopback behaviour: a local Ray advertises the machine's primary address u
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -172,6 +173,9 @@ class Pipeline:
                            n_copies=n_copies or max(1, min(4, n_stages)), weights=weights,
                            layer_buft=lambda il: stage_of[il].device.buft,
                            after_alloc=lambda sched, g: _bind_exports(sched, g, proxies))
+        # the driver's allocator planned each stage's splits: that is the stage's compute buffer
+        placement = Placement([dataclasses.replace(sp, compute_bytes=ctx.sched.get_buffer_size(p))
+                               for sp, p in zip(placement.stages, proxies)])
         pl = cls(model, placement, actors, proxies, ctx, infos, specs, actor_cls)
         ctx.recovery = pl.recover_stages
         return pl
