@@ -150,8 +150,8 @@ def test_cancel_nonstream(server, monkeypatch):
     ctx = server.engine.ctx
     submit = ctx.submit
 
-    def slow_submit(batch):                  # 20 ms a step: the client gives up long before the end
-        time.sleep(0.02)
+    def slow_submit(batch):                  # 100 ms a step: the client gives up after ~3 steps
+        time.sleep(0.1)
         return submit(batch)
     monkeypatch.setattr(ctx, "submit", slow_submit)
     before = metric(server, "generated_tokens_total")
