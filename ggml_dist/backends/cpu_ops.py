@@ -18,6 +18,7 @@ import numpy as np
 from ..core.tensor import GLUOp, Op, Tensor, UnaryOp
 from ..core.types import GGMLType, is_quantized
 from . import numerics as nm
+from .base import BufferUsage
 from . import quants
 
 F32 = np.float32
@@ -148,6 +149,8 @@ def _mul_mat(t, dst, srcs, opts):
     w, x = srcs[0], srcs[1]
     r2, r3 = b_t.ne[2] // a_t.ne[2], b_t.ne[3] // a_t.ne[3]
     n11, K = b_t.ne[1], b_t.ne[0]
+    if _mul_mat_packed(t, dst, srcs, opts):
+        return
     stack = r2 > 1 and not opts.exact and n11 > 0 and \
         (quants.DEFAULT_ORDER == "ggml" or a_t.type not in (GGMLType.F32, GGMLType.BF16))
     g2 = r2 if stack else 1
@@ -163,6 +166,28 @@ def _mul_mat(t, dst, srcs, opts):
             xm = np.ascontiguousarray(to_f32(x[i3, i2:i2 + g2], b_t.type, K), F32).reshape(g2 * n11, K)
             r = quants.mul_mat(a_t.type, wm, xm, exact=False, vec_n=n11)
             dst[i3, i2:i2 + g2] = r.reshape(g2, n11, r.shape[-1])
+
+
+def _mul_mat_packed(t, dst, srcs, opts) -> bool:
+    """MUL_MAT on a 2-D Q4_0/Q4_1/Q8_0 model weight through its packed form (qpack.py: repacked once,
+    ggml's "extra" buffer; the same bits as quants.mul_mat). False where that path does not apply."""
+    a_t, b_t = t.src[0], t.src[1]
+    if (opts.exact or a_t.type not in _PACKABLE or not quants.USE_NUMBA or quants.DEFAULT_ORDER != "ggml"
+            or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1 or b_t.type != GGMLType.F32
+            or getattr(a_t.buffer, "usage", None) != BufferUsage.WEIGHTS):
+        return False
+    from . import qpack
+    pw = qpack.packed(a_t.type, srcs[0][0, 0], a_t)
+    x = srcs[1]
+    xm = x.reshape(-1, x.shape[-1]) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    r = pw.mul_mat(xm)
+    if r is None:                       # a non-finite activation: the generic path gives ggml's values
+        return False
+    dst[...] = r.reshape(dst.shape)
+    return True
+
+
+_PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
 
 
 def _get_rows(t, dst, srcs, opts):

@@ -5,6 +5,7 @@ file's bytes at its offset, so a 4-bit model costs 4 bits per weight of page cac
 """
 from __future__ import annotations
 
+import mmap
 from typing import Iterable
 
 import numpy as np
@@ -54,6 +55,20 @@ class MappedBuffer:
 
     def clear(self, value: int = 0) -> None:
         raise PermissionError("the mapped weights buffer is read-only")
+
+    def release_pages(self, offset: int, size: int) -> None:
+        """Drop the resident pages of [offset, offset+size) (whole pages inside it): a backend that keeps
+        its own packed copy of a weight calls this, so that copy replaces the mapping's pages in memory
+        instead of doubling them. A later read faults the bytes back in from the file."""
+        mm = getattr(self.base, "_mmap", None)
+        page = mmap.PAGESIZE
+        lo, hi = -(-offset // page) * page, (offset + size) // page * page
+        if mm is None or hi <= lo or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):
+            pass                                  # only memory is at stake
 
 
 def load_weights(f: GGUFFile, names: Iterable[str] | None = None,

@@ -1,0 +1,480 @@
+"""Quantized weights repacked once for the CPU MUL_MAT (ggml's CPU_REPACK "extra" buffer), and the numba
+kernels that read them with ggml's AVX2 numerics, bit for bit.
+
+Why: in GGUF order (one row's blocks after another, two codes per byte) a SIMD loop must decode every block
+before it can use it (qkernels.py does that, at 1-3 GB/s). Repacked once, at a weight's first MUL_MAT, into
+groups of R = 8 rows whose blocks are interleaved, the codes of the 8 rows that meet the same activation
+value sit side by side: the inner loops become plain unit-stride f32 loops that LLVM vectorizes.
+
+Layout of a packed weight (Q4_0, Q4_1, Q8_0; M rows padded with zero rows to G = ceil(M/R) groups,
+nb = K/32 blocks per row; "lane L" = ggml's AVX2 lane, elements 4L..4L+3 of a block):
+* Q4_0/Q4_1 ``qs`` uint8 [G, nb*16*R]: byte (b, k, l, r) at b*16R + k*4R + l*R + r is row r's ``qs[4l+k]`` of
+  block b, i.e. element 4l+k (lane l) in the low nibble and element 16+4l+k (lane 4+l) in the high one.
+* Q8_0 ``qs`` int8 [G, nb*32*R]: code (b, k, L, r) at b*32R + k*8R + L*R + r is row r's element 4L+k.
+* ``d`` uint16 [G, nb*R]: f16 bits of row r's scale of block b at b*R + r; ``m`` the same for Q4_1's min.
+Activations match (``_prep``): Y[n, b*32R + k*8R + L*R + r] = the Q8 code of element 32b+4L+k, as f32,
+repeated for the R rows; so lane (L, r) of a block is sum_k code*Y over four unit-stride loads.
+
+Numerics (ggml-numerics.md §1.5): a lane is the exact integer sum of its four products (f32 arithmetic on
+integers below 2^24 is exact, in any order). Then
+* "lanes" (ggml_vec_dot_*_q8_* and tinyBLAS_Q0_AVX): acc[L, r] = fma(f32(dx*dy), lane, acc[L, r]) over
+  blocks, result HA over the 8 lanes, plus for Q4_1 the sequential f32 sum of m*s;
+* "chain" (the repacked q4_0_8x8 kernels, Q4_0 with M % 8 == 0): acc[r] = fma(f32(isum), f32(dx*dy), acc[r]),
+  isum = the block's integer dot.
+The fma is llvm.fma.f32 (one rounding; the same bits as quants.py's float64 emulation, and vectorized).
+These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/test_qpack.py checks it.
+"""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import types as nbt
+from numba.extending import intrinsic
+
+from ..core.types import GGMLType, row_size
+from . import qkernels
+
+T = GGMLType
+F32 = np.float32
+R = 8                                   # rows per group (the SIMD width of the inner loops)
+PACKABLE = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
+_KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0 = 0, 1, 2, 3
+_BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2)}    # block bytes, offset of the codes
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """fma(a, b, c) on float32 with one rounding (llvm.fma.f32)."""
+    sig = nbt.float32(nbt.float32, nbt.float32, nbt.float32)
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+    return sig, codegen
+
+
+# ------------------------------------------------------------------------------------------------
+# packing (numpy, once per weight)
+class PackedWeight:
+    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0 in the group layout above. ``chain`` picks the
+    repacked-kernel numerics (llama.cpp repacks Q4_0 when M % 8 == 0)."""
+
+    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = ()) -> None:
+        wtype = GGMLType(wtype)
+        if wtype not in PACKABLE:
+            raise ValueError(f"cannot pack {wtype.name}; packable: {sorted(t.name for t in PACKABLE)}")
+        bs, oq = _BLOCK[wtype]
+        M, nbytes = w.shape
+        if nbytes % bs:
+            raise ValueError(f"{wtype.name} rows are whole {bs}-byte blocks, got {nbytes} bytes")
+        nb = nbytes // bs
+        G = -(-M // R)
+        if M % R:
+            w = np.concatenate([w, np.zeros((G * R - M, nbytes), np.uint8)])
+        b = np.asarray(w, np.uint8).reshape(G, R, nb, bs)
+        if wtype == T.Q8_0:
+            q = b[..., oq:oq + 32].reshape(G, R, nb, 8, 4)       # [g, r, b, L, k]
+            self.qs = np.ascontiguousarray(q.transpose(0, 2, 4, 3, 1)).reshape(G, -1).view(np.int8)
+        else:
+            q = b[..., oq:oq + 16].reshape(G, R, nb, 4, 4)       # [g, r, b, l, k]
+            self.qs = np.ascontiguousarray(q.transpose(0, 2, 4, 3, 1)).reshape(G, -1)
+        self.d = _f16_plane(b, 0)
+        self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((1, 1), np.uint16)
+        self.type, self.M, self.K, self.key = wtype, M, nb * 32, key
+        self.chain = wtype == T.Q4_0 and M % 8 == 0
+        self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
+                     T.Q8_0: _KIND_Q8_0}[wtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+    def mul_mat(self, x: np.ndarray) -> np.ndarray | None:
+        """x f32 [N, K] -> f32 [N, M], or None when x has a non-finite value (the caller's generic path
+        then gives ggml's values for those)."""
+        N, K = x.shape
+        if K != self.K:
+            raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
+        Np = N if N < MIN_TOKENS else -(-N // 4) * 4       # the tiled kernels take 4 tokens at a time
+        Y = np.zeros((Np, 32 * R * (K // 32)), F32)
+        dy = np.zeros((Np, K // 32), F32)
+        sy = np.zeros((Np, K // 32), F32)
+        ys = np.zeros((Np, K // 32), F32)
+        if not _prep(np.ascontiguousarray(x, F32), self.type == T.Q4_1, qkernels._F16_LUT, Y, dy, sy, ys):
+            return None
+        out = np.empty((N, self.M), F32)
+        if N >= MIN_TOKENS:
+            return self._mul_mat_tiled(x, Y, dy, sy, ys, out)
+        args = (self.kind, self.qs, self.d, self.m, qkernels._F16_LUT, Y, dy, sy, ys, out)
+        threads = qkernels.get_threads()
+        if threads == 1 or N * self.M * K <= qkernels._SERIAL_WORK:
+            _mm_serial(*args)
+            return out
+        with qkernels._launch_lock:
+            numba.set_num_threads(threads)
+            _mm(*args, 4 * threads)
+        return out
+
+
+    def _mul_mat_tiled(self, x: np.ndarray, Y, dy, sy, ys, out) -> np.ndarray:
+        N, K = x.shape
+        nt = max(4, min(N, _TILE_Y_BYTES // (K * R * 4))) // 4 * 4
+        args = (self.kind, self.qs, self.d, self.m, qkernels._F16_LUT, Y, dy, sy, ys, out, nt)
+        threads = qkernels.get_threads()
+        if threads == 1 or N * self.M * K <= qkernels._SERIAL_WORK:
+            _mm_t_serial(*args)
+            return out
+        with qkernels._launch_lock:
+            numba.set_num_threads(threads)
+            _mm_t(*args, 4 * threads)
+        return out
+
+
+def _f16_plane(b: np.ndarray, off: int) -> np.ndarray:
+    """The f16 field at byte `off` of every block, as uint16 [G, nb*R] in (block, row) order."""
+    G, _, nb, _ = b.shape
+    return np.ascontiguousarray(b[..., off:off + 2].transpose(0, 2, 1, 3)).view(np.uint16).reshape(G, nb * R)
+
+
+_PACK_LOCK = threading.Lock()
+
+
+def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
+    """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` as ggml keeps its
+    repack buffer; made again if t was rebound to other bytes."""
+    key = (id(t.buffer), t.data, w.shape)
+    pw = t.extra
+    if isinstance(pw, PackedWeight) and pw.key == key:
+        return pw
+    with _PACK_LOCK:
+        pw = t.extra
+        if not (isinstance(pw, PackedWeight) and pw.key == key):
+            pw = t.extra = PackedWeight(wtype, w, key)
+            release = getattr(t.buffer, "release_pages", None)
+            if release is not None:            # the mapping's pages of t are not read again by MUL_MAT
+                release(t.data, row_size(wtype, pw.K) * pw.M)
+    return pw
+
+
+# ------------------------------------------------------------------------------------------------
+# activations: quants.quantize_q8_0 / _q8_1 and the Y layout, in one pass
+@njit(cache=True)
+def _prep(x, q8_1, lut, Y, dy, sy, ys):
+    """x f32 [N, K] -> Y (layout above), dy, sy f32 [N, K/32] with quants.quantize_q8_0 (q8_1=False;
+    sy = dy) or quantize_q8_1's float steps, ys = each block's sum of codes. False if x has a non-finite
+    value."""
+    N, K = x.shape
+    q = np.empty(32, F32)
+    for n in range(N):
+        for b in range(K // 32):
+            xb = x[n, 32 * b:32 * b + 32]
+            amax = F32(0)
+            for j in range(32):
+                v = xb[j]
+                if not np.isfinite(v):
+                    return False
+                amax = max(amax, abs(v))
+            d = amax / F32(127)
+            idv = F32(127) / amax if amax != 0 else F32(0)
+            isum = 0
+            for j in range(32):
+                c = np.int8(np.rint(xb[j] * idv))
+                q[j] = c
+                isum += c
+            dy[n, b] = qkernels._f16_round(d, lut)
+            sy[n, b] = qkernels._f16_round(d * F32(isum), lut) if q8_1 else dy[n, b]
+            ys[n, b] = isum
+            yb = Y[n, 32 * R * b:32 * R * (b + 1)]
+            for k in range(4):
+                for L in range(8):
+                    c = q[4 * L + k]
+                    for r in range(R):
+                        yb[k * 8 * R + L * R + r] = c
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+@njit(parallel=True, cache=True)
+def _mm(kind, qs, d, m, lut, Y, dy, sy, ys, out, n_chunks):
+    G = qs.shape[0]
+    n_chunks = min(G, n_chunks)
+    for c in prange(n_chunks):
+        _rows(kind, qs, d, m, lut, Y, dy, sy, ys, out, c * G // n_chunks, (c + 1) * G // n_chunks)
+
+
+@njit(cache=True)
+def _mm_serial(kind, qs, d, m, lut, Y, dy, sy, ys, out):
+    """_mm on the calling thread (a parallel launch costs more than a small product)."""
+    _rows(kind, qs, d, m, lut, Y, dy, sy, ys, out, 0, qs.shape[0])
+
+
+@njit(cache=True)
+def _rows(kind, qs, d, m, lut, Y, dy, sy, ys, out, g0, g1):
+    """Groups g0 .. g1-1; one specialized loop nest per kind (flags are constants once inlined)."""
+    if kind == _KIND_Q4_0:
+        _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, True, False, False)
+    elif kind == _KIND_Q4_1:
+        _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, False, True, False)
+    elif kind == _KIND_Q4_0_CHAIN:
+        _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, True, False, True)
+    else:
+        _rows_q8(qs, d, lut, Y, dy, out, g0, g1)
+
+
+@njit(cache=True, inline="always")
+def _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
+    N = Y.shape[0]
+    M = out.shape[1]
+    nb = qs.shape[1] // (16 * R)
+    acc = np.empty(8 * R, F32)
+    S = np.empty(4 * R, F32)
+    D = np.empty(4 * R, F32)
+    for g in range(g0, g1):
+        qg = qs[g]
+        dg = d[g]
+        for n in range(N):
+            yn = Y[n]
+            acc[:] = 0
+            for b in range(nb):
+                q = qg[16 * R * b:16 * R * (b + 1)]
+                yb = yn[32 * R * b:32 * R * (b + 1)]
+                db = dy[n, b]
+                for r in range(R):
+                    v = lut[dg[R * b + r]] * db                  # f32(dx*dy), exact
+                    D[r] = v
+                    D[R + r] = v
+                    D[2 * R + r] = v
+                    D[3 * R + r] = v
+                for i in range(4 * R):                          # i = l*R + r
+                    f0 = F32(q[i])
+                    f1 = F32(q[4 * R + i])
+                    f2 = F32(q[8 * R + i])
+                    f3 = F32(q[12 * R + i])
+                    h0 = np.floor(f0 * F32(0.0625))             # high nibbles, then low = f - 16h
+                    h1 = np.floor(f1 * F32(0.0625))
+                    h2 = np.floor(f2 * F32(0.0625))
+                    h3 = np.floor(f3 * F32(0.0625))
+                    l0 = _fma(h0, F32(-16), f0)
+                    l1 = _fma(h1, F32(-16), f1)
+                    l2 = _fma(h2, F32(-16), f2)
+                    l3 = _fma(h3, F32(-16), f3)
+                    if center and not chain:                    # the chain subtracts 8*sum(y) per block
+                        l0 -= F32(8)
+                        l1 -= F32(8)
+                        l2 -= F32(8)
+                        l3 -= F32(8)
+                        h0 -= F32(8)
+                        h1 -= F32(8)
+                        h2 -= F32(8)
+                        h3 -= F32(8)
+                    slo = _fma(l3, yb[24 * R + i], _fma(l2, yb[16 * R + i], _fma(l1, yb[8 * R + i], l0 * yb[i])))
+                    shi = _fma(h3, yb[28 * R + i], _fma(h2, yb[20 * R + i],
+                                                        _fma(h1, yb[12 * R + i], h0 * yb[4 * R + i])))
+                    if chain:
+                        S[i] = slo + shi
+                    else:
+                        acc[i] = _fma(D[i], slo, acc[i])
+                        acc[4 * R + i] = _fma(D[i], shi, acc[4 * R + i])
+                if chain:
+                    c8 = F32(8) * ys[n, b]
+                    for r in range(R):
+                        isum = ((S[r] + S[R + r]) + (S[2 * R + r] + S[3 * R + r])) - c8    # exact integers
+                        acc[r] = _fma(isum, D[r], acc[r])
+            for r in range(min(R, M - g * R)):
+                if chain:
+                    res = acc[r]
+                else:
+                    res = _ha(acc, r)
+                if has_m:                                       # + sequential f32 sum of m*s
+                    summs = lut[m[g, r]] * sy[n, 0]
+                    for b in range(1, nb):
+                        summs += lut[m[g, R * b + r]] * sy[n, b]
+                    res = res + summs
+                out[n, g * R + r] = res
+
+
+@njit(cache=True, inline="always")
+def _ha(acc, r):
+    """ggml's HA horizontal sum of lanes acc[L*R + r], L = 0..7."""
+    return (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
+            + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
+
+
+@njit(cache=True)
+def _rows_q8(qs, d, lut, Y, dy, out, g0, g1):
+    N = Y.shape[0]
+    M = out.shape[1]
+    nb = qs.shape[1] // (32 * R)
+    acc = np.empty(8 * R, F32)
+    D = np.empty(8 * R, F32)
+    for g in range(g0, g1):
+        qg = qs[g]
+        dg = d[g]
+        for n in range(N):
+            yn = Y[n]
+            acc[:] = 0
+            for b in range(nb):
+                q = qg[32 * R * b:32 * R * (b + 1)]
+                yb = yn[32 * R * b:32 * R * (b + 1)]
+                db = dy[n, b]
+                for r in range(R):
+                    v = lut[dg[R * b + r]] * db
+                    for L in range(8):
+                        D[L * R + r] = v
+                for i in range(8 * R):                          # i = L*R + r
+                    s = _fma(F32(q[24 * R + i]), yb[24 * R + i], _fma(F32(q[16 * R + i]), yb[16 * R + i],
+                             _fma(F32(q[8 * R + i]), yb[8 * R + i], F32(q[i]) * yb[i])))      # exact integers
+                    acc[i] = _fma(D[i], s, acc[i])
+            for r in range(min(R, M - g * R)):
+                out[n, g * R + r] = _ha(acc, r)
+
+
+# ------------------------------------------------------------------------------------------------
+# many tokens: for each group, each block's codes are decoded once into C (f32, [k][L][r] like Y) and used
+# by every token of a tile; the per-token loop is then the same unit-stride product as above, without the
+# nibble decode. Work items are (token tile, group) pairs, tile-major, so a tile's activations stay in L2
+# while the weights stream past.
+MIN_TOKENS = 4                          # from this many tokens on, the tiled kernels are used
+_TILE_Y_BYTES = 1 << 20                 # activations of one tile (Y is K*R*4 bytes per token)
+
+
+@njit(parallel=True, cache=True)
+def _mm_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, n_chunks):
+    n_items = -(-out.shape[0] // nt) * qs.shape[0]
+    n_chunks = min(n_items, n_chunks)
+    for c in prange(n_chunks):
+        _items_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, c * n_items // n_chunks,
+                 (c + 1) * n_items // n_chunks)
+
+
+@njit(cache=True)
+def _mm_t_serial(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt):
+    _items_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, 0, -(-out.shape[0] // nt) * qs.shape[0])
+
+
+@njit(cache=True)
+def _items_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1):
+    """Items i0 .. i1-1 (item = tile * G + group); one specialized loop nest per kind."""
+    if kind == _KIND_Q4_0:
+        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 0)
+    elif kind == _KIND_Q4_1:
+        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 1)
+    elif kind == _KIND_Q4_0_CHAIN:
+        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 2)
+    else:
+        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 3)
+
+
+@njit(cache=True, inline="always")
+def _codes_block(qg, kind, b, C):
+    """All R rows' codes of block b as f32 in the Y layout: C[(k*8 + L)*R + r] = code of element 4L+k of
+    row r (Q4_0 centred unless chained). Trip counts come from C's shape: a loop LLVM can see is 32 long
+    gets unrolled instead of vectorized."""
+    n8 = C.shape[0] // 4                                 # 8R
+    n4 = n8 // 2
+    if kind == _KIND_Q8_0:
+        q = qg[32 * R * b:32 * R * (b + 1)]
+        for i in range(4 * n8):
+            C[i] = F32(np.int8(q[i]))
+    else:
+        q = qg[16 * R * b:16 * R * (b + 1)]
+        for k in range(4):
+            for i in range(n4):
+                f = F32(q[k * n4 + i])
+                h = np.floor(f * F32(0.0625))
+                lo = _fma(h, F32(-16), f)
+                if kind == _KIND_Q4_0:
+                    lo -= F32(8)
+                    h -= F32(8)
+                C[k * n8 + i] = lo
+                C[k * n8 + n4 + i] = h
+
+
+@njit(cache=True, inline="always")
+def _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, kind):
+    N, M = out.shape
+    G = qs.shape[0]
+    nb = dy.shape[1]
+    chain = kind == _KIND_Q4_0_CHAIN
+    C = np.empty(32 * R, F32)
+    dR = np.empty(8 * R, F32)
+    S = np.empty((4, 8 * R), F32)
+    acc = np.empty((nt, 8 * R), F32)
+    for item in range(i0, i1):
+        tile, g = item // G, item % G
+        n0 = tile * nt
+        n1 = min(N, n0 + nt)
+        acc[:] = 0
+        for b in range(nb):
+            _codes_block(qs[g], kind, b, C)
+            for r in range(R):
+                v = lut[d[g, R * b + r]]
+                for L in range(8):
+                    dR[L * R + r] = v
+            for n in range(n0, n1, 4):                          # 4 tokens share each code load
+                _tokens4(C, dR, Y, dy, ys, S, acc, n, n0, b, chain)
+        for n in range(n0, n1):
+            a = acc[n - n0]
+            for r in range(min(R, M - g * R)):
+                res = a[r] if chain else _ha(a, r)
+                if kind == _KIND_Q4_1:                          # + sequential f32 sum of m*s
+                    summs = lut[m[g, r]] * sy[n, 0]
+                    for b in range(1, nb):
+                        summs += lut[m[g, R * b + r]] * sy[n, b]
+                    res = res + summs
+                out[n, g * R + r] = res
+
+
+@njit(cache=True, inline="always")
+def _tokens4(C, dR, Y, dy, ys, S, acc, n, n0, b, chain):
+    """Block b of tokens n .. n+3 (Y, dy, ys padded to a multiple of 4 tokens) into acc[n-n0 ..]."""
+    n8 = dR.shape[0]
+    o = 32 * R * b
+    y0 = Y[n, o:o + 4 * n8]
+    y1 = Y[n + 1, o:o + 4 * n8]
+    y2 = Y[n + 2, o:o + 4 * n8]
+    y3 = Y[n + 3, o:o + 4 * n8]
+    a0 = acc[n - n0]
+    a1 = acc[n - n0 + 1]
+    a2 = acc[n - n0 + 2]
+    a3 = acc[n - n0 + 3]
+    e0 = dy[n, b]
+    e1 = dy[n + 1, b]
+    e2 = dy[n + 2, b]
+    e3 = dy[n + 3, b]
+    for i in range(n8):                                         # i = L*R + r
+        c0 = C[i]
+        c1 = C[n8 + i]
+        c2 = C[2 * n8 + i]
+        c3 = C[3 * n8 + i]
+        s0 = _fma(c3, y0[3 * n8 + i], _fma(c2, y0[2 * n8 + i], _fma(c1, y0[n8 + i], c0 * y0[i])))  # exact
+        s1 = _fma(c3, y1[3 * n8 + i], _fma(c2, y1[2 * n8 + i], _fma(c1, y1[n8 + i], c0 * y1[i])))
+        s2 = _fma(c3, y2[3 * n8 + i], _fma(c2, y2[2 * n8 + i], _fma(c1, y2[n8 + i], c0 * y2[i])))
+        s3 = _fma(c3, y3[3 * n8 + i], _fma(c2, y3[2 * n8 + i], _fma(c1, y3[n8 + i], c0 * y3[i])))
+        if chain:
+            S[0, i] = s0
+            S[1, i] = s1
+            S[2, i] = s2
+            S[3, i] = s3
+        else:
+            dr = dR[i]
+            a0[i] = _fma(dr * e0, s0, a0[i])                    # f32(dx*dy), exact
+            a1[i] = _fma(dr * e1, s1, a1[i])
+            a2[i] = _fma(dr * e2, s2, a2[i])
+            a3[i] = _fma(dr * e3, s3, a3[i])
+    if chain:
+        for j in range(4):
+            a = acc[n - n0 + j]
+            Sj = S[j]
+            c8 = F32(8) * ys[n + j, b]
+            e = dy[n + j, b]
+            for r in range(R):
+                isum = (((Sj[r] + Sj[R + r]) + (Sj[2 * R + r] + Sj[3 * R + r]))
+                        + ((Sj[4 * R + r] + Sj[5 * R + r]) + (Sj[6 * R + r] + Sj[7 * R + r]))) - c8
+                a[r] = _fma(isum, dR[r] * e, a[r])

@@ -1,0 +1,158 @@
+"""Tests for ggml_dist.backends.qpack: weights repacked once into row groups give exactly
+quants.mul_mat(order="ggml")'s bits (numpy path, the oracle-checked emulation) for every token count, row
+count and thread count; the packed copy is made once per weight, kept in the tensor's extra, and used by the
+CPU backend's MUL_MAT on model weights."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ggml_dist.backends import quants as Q
+from ggml_dist.backends.base import BufferUsage
+from ggml_dist.backends.cpu import CPUDevice, compute_graph
+from ggml_dist.core.context import Context
+from ggml_dist.core.graph import Graph
+from ggml_dist.core.types import GGMLType as T
+from ggml_dist.core import ops
+
+from .test_quants import random_rows
+
+qpack = pytest.importorskip("ggml_dist.backends.qpack")
+qk = pytest.importorskip("ggml_dist.backends.qkernels")
+
+F32 = np.float32
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+
+
+def oracle(t, w, x, monkeypatch):
+    """quants.mul_mat on its numpy path (ggml's AVX2 orders; repacked Q4_0 iff M % 8 == 0)."""
+    monkeypatch.setattr(Q, "USE_NUMBA", False)
+    try:
+        return Q.mul_mat(t, w, x, order="ggml")
+    finally:
+        monkeypatch.setattr(Q, "USE_NUMBA", True)
+
+
+def activations(N, K, seed):
+    x = (np.random.default_rng(seed).standard_normal((N, K)) * 3).astype(F32)
+    x[0, :32] = 0                         # an all-zero block: d = 0
+    if N > 1:
+        x[1, 5] = 300.0                   # an outlier block
+    return x
+
+
+@pytest.mark.parametrize("t", TYPES)
+@pytest.mark.parametrize("M", [8, 37, 64])
+def test_bit_identical_every_token_count(t, M, monkeypatch):
+    # M = 37: a partial last group and (Q4_0) the 8-lane vec_dot order; 8, 64: Q4_0's repacked chain
+    K = 256
+    w = random_rows(t, M, K, seed=M)
+    w[::3, :Q.TYPE_TRAITS[t].type_size] = 0        # zero blocks (d = 0)
+    pw = qpack.PackedWeight(t, w)
+    assert pw.chain == (t == T.Q4_0 and M % 8 == 0)
+    xs = activations(21, K, seed=int(t))
+    for N in (1, 2, 3, 4, 5, 8, 13, 21):           # decode kernel below MIN_TOKENS, tiled from it on
+        got = pw.mul_mat(xs[:N])
+        ref = oracle(t, w, xs[:N], monkeypatch)
+        assert got.shape == (N, M) and got.dtype == F32
+        assert np.array_equal(got, ref), f"{t.name} M={M} N={N}: max |diff| {np.abs(got - ref).max()}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.sampled_from(TYPES), M=st.integers(1, 40), nb=st.integers(1, 6), N=st.integers(1, 12),
+       seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_bit_identical_random_shapes(t, M, nb, N, seed, scale):
+    K = 32 * nb
+    w = random_rows(t, M, K, seed=seed)
+    x = (np.random.default_rng(seed + 1).standard_normal((N, K)) * scale).astype(F32)
+    Q.USE_NUMBA = False
+    try:
+        ref = Q.mul_mat(t, w, x, order="ggml")
+    finally:
+        Q.USE_NUMBA = True
+    assert np.array_equal(qpack.PackedWeight(t, w).mul_mat(x), ref)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_threads_do_not_change_bits(t):
+    M, K = 96, 512
+    w = random_rows(t, M, K, seed=7)
+    pw = qpack.PackedWeight(t, w)
+    x = activations(40, K, seed=8)
+    before = qk.get_threads()
+    try:
+        qk.set_threads(1)
+        one = [pw.mul_mat(x[:n]) for n in (1, 40)]
+        qk.set_threads(min(2, qk.numba.config.NUMBA_NUM_THREADS))
+        two = [pw.mul_mat(x[:n]) for n in (1, 40)]
+    finally:
+        qk.set_threads(before)
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_non_finite_activations_defer_to_the_generic_path():
+    w = random_rows(T.Q4_1, 8, 64, seed=1)
+    x = np.ones((2, 64), F32)
+    x[1, 3] = np.inf
+    assert qpack.PackedWeight(T.Q4_1, w).mul_mat(x) is None
+
+
+def test_bad_input_is_an_error():
+    with pytest.raises(ValueError, match="cannot pack Q5_0"):
+        qpack.PackedWeight(T.Q5_0, np.zeros((8, 22), np.uint8))
+    with pytest.raises(ValueError, match="whole 18-byte blocks"):
+        qpack.PackedWeight(T.Q4_0, np.zeros((8, 20), np.uint8))
+    pw = qpack.PackedWeight(T.Q8_0, np.zeros((8, 34), np.uint8))
+    with pytest.raises(ValueError, match="rows of 32"):
+        pw.mul_mat(np.zeros((1, 64), F32))
+
+
+class _WeightBuffer:
+    """A host buffer marked as holding weights, recording release_pages calls."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.base = data
+        self.usage = BufferUsage.WEIGHTS
+        self.released: list[tuple[int, int]] = []
+
+    def release_pages(self, offset: int, size: int) -> None:
+        self.released.append((offset, size))
+
+
+def _matmul_graph(wtype, w_bytes, M, K, x):
+    ctx = Context(1 << 20, no_alloc=True)
+    wt = ctx.new_tensor(wtype, (K, M))
+    xt = ctx.new_tensor(T.F32, (K, x.shape[0]))
+    out = ops.mul_mat(ctx, wt, xt)
+    g = Graph()
+    g.build_forward_expand(out)
+    wbuf = _WeightBuffer(w_bytes.reshape(-1))
+    wt.buffer, wt.data = wbuf, 0
+    buf = CPUDevice().get_buffer_type().alloc_buffer(x.nbytes + 4 * M * x.shape[0] + 64)
+    xt.buffer, xt.data = buf, 0
+    out.buffer, out.data = buf, x.nbytes + (-x.nbytes) % 32
+    buf.set_tensor(xt, x)
+    return g, wt, out, buf, wbuf
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_cpu_backend_packs_model_weights_once(t, monkeypatch):
+    M, K = 24, 128
+    w = random_rows(t, M, K, seed=3)
+    x = activations(5, K, seed=4)
+    g, wt, out, buf, wbuf = _matmul_graph(t, w, M, K, x)
+    for N in (5, 1):
+        compute_graph(g)
+        got = buf.get_tensor(out)
+        np.testing.assert_array_equal(got.reshape(-1, M), oracle(t, w, x, monkeypatch))
+    pw = wt.extra
+    assert isinstance(pw, qpack.PackedWeight) and pw.M == M and pw.K == K
+    assert wbuf.released == [(0, w.nbytes)]             # the mapping's pages are handed back once
+    compute_graph(g)
+    assert wt.extra is pw                               # reused, not packed again
+    wt.data = 0
+    wt.buffer = _WeightBuffer(np.ascontiguousarray(w[::-1]).reshape(-1))   # rebound: packed again
+    assert qpack.packed(t, wt.buffer.base.reshape(M, -1), wt) is not pw
