@@ -96,7 +96,7 @@ def _scale(t, dst, srcs, opts):
 def _rms_norm(t, dst, srcs, opts):
     x = _src(t, srcs, 0)
     sq = (x * x).astype(F32)
-    mean = (sq.astype(np.float64).sum(axis=-1, keepdims=True) / x.shape[-1]).astype(F32)
+    mean = (_seq_sum(sq.astype(np.float64)) / x.shape[-1]).astype(F32)
     scale = (F32(1) / np.sqrt((mean + F32(t.op_param(0))).astype(F32))).astype(F32)
     store(dst, t.type, (x * scale).astype(F32))
 
@@ -219,9 +219,17 @@ def _argmax(t, dst, srcs, opts):
 
 
 # -- attention -------------------------------------------------------------------------------------
+def _seq_sum(v: np.ndarray) -> np.ndarray:
+    """Sum over the last axis in element order (keepdims): ggml's running ggml_float sums. numpy's
+    sum() is pairwise, whose last bits differ once the double sum is inexact."""
+    if v.shape[-1] == 0:
+        return np.zeros(v.shape[:-1] + (1,), v.dtype)
+    return np.cumsum(v, axis=-1)[..., -1:]
+
+
 def softmax_rows(w: np.ndarray) -> np.ndarray:
     """ggml_compute_forward_soft_max_f32 per row, after scale and mask: scalar max, vexp on chunks
-    of 8, sum of per-chunk HA sums in double, multiply by f32(1/S)."""
+    of 8, sequential sum of per-chunk HA sums and tail values in double, multiply by f32(1/S)."""
     mx = w.max(axis=-1, keepdims=True)
     with np.errstate(invalid="ignore"):
         d = (w - mx).astype(F32)
@@ -229,8 +237,8 @@ def softmax_rows(w: np.ndarray) -> np.ndarray:
     e = nm.exp_chunked(d)
     n8 = w.shape[-1] // 8 * 8
     chunks = e[..., :n8].reshape(*e.shape[:-1], n8 // 8, 8)
-    s = nm.hsum_ha(chunks).astype(np.float64).sum(axis=-1)
-    s += e[..., n8:].astype(np.float64).sum(axis=-1)
+    terms = np.concatenate([nm.hsum_ha(chunks), e[..., n8:]], axis=-1).astype(np.float64)
+    s = _seq_sum(terms)[..., 0]
     inv = (1.0 / s).astype(F32)
     return (e * inv[..., None]).astype(F32)
 
