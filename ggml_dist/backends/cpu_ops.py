@@ -7,10 +7,15 @@ CPU numerics (ggml-numerics.md): float32 steps, sums in double where ggml uses g
 
 Ops that may run in place (gallocr's in-place set) must allow `dst` to alias `srcs[0]`: every kernel here
 reads its sources completely before writing, or works row by row on the same row.
+
+Fast paths: with numba on (quants.USE_NUMBA, GGML_DIST_NO_NUMBA unset) the common cases (f32 activations,
+f16/f32 KV cache) run one fkernels call per op, with the same bits as the numpy code below, which stays the
+reference and the fallback; F32 ADD/MUL with numpy-broadcastable operands are one ufunc into dst.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -31,6 +36,30 @@ class ComputeOptions:
 
 
 Kernel = Callable[[Tensor, np.ndarray, list, ComputeOptions], None]
+
+_FK = None          # the fkernels module once imported; False without numba
+
+
+def _fk():
+    """fkernels when the numba kernels are on (quants.USE_NUMBA, read per call: tests flip it), else None."""
+    global _FK
+    if not quants.USE_NUMBA:
+        return None
+    if _FK is None:
+        try:
+            from . import fkernels
+            _FK = fkernels
+        except ImportError:
+            _FK = False
+    return _FK or None
+
+
+def _all_f32(t: Tensor, n_src: int) -> bool:
+    """dst and the first n_src sources are F32."""
+    return t.type == GGMLType.F32 and all(s is not None and s.type == GGMLType.F32 for s in t.src[:n_src])
+
+
+_ONE4 = np.ones((1, 1, 1, 1), F32)     # placeholder weight / mask for kernels called without one
 
 
 def to_f32(a: np.ndarray, type: GGMLType, ne0: int) -> np.ndarray:
@@ -76,12 +105,28 @@ def _src(t: Tensor, srcs: list, i: int) -> np.ndarray:
 
 
 # -- element-wise ----------------------------------------------------------------------------------
+def _ufunc_into(t, dst, srcs, ufunc) -> bool:
+    """F32 a (op) b straight into dst when b broadcasts numpy-wise (each extent 1 or a's): the same f32
+    operation without temporaries; numpy handles dst aliasing a or b."""
+    if not _all_f32(t, 2):
+        return False
+    a, b = srcs[0], srcs[1]
+    if b.shape != a.shape and not all(sb == sa or sb == 1 for sb, sa in zip(b.shape, a.shape)):
+        return False
+    ufunc(a, b, out=dst)
+    return True
+
+
 def _add(t, dst, srcs, opts):
+    if _ufunc_into(t, dst, srcs, np.add):
+        return
     a, b = _src(t, srcs, 0), _src(t, srcs, 1)
     store(dst, t.type, (a + _repeat(b, a.shape)).astype(F32))
 
 
 def _mul(t, dst, srcs, opts):
+    if _ufunc_into(t, dst, srcs, np.multiply):
+        return
     a, b = _src(t, srcs, 0), _src(t, srcs, 1)
     store(dst, t.type, (a * _repeat(b, a.shape)).astype(F32))
 
@@ -94,6 +139,10 @@ def _scale(t, dst, srcs, opts):
 
 
 def _rms_norm(t, dst, srcs, opts):
+    fk = _fk()
+    if fk and _all_f32(t, 1):
+        fk.rms_norm(srcs[0], F32(t.op_param(0)), _ONE4, False, dst)
+        return
     x = _src(t, srcs, 0)
     sq = (x * x).astype(F32)
     mean = (_seq_sum(sq.astype(np.float64)) / x.shape[-1]).astype(F32)
@@ -118,14 +167,13 @@ def _unary(t, dst, srcs, opts):
 
 def _glu(t, dst, srcs, opts):
     gop, swapped = GLUOp(t.op_param(0)), bool(t.op_param(1))
-    a = _src(t, srcs, 0)
-    if len(t.src) > 1 and t.src[1] is not None:
-        g, u = a, _src(t, srcs, 1)
-    else:
-        n = a.shape[-1] // 2
-        g, u = a[..., :n], a[..., n:]
-    if swapped:
-        g, u = u, g
+    split = len(t.src) > 1 and t.src[1] is not None
+    fk = _fk()
+    if fk and gop == GLUOp.SWIGLU and _all_f32(t, 2 if split else 1) and dst.shape[-1] % 8 == 0:
+        g, u = _glu_halves(srcs[0], srcs[1] if split else None, swapped)
+        fk.swiglu(g, u, dst)
+        return
+    g, u = _glu_halves(_src(t, srcs, 0), _src(t, srcs, 1) if split else None, swapped)
     if gop == GLUOp.SWIGLU:
         act = nm.silu(g)
     elif gop == GLUOp.GEGLU:
@@ -133,6 +181,16 @@ def _glu(t, dst, srcs, opts):
     else:
         act = np.maximum(g, F32(0))
     store(dst, t.type, (act * u).astype(F32))
+
+
+def _glu_halves(a: np.ndarray, b: np.ndarray | None, swapped: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(gate, up): a and b, or the two halves of a's rows; swapped exchanges them."""
+    if b is not None:
+        g, u = a, b
+    else:
+        n = a.shape[-1] // 2
+        g, u = a[..., :n], a[..., n:]
+    return (u, g) if swapped else (g, u)
 
 
 # -- matrix ----------------------------------------------------------------------------------------
@@ -146,6 +204,8 @@ def _mul_mat(t, dst, srcs, opts):
     rounding may depend on the shape."""
     a_t, b_t = t.src[0], t.src[1]
     assert a_t is not None and b_t is not None
+    if _mul_mat_float(t, dst, srcs, opts):
+        return
     w, x = srcs[0], srcs[1]
     r2, r3 = b_t.ne[2] // a_t.ne[2], b_t.ne[3] // a_t.ne[3]
     n11, K = b_t.ne[1], b_t.ne[0]
@@ -190,6 +250,30 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
 _PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
 
 
+def _mul_mat_float(t, dst, srcs, opts) -> bool:
+    """F16/F32 weights (the attention products on the KV cache) in ggml's order: one fkernels.mul_mat
+    call for all slices, bit-identical to quants.mul_mat(order="ggml", vec_n=ne11) per slice (vec_dot
+    for one activation row, tinyBLAS for more when K % 8 == 0 and M % 4 == 0)."""
+    a_t, b_t = t.src[0], t.src[1]
+    fk = _fk()
+    if not fk or opts.exact or quants.DEFAULT_ORDER != "ggml" or a_t.type not in (GGMLType.F16, GGMLType.F32) \
+            or b_t.type != GGMLType.F32 or t.type != GGMLType.F32:
+        return False
+    half = a_t.type == GGMLType.F16
+    w = _unit_rows(srcs[0].view(np.uint16) if half else srcs[0])
+    K, M, N = a_t.ne[0], a_t.ne[1], b_t.ne[1]
+    fk.mul_mat(w, _unit_rows(srcs[1]), dst, N >= 2 and K % 8 == 0 and M % 4 == 0, half)
+    return True
+
+
+def _unit_rows(a: np.ndarray) -> np.ndarray:
+    """a, or a contiguous copy if its rows are not contiguous (fkernels.mul_mat reads rows as slices)."""
+    st = a.strides
+    if st[-1] == a.itemsize and min(st) >= 0:
+        return a
+    return np.ascontiguousarray(a)
+
+
 def _get_rows(t, dst, srcs, opts):
     a_t = t.src[0]
     assert a_t is not None
@@ -207,6 +291,10 @@ def _set_rows(t, dst, srcs, opts):
     b, c = srcs[0], srcs[1]
     b_t = t.src[0]
     assert b_t is not None
+    fk = _fk()
+    if fk and b_t.type == GGMLType.F32 and t.type in (GGMLType.F32, GGMLType.F16):
+        fk.set_rows(b, c, dst.view(np.uint16) if t.type == GGMLType.F16 else dst)
+        return
     for i03 in range(b.shape[0]):
         for i02 in range(b.shape[1]):
             idx = c[0, i03 % c.shape[1], i02 % c.shape[2]]
@@ -253,10 +341,23 @@ def _alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
     return np.where(h < n_head_log2, m0 ** (h + 1), m1 ** (2 * (h - n_head_log2) + 1)).astype(F32)
 
 
+@lru_cache(maxsize=64)
+def _alibi_slopes_cached(n_head: int, max_bias: float) -> np.ndarray:
+    s = _alibi_slopes(n_head, max_bias)
+    s.flags.writeable = False
+    return s
+
+
 def _soft_max(t, dst, srcs, opts):
     scale, max_bias = F32(t.op_param(0, 1.0)), float(t.op_param(1, 0.0))
     a_t = t.src[0]
     assert a_t is not None
+    has_mask = len(t.src) > 1 and t.src[1] is not None
+    fk = _fk()
+    if fk and _all_f32(t, 2 if has_mask else 1) and a_t.ne[0] % 8 == 0:
+        slopes = _alibi_slopes_cached(a_t.ne[2], max_bias)
+        fk.soft_max(srcs[0], scale, srcs[1] if has_mask else _ONE4, slopes, has_mask, dst)
+        return
     w = (_src(t, srcs, 0) * scale).astype(F32)                 # [ne3, ne2, ne1, ne0]
     if len(t.src) > 1 and t.src[1] is not None:
         m = _src(t, srcs, 1)[..., : w.shape[2], :]
@@ -300,7 +401,12 @@ def _cpy(t, dst, srcs, opts):
     src = srcs[0]
     if s_t.type == t.type:             # ggml_compute_forward_dup_same_cont / dup_bytes: no conversion
         # block types: rows of blocks are bytes in element order, so the flat byte order is shared
-        np.copyto(dst, src if src.shape == dst.shape else np.ascontiguousarray(src).reshape(dst.shape))
+        if src.shape == dst.shape:
+            np.copyto(dst, src)
+        elif dst.flags.c_contiguous and dst.size == src.size:
+            np.copyto(dst.reshape(src.shape), src)          # a view of dst in src's logical shape
+        else:
+            np.copyto(dst, np.ascontiguousarray(src).reshape(dst.shape))
         return
     vals = to_f32(src, s_t.type, s_t.ne[0])
     if vals.shape != dst.shape and not is_quantized(t.type):

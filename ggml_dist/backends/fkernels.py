@@ -1,0 +1,519 @@
+"""numba kernels for the CPU backend's float ops: one call per op, bit-identical to cpu_ops' numpy paths.
+
+cpu_ops runs these when numba is on (quants.USE_NUMBA) and an op's operands fit (f32 activations, f16 or
+f32 weights and caches); everything else, and GGML_DIST_NO_NUMBA=1, takes the numpy kernels, which stay the
+reference. Each kernel works on the 4-d strided views cpu_ops receives (numpy order, ne reversed), so a
+decode step pays one dispatch per op instead of a chain of numpy temporaries. Each reads a whole row (or
+element pair) before writing it, so dst may alias src0 as gallocr's in-place reuse allows.
+
+Float steps follow ggml-numerics.md exactly as the numpy paths emulate them: ``fma(a, b, c)`` is
+``f32(f64(a) * f64(b) + f64(c))`` (numerics.fma32), sums ggml keeps in double (ggml_float) are sequential
+float64 sums. fastmath stays off (LLVM then neither contracts nor reorders), and error_model="numpy" gives
+IEEE division (1/0 = inf) instead of Python's ZeroDivisionError.
+
+Kernels, each mirroring a ggml CPU function:
+* ``mul_mat``: ggml_compute_forward_mul_mat for F16/F32 weights (attention KQ and KQV), every slice and
+  GQA broadcast in one call: ggml_vec_dot_f16/_f32 for one activation row, tinyBLAS for more.
+* ``rms_norm``: ggml_compute_forward_rms_norm_f32, optionally followed by the MUL by a weight row.
+* ``soft_max``: ggml_compute_forward_soft_max_f32 (scale, mask with ALiBi slope, ggml_vec_soft_max_f32).
+* ``swiglu``: ggml_vec_swiglu_f32.
+* ``rope``: the rotation of ggml_compute_forward_rope_flt (cos/sin come from rope.py's cache).
+* ``set_rows``: ggml_compute_forward_set_rows into F32 or F16 (ggml_cpu_fp32_to_fp16).
+The vexp kernels (softmax, swiglu) cover rows whose length is a multiple of 8; cpu_ops keeps the numpy
+path for the rest, whose tail uses numpy's float32 exp, which numba cannot reproduce.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.extending import intrinsic, overload
+from numba.np.arrayobj import make_array
+
+from .numerics import (_C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4,
+                       _C_SHIFT)
+
+F32 = np.float32
+F64 = np.float64
+_U64 = np.uint64
+_MASK32 = np.uint64(0xFFFFFFFF)
+_TWO112 = F64(2.0 ** 112)
+
+
+# ------------------------------------------------------------------------------------------------
+# scalar helpers: bit casts, f16 <-> f32, vexp
+@intrinsic
+def _bits(typingctx, x):
+    """float32 -> its uint32 bit pattern (an LLVM bitcast)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _float(typingctx, u):
+    """uint32 bit pattern -> float32."""
+    if u != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _data_ptr(typingctx, arr):
+    """An array's data pointer (its first element), typed as a pointer to its dtype."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return make_array(sig.args[0])(context, builder, value=args[0]).data
+    return types.CPointer(arr.dtype)(arr), codegen
+
+
+@njit(cache=True, inline="always")
+def _rows_view(a):
+    """(flat, s3, s2, s1) for a 4-d array whose rows are contiguous (last stride = itemsize, the others
+    >= 0): flat is a C-contiguous 1-D view from a's first element over its whole span, and row
+    (i3, i2, i1) is flat[i3*s3 + i2*s2 + i1*s1:][:ne0], a unit-stride slice numba can vectorise."""
+    it = a.itemsize
+    span = 1
+    for d in range(4):
+        if a.shape[d] == 0:
+            span = 0
+        elif span > 0:
+            span += (a.shape[d] - 1) * (a.strides[d] // it)
+    flat = carray(_data_ptr(a), (span,))
+    return flat, a.strides[0] // it, a.strides[1] // it, a.strides[2] // it
+
+
+@njit(cache=True, inline="always")
+def f16_bits(v):
+    """float32 -> float16 bits, round to nearest even: numpy's astype(float16) (npy_floatbits_to_halfbits,
+    NaN payloads included); for finite values and inf also ggml_cpu_fp32_to_fp16."""
+    f = _U64(_bits(v))
+    h_sgn = (f & _U64(0x80000000)) >> _U64(16)
+    f_exp = f & _U64(0x7F800000)
+    if f_exp >= _U64(0x47800000):                       # overflow, inf, nan
+        f_sig = f & _U64(0x007FFFFF)
+        if f_exp == _U64(0x7F800000) and f_sig != _U64(0):
+            ret = _U64(0x7C00) + (f_sig >> _U64(13))
+            if ret == _U64(0x7C00):
+                ret += _U64(1)
+            return np.uint16(h_sgn + ret)
+        return np.uint16(h_sgn + _U64(0x7C00))
+    if f_exp <= _U64(0x38000000):                       # subnormal half or signed zero
+        if f_exp < _U64(0x33000000):
+            return np.uint16(h_sgn)
+        e = f_exp >> _U64(23)
+        f_sig = (_U64(0x00800000) + (f & _U64(0x007FFFFF))) >> (_U64(113) - e)
+        if (f_sig & _U64(0x3FFF)) != _U64(0x1000) or (f & _U64(0x7FF)) != _U64(0):
+            f_sig += _U64(0x1000)
+        return np.uint16(h_sgn + (f_sig >> _U64(13)))
+    h_exp = (f_exp - _U64(0x38000000)) >> _U64(13)
+    f_sig = f & _U64(0x007FFFFF)
+    if (f_sig & _U64(0x3FFF)) != _U64(0x1000):
+        f_sig += _U64(0x1000)
+    return np.uint16(h_sgn + (((f_sig >> _U64(13)) + h_exp) & _U64(0xFFFF)))
+
+
+@njit(cache=True, inline="always")
+def f16_value(h):
+    """float16 bits -> float64 value (exact, like ggml_cpu_fp16_to_fp32). Branch-free but for inf/nan:
+    the bits shifted into a float32 are the value times 2^-112 (subnormal halves become subnormal floats,
+    widened exactly), so one exact multiply by 2^112 finishes it."""
+    u = _U64(h)
+    em = u & _U64(0x7FFF)
+    b = ((u & _U64(0x8000)) << _U64(16)) | (em << _U64(13))
+    if em >= _U64(0x7C00):
+        return F64(_float(np.uint32(b | _U64(0x7F800000))))
+    return F64(_float(np.uint32(b))) * _TWO112
+
+
+@njit(cache=True, inline="always")
+def f16_round(v):
+    """float32 -> nearest-even float16 -> float64 (x.astype(float16) as a value)."""
+    return f16_value(f16_bits(v))
+
+
+@njit(cache=True, inline="always")
+def vexp(x):
+    """ggml_v_expf for one float32 lane: numerics.vexp_numpy's steps (fma emulated in float64)."""
+    z = F32(F64(x) * F64(_C_LOG2E) + F64(_C_SHIFT))
+    n = F32(z - _C_SHIFT)
+    b = F32(F64(-n) * F64(_C_LN2_LO) + F64(F32(F64(-n) * F64(_C_LN2_HI) + F64(x))))
+    e = (_U64(_bits(z)) << _U64(23)) & _MASK32
+    k = _float(np.uint32((e + _U64(0x3F800000)) & _MASK32))
+    u = F32(b * b)
+    q = F32(F64(F32(F64(_C_P0) * F64(b) + F64(_C_P1))) * F64(u) + F64(F32(F64(_C_P2) * F64(b) + F64(_C_P3))))
+    j = F32(F64(q) * F64(u) + F64(F32(_C_P4 * b)))
+    an = abs(n)
+    if an > 126:
+        g = _U64(0x82000000) if n <= 0 else _U64(0)
+        s1 = _float(np.uint32((g + _U64(0x7F000000)) & _MASK32))
+        if an > 192:
+            return F32(s1 * s1)
+        s2 = _float(np.uint32((e - g) & _MASK32))
+        return F32(F32(F64(s2) * F64(j) + F64(s2)) * s1)
+    return F32(F64(j) * F64(k) + F64(k))
+
+
+@njit(cache=True, inline="always")
+def _ha(a0, a1, a2, a3, a4, a5, a6, a7):
+    """HA horizontal sum of 8 float32 lanes: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))."""
+    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+# ------------------------------------------------------------------------------------------------
+# MUL_MAT, F16 / F32 weights
+# A block of _RB weight rows is widened once and reused by every activation row of the slices that share
+# it. Layout per accumulation step s (nl ggml lanes): lane j = r * nl + l is lane l of row r, so a step is one
+# unit-stride loop over _RB * nl lanes: wt[s, j] = W[m0 + r, s * nl + l] and, per activation row,
+# yr[s, j] = Y[s * nl + l] (the row repeated for each of the _RB weight rows).
+_RB = 8       # weight rows per block
+_NB = 16      # activation rows per chunk (bounds the activation scratch)
+
+
+@intrinsic
+def _half(typingctx, h):
+    """float16 bits -> float32 value (LLVM fpext: exact, vectorised to vcvtph2ps)."""
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _round_half(typingctx, v):
+    """float32 -> nearest-even float16 -> float32 (LLVM fptrunc/fpext: vcvtps2ph, vcvtph2ps). Equals
+    numpy's astype(float16) on every non-NaN input; a NaN stays a NaN (payload as the hardware sets it)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """float32 fused multiply-add, one rounding (llvm.fma.f32)."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+def _widen(v):
+    """A weight element as float32: f16 bits decoded (uint16), float32 as is (typed by overload)."""
+
+
+@overload(_widen, inline="always")
+def _widen_impl(v):
+    if v == types.uint16:
+        return lambda v: _half(v)
+    if v == types.float32:
+        return lambda v: v
+    return None
+
+
+def _mac(w, y, acc):
+    """One lane update fma(w, y, acc) with the numpy reference's bits (typed by overload on w)."""
+
+
+@overload(_mac, inline="always")
+def _mac_impl(w, y, acc):
+    if w == types.float32:
+        # f16 weights and activations: f32 operands w, y of <= 11 significant bits. The reference's
+        # f32(f64(w*y) + f64(acc)) equals the one-rounding fma: w*y is exact in f64 and the f64 sum is
+        # inexact only when one addend is below 2^-28 of the other, far below half an f32 ulp of the
+        # result, where both roundings return the larger addend.
+        return lambda w, y, acc: _fma(w, y, acc)
+    if w == types.float64:
+        # f32 weights: 48-bit products, where f64 double rounding can differ from fma: emulate it
+        return lambda w, y, acc: F32(w * y + F64(acc))
+    return None
+
+
+@njit(cache=True, error_model="numpy")
+def mul_mat(w, x, dst, tiny, half):
+    """dst[i3, i2, n, m] = W[i3 // r3, i2 // r2, m, :] . X[i3, i2, n, :] (ggml_compute_forward_mul_mat).
+
+    w: [A3, A2, M, K] uint16 (f16 bits; half=True) or float32 (half=False); x: float32 [B3, B2, N, K];
+    both with contiguous rows (last stride = itemsize) and no negative stride; dst: float32 [B3, B2, N, M].
+    half: X is rounded to f16 first (F16's vec_dot_type) and the vec_dot tail is summed in double
+    (ggml_vec_dot_f16), else X is kept and the tail summed in float (ggml_vec_dot_f32).
+    tiny=False: ggml_vec_dot_f16/_f32, 4 x 8 lanes (element k -> lane k mod 32) over 32-element steps,
+    fold a0+a2, a1+a3, a0+a1, then HB; tiny=True: tinyBLAS, 8 lanes (k mod 8), HA (needs K % 8 == 0).
+    Lane updates are fma(w, x, acc) (see _mac), quants._mm_float's step."""
+    K = w.shape[3]
+    rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
+    if half:
+        _mm(w, x, dst, tiny, True, np.empty(K * _RB, F32), np.empty((rows, K * _RB), F32))
+    else:
+        _mm(w, x, dst, tiny, False, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
+
+
+@njit(cache=True, error_model="numpy")
+def _mm(w, x, dst, tiny, half, wt, yr):
+    """mul_mat with scratch wt [K * _RB] and yr [r3 * r2 * _NB, K * _RB] of the lane type."""
+    A3, A2, M, K = w.shape
+    B3, B2, N = x.shape[0], x.shape[1], x.shape[2]
+    r2, r3 = B2 // A2, B3 // A3
+    nl = 8 if tiny else 32
+    ks = K - K % nl
+    acc = np.empty(_RB * nl, F32)
+    res = np.empty(_RB, F32)
+    wf, w3, w2, w1 = _rows_view(w)
+    xf, x3, x2, x1 = _rows_view(x)
+    for a3 in range(A3):
+        for a2 in range(A2):
+            for n0 in range(0, N, _NB):
+                nn = min(_NB, N - n0)
+                j = 0
+                for i3 in range(a3 * r3, a3 * r3 + r3):
+                    for i2 in range(a2 * r2, a2 * r2 + r2):
+                        for n in range(n0, n0 + nn):
+                            o = i3 * x3 + i2 * x2 + n * x1
+                            _load_row(xf[o:o + K], half, nl, yr[j])
+                            j += 1
+                for m0 in range(0, M, _RB):
+                    nr = min(_RB, M - m0)
+                    for r in range(_RB):
+                        o = a3 * w3 + a2 * w2 + (m0 + r) * w1
+                        _widen_row(wf[o:o + K] if r < nr else None, nl, r, wt)
+                    j = 0
+                    for i3 in range(a3 * r3, a3 * r3 + r3):
+                        for i2 in range(a2 * r2, a2 * r2 + r2):
+                            for n in range(n0, n0 + nn):
+                                yj = yr[j]
+                                j += 1
+                                _dot_lanes(wt, yj, acc, ks * _RB)
+                                if tiny:
+                                    _ha_lanes(acc, res)
+                                else:
+                                    _fold_hb(acc, res)
+                                    if ks < K:
+                                        _tail(wt, yj, res, ks, K, half)
+                                for r in range(nr):
+                                    dst[i3, i2, n, m0 + r] = res[r]
+
+
+@njit(cache=True, inline="always")
+def _load_row(xr, half, nl, yj):
+    """yj = the activation row xr (f16-rounded if half) in the lane layout: each step's nl elements once
+    per weight row; the vec_dot tail element k at k * _RB."""
+    K = xr.shape[0]
+    ks = K - K % nl
+    for k0 in range(0, ks, nl):
+        xs = xr[k0:k0 + nl]
+        for r in range(_RB):
+            ys = yj[k0 * _RB + r * nl:k0 * _RB + (r + 1) * nl]
+            for l in range(nl):
+                ys[l] = _round_half(xs[l]) if half else xs[l]
+    for k in range(ks, K):
+        yj[k * _RB] = _round_half(xr[k]) if half else xr[k]
+
+
+@njit(cache=True, inline="always")
+def _widen_row(src, nl, r, wt):
+    """Row r of the weight block in the lane layout: step k0's elements at lanes r * nl .. of the step,
+    the vec_dot tail element k at k * _RB + r. src = None: zeros (a row past the matrix)."""
+    K = wt.shape[0] // _RB
+    ks = K - K % nl
+    for k0 in range(0, ks, nl):
+        ws = wt[k0 * _RB + r * nl:k0 * _RB + (r + 1) * nl]
+        if src is None:
+            ws[:] = 0
+        else:
+            ss = src[k0:k0 + nl]
+            for l in range(nl):
+                ws[l] = _widen(ss[l])
+    for k in range(ks, K):
+        wt[k * _RB + r] = 0 if src is None else _widen(src[k])
+
+
+@njit(cache=True, inline="always")
+def _dot_lanes(wt, yj, acc, n):
+    """acc[j] = lane j's chain fma(w, y, acc) over the first n entries of wt and yj (whole steps)."""
+    L = acc.shape[0]
+    acc[:] = 0
+    for s0 in range(0, n, L):
+        ws = wt[s0:s0 + L]
+        ys = yj[s0:s0 + L]
+        for j in range(L):
+            acc[j] = _mac(ws[j], ys[j], acc[j])
+
+
+@njit(cache=True, inline="always")
+def _ha_lanes(acc, res):
+    """tinyBLAS's HA over each row's 8 lanes: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))."""
+    for r in range(_RB):
+        a = acc[r * 8:(r + 1) * 8]
+        res[r] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+
+
+@njit(cache=True, inline="always")
+def _fold_hb(acc, res):
+    """ggml_vec_dot_f16's reduction of 4 accumulators x 8 lanes: a0 += a2, a1 += a3, a0 += a1, then
+    HB = ((l0+l4)+(l1+l5)) + ((l2+l6)+(l3+l7))."""
+    for r in range(_RB):
+        a = acc[r * 32:(r + 1) * 32]
+        for l in range(8):
+            a[l] = (a[l] + a[16 + l]) + (a[8 + l] + a[24 + l])
+        res[r] = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+
+
+@njit(cache=True, inline="always")
+def _tail(wt, yj, res, ks, K, half):
+    """The leftover K % 32 products, each rounded to f32: summed in double (f16) or in float (f32)."""
+    for r in range(_RB):
+        if half:
+            sd = F64(res[r])
+            for k in range(ks, K):
+                sd += F64(F32(wt[k * _RB + r] * yj[k * _RB]))
+            res[r] = F32(sd)
+        else:
+            sf = res[r]
+            for k in range(ks, K):
+                sf = F32(sf + F32(wt[k * _RB + r] * yj[k * _RB]))
+            res[r] = sf
+
+
+# ------------------------------------------------------------------------------------------------
+# row ops
+@njit(cache=True, error_model="numpy")
+def rms_norm(x, eps, wgt, fused, dst):
+    """ggml_compute_forward_rms_norm_f32 per row: sum of double(f32(x*x)) in order; mean = f32(sum/n);
+    scale = f32(1/sqrt(f32(mean + eps))); y = f32(x*scale). fused: then y = f32(y * wgt[...]) (the MUL
+    by the norm weight, wgt broadcast over dst by index modulo its extent; ggml's fusion, same bits)."""
+    ne3, ne2, ne1, ne0 = x.shape
+    w3, w2, w1, w0 = wgt.shape
+    for i3 in range(ne3):
+        for i2 in range(ne2):
+            for i1 in range(ne1):
+                s = 0.0
+                for i in range(ne0):
+                    v = x[i3, i2, i1, i]
+                    s += F64(v * v)
+                mean = F32(s / ne0)
+                scale = F32(1) / F32(np.sqrt(F32(mean + eps)))
+                if fused:
+                    wr = wgt[i3 % w3, i2 % w2, i1 % w1]
+                    for i in range(ne0):
+                        dst[i3, i2, i1, i] = F32(x[i3, i2, i1, i] * scale) * wr[i % w0]
+                else:
+                    for i in range(ne0):
+                        dst[i3, i2, i1, i] = x[i3, i2, i1, i] * scale
+
+
+@njit(cache=True, error_model="numpy")
+def soft_max(x, scale, mask, slopes, has_mask, dst):
+    """ggml_compute_forward_soft_max_f32 (rows of a multiple of 8): w = f32(x*scale) [+ f32(slope*mask)];
+    max by a scalar loop; e = vexp(w - max) (masked -inf stays -inf, vexp(-inf) = +0); S = sequential
+    double sum of the chunks' HA sums; p = f32(e * f32(1/S)). mask [m3, m2, m1, ne0] is read at
+    (i3 % m3, i2 % m2, i1); slopes[i2] is the ALiBi slope of head i2 (1 without ALiBi)."""
+    ne3, ne2, ne1, ne0 = x.shape
+    m3, m2 = mask.shape[0], mask.shape[1]
+    w = np.empty(ne0, F32)
+    for i3 in range(ne3):
+        for i2 in range(ne2):
+            sl = slopes[i2]
+            for i1 in range(ne1):
+                for i in range(ne0):
+                    w[i] = x[i3, i2, i1, i] * scale
+                if has_mask:
+                    mr = mask[i3 % m3, i2 % m2, i1]
+                    for i in range(ne0):
+                        w[i] = w[i] + sl * mr[i]
+                mx = F32(-np.inf)
+                for i in range(ne0):
+                    v = w[i]
+                    if v > mx or np.isnan(v):
+                        mx = v
+                        if np.isnan(v):
+                            break
+                for i in range(ne0):
+                    v = w[i]
+                    w[i] = vexp(v if v == -np.inf else F32(v - mx))
+                s = 0.0
+                for c in range(0, ne0, 8):
+                    s += F64(_ha(w[c], w[c + 1], w[c + 2], w[c + 3], w[c + 4], w[c + 5], w[c + 6], w[c + 7]))
+                inv = F32(1.0 / s)
+                for i in range(ne0):
+                    dst[i3, i2, i1, i] = w[i] * inv
+
+
+@njit(cache=True, error_model="numpy")
+def swiglu(g, u, dst):
+    """ggml_vec_swiglu_f32 on rows of a multiple of 8: f32(f32(g / f32(1 + vexp(-g))) * u)."""
+    ne3, ne2, ne1, ne0 = dst.shape
+    for i3 in range(ne3):
+        for i2 in range(ne2):
+            for i1 in range(ne1):
+                for i in range(ne0):
+                    gv = g[i3, i2, i1, i]
+                    s = gv / (F32(1) + vexp(-gv))
+                    dst[i3, i2, i1, i] = s * u[i3, i2, i1, i]
+
+
+@njit(cache=True, error_model="numpy")
+def rope(x, cos, sin, n_dims, neox, dst):
+    """The rotation of ggml_compute_forward_rope_flt: x, dst [ne3, n_tok, n_head, head_dim]; cos, sin
+    [n_tok, n_dims/2]. Pair i is (2i, 2i+1) (NORM) or (i, i + n_dims/2) (NEOX):
+    y0 = fma(x0, c, -f32(x1*s)), y1 = fma(x0, s, f32(x1*c)) (GCC's contraction); dims >= n_dims copied."""
+    ne3, ne2, ne1, ne0 = x.shape
+    half = n_dims // 2
+    for i3 in range(ne3):
+        for i2 in range(ne2):
+            for i1 in range(ne1):
+                for i in range(half):
+                    j0 = i if neox else 2 * i
+                    j1 = i + half if neox else 2 * i + 1
+                    c, s = cos[i2, i], sin[i2, i]
+                    x0, x1 = x[i3, i2, i1, j0], x[i3, i2, i1, j1]
+                    y0 = F32(F64(x0) * F64(c) + F64(-F32(x1 * s)))
+                    y1 = F32(F64(x0) * F64(s) + F64(F32(x1 * c)))
+                    dst[i3, i2, i1, j0] = y0
+                    dst[i3, i2, i1, j1] = y1
+                for i in range(n_dims, ne0):
+                    dst[i3, i2, i1, i] = x[i3, i2, i1, i]
+
+
+def _encode(v, like):
+    """A float32 value in dst's element type (typed by overload on `like`, a dst element)."""
+
+
+@overload(_encode, inline="always")
+def _encode_impl(v, like):
+    if like == types.uint16:
+        return lambda v, like: f16_bits(v)
+    if like == types.float32:
+        return lambda v, like: v
+    return None
+
+
+@njit(cache=True)
+def set_rows(b, c, dst):
+    """ggml_compute_forward_set_rows: dst[i3, i2, c[0, i3 % c1, i2 % c2, j]] = b[i3, i2, j] for each row
+    j, converted to dst's type (uint16 = f16 bits, RNE; or float32). Rows are written in order, so a
+    repeated index keeps the last row."""
+    ne3, ne2, nr, ne0 = b.shape
+    c1, c2 = c.shape[1], c.shape[2]
+    for i3 in range(ne3):
+        for i2 in range(ne2):
+            idx = c[0, i3 % c1, i2 % c2]
+            for j in range(nr):
+                row = dst[i3, i2, idx[j]]
+                for i in range(ne0):
+                    row[i] = _encode(b[i3, i2, j, i], row[0])

@@ -1,0 +1,293 @@
+"""The numba fast paths of cpu_ops (backends/fkernels.py) give the numpy kernels' bits exactly.
+
+Each test runs an op with quants.USE_NUMBA on (fkernels) and off (the numpy reference) and compares
+the results bit for bit (uint32 views, so NaN payloads and signed zeros count), on awkward shapes: lengths
+not a multiple of 8 or 32, -inf masks and fully masked rows, strided and permuted views, dst aliasing src0
+as gallocr's in-place reuse allows, and KV-cache style views with padded empty cells.
+"""
+import numpy as np
+import pytest
+
+from ggml_dist.backends import cpu_ops, quants
+from ggml_dist.backends import fkernels as fk
+from ggml_dist.backends.cpu_ops import KERNELS, ComputeOptions
+from ggml_dist.backends.reference import ReferenceExecutor
+from ggml_dist.core import ops
+from ggml_dist.core.context import Context
+from ggml_dist.core.graph import Graph
+from ggml_dist.core.tensor import GLUOp
+from ggml_dist.core.types import GGMLType
+
+F32, F16, I32, I64 = GGMLType.F32, GGMLType.F16, GGMLType.I32, GGMLType.I64
+
+
+@pytest.fixture
+def ctx():
+    return Context(1 << 24)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(77)
+
+
+def bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view({4: np.uint32, 2: np.uint16, 8: np.uint64}[a.dtype.itemsize])
+
+
+def assert_same_bits(got, ref):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert np.array_equal(bits(got), bits(ref)), f"{np.sum(bits(got) != bits(ref))} elements differ"
+
+
+def run_both(monkeypatch, out, inputs, opts=ComputeOptions()):
+    """out's value with the numba kernels and with the numpy ones; asserts equal bits, returns it."""
+    g = Graph()
+    g.build_forward_expand(out)
+    res = {}
+    for use in (True, False):
+        monkeypatch.setattr(quants, "USE_NUMBA", use)
+        res[use] = ReferenceExecutor(opts).compute(g, inputs)[out]
+    assert_same_bits(res[True], res[False])
+    return res[True]
+
+
+def kernel_both(monkeypatch, t, make_args):
+    """Call t's kernel directly on the arrays make_args() returns ((dst, srcs); dst may be srcs[0], the
+    in-place case) with numba on and off; asserts equal bits of dst."""
+    outs = []
+    for use in (True, False):
+        monkeypatch.setattr(quants, "USE_NUMBA", use)
+        dst, srcs = make_args()
+        KERNELS[t.op](t, dst, srcs, ComputeOptions())
+        outs.append(dst.copy())
+    assert_same_bits(outs[0], outs[1])
+    return outs[0]
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# -- scalar helpers ----------------------------------------------------------------------------------
+# f16_bits is numpy's astype(float16) (RNE, overflow, subnormals, NaN payloads); f16_value is exact
+def test_f16_conversions():
+    from numba import njit
+
+    @njit
+    def enc(x, out):
+        for i in range(x.size):
+            out[i] = fk.f16_bits(x[i])
+
+    @njit
+    def dec(h, out):
+        for i in range(h.size):
+            out[i] = fk.f16_value(h[i])
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.integers(0, 2 ** 32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        (rng.standard_normal(200_000) * 1e-5).astype(np.float32),
+                        np.array([65504, 65519.99, 65520, 1e9, -np.inf, np.nan, 2 ** -24, 2 ** -25, 3 * 2 ** -26,
+                                  0.0, -0.0, 1 + 2 ** -11, 1 + 3 * 2 ** -11], np.float32),
+                        np.array([0x7F800001, 0x7FA00000, 0xFFC00001], np.uint32).view(np.float32)])
+    h = np.empty(x.size, np.uint16)
+    enc(x, h)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(h, x.astype(np.float16).view(np.uint16))
+    allh = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    v = np.empty(65536, np.float64)
+    dec(allh, v)
+    ref = allh.view(np.float16).astype(np.float64)
+    finite = np.isfinite(ref)
+    assert np.array_equal(v[finite].view(np.uint64), ref[finite].view(np.uint64))
+    assert np.array_equal(np.isnan(v), np.isnan(ref)) and np.array_equal(v[np.isinf(ref)], ref[np.isinf(ref)])
+
+
+# vexp (scalar numba) gives numerics.vexp_numpy's bits, incl. nan, inf and the |n| > 126 branches
+def test_vexp_scalar_bits():
+    from numba import njit
+
+    from ggml_dist.backends import numerics as nm
+
+    @njit
+    def run(x, out):
+        for i in range(x.size):
+            out[i] = fk.vexp(x[i])
+
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.integers(0, 2 ** 32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
+                        rng.uniform(-200, 200, 200_000).astype(np.float32),
+                        np.array([np.inf, -np.inf, np.nan, 0, -0.0, 88.7, 88.8, -87.3, -103, -104, 126.5,
+                                  -126.5, 192.5, -192.5], np.float32)])
+    got = np.empty_like(x)
+    run(x, got)
+    with np.errstate(all="ignore"):
+        assert_same_bits(got, nm.vexp_numpy(x))
+
+
+# -- element-wise and norms --------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [ops.add, ops.mul])
+def test_binary_f32(ctx, rng, monkeypatch, fn):
+    a, b, c = ctx.new_tensor(F32, (37, 5, 3)), ctx.new_tensor(F32, (37,)), ctx.new_tensor(F32, (37, 1, 3))
+    xa, xb, xc = randn(rng, 3, 5, 37), randn(rng, 37), randn(rng, 3, 1, 37)
+    run_both(monkeypatch, fn(ctx, a, b), {a: xa, b: xb})
+    run_both(monkeypatch, fn(ctx, a, c), {a: xa, c: xc})
+    t = fn(ctx, a, a)
+    got = kernel_both(monkeypatch, t, lambda: (lambda x: (x, [x, x]))(xa.reshape(1, 3, 5, 37).copy()))
+    assert_same_bits(got[0], (xa + xa if fn is ops.add else xa * xa))
+
+
+@pytest.mark.parametrize("ne0", [1, 7, 64, 576, 1001])
+def test_rms_norm_bits(ctx, rng, monkeypatch, ne0):
+    a = ctx.new_tensor(F32, (ne0, 4, 3))
+    x = randn(rng, 3, 4, ne0, scale=3.0)
+    x[0, 0, :] = 0.0                                          # zero row: scale = 1/sqrt(eps)
+    x[1, 2, :] *= 1e-20
+    run_both(monkeypatch, ops.rms_norm(ctx, a, 1e-5), {a: x})
+    v = ops.view_2d(ctx, ops.reshape(ctx, a, ne0, 12), max(ne0 - 3, 1), 6, 2 * a.nb[1], 0)   # strided rows
+    run_both(monkeypatch, ops.rms_norm(ctx, v, 1e-6), {a: x})
+    t = ops.rms_norm(ctx, a, 1e-5)
+    kernel_both(monkeypatch, t, lambda: (lambda y: (y, [y]))(x.reshape(1, 3, 4, ne0).copy()))   # in place
+
+
+@pytest.mark.parametrize("n", [8, 24, 1536, 13])
+@pytest.mark.parametrize("split", [False, True])
+def test_swiglu_bits(ctx, rng, monkeypatch, n, split):
+    x = randn(rng, 3, 2 * n, scale=4.0)
+    x[0, :4] = [-100, 100, 0, -0.0]
+    if split:
+        g, u = ctx.new_tensor(F32, (n, 3)), ctx.new_tensor(F32, (n, 3))
+        run_both(monkeypatch, ops.swiglu(ctx, g, u), {g: x[:, :n].copy(), u: x[:, n:].copy()})
+    else:
+        a = ctx.new_tensor(F32, (2 * n, 3))
+        run_both(monkeypatch, ops.swiglu(ctx, a), {a: x})
+        run_both(monkeypatch, ops.glu(ctx, a, None, GLUOp.SWIGLU, swapped=True), {a: x})
+
+
+# -- softmax -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_kv", [8, 256, 21])
+@pytest.mark.parametrize("max_bias", [0.0, 8.0])
+def test_soft_max_bits(ctx, rng, monkeypatch, n_kv, max_bias):
+    n_q, n_head = 5, 4
+    a, m = ctx.new_tensor(F32, (n_kv, n_q, n_head)), ctx.new_tensor(F32, (n_kv, n_q + 3))
+    x = randn(rng, n_head, n_q, n_kv, scale=6.0)
+    mask = np.zeros((n_q + 3, n_kv), np.float32)
+    for i in range(n_q + 3):
+        mask[i, n_kv // 2 + i:] = -np.inf                      # causal-ish, padded cells masked
+    mask[1, :] = -np.inf                                      # a fully masked row (NaN output)
+    if max_bias:
+        mask[2, :3] = -np.abs(randn(rng, 3))
+    with np.errstate(all="ignore"):
+        got = run_both(monkeypatch, ops.soft_max_ext(ctx, a, m, 0.125, max_bias), {a: x, m: mask})
+        run_both(monkeypatch, ops.soft_max_ext(ctx, a, None, 0.3), {a: x})
+        t = ops.soft_max_ext(ctx, a, m, 0.125, max_bias)
+        kernel_both(monkeypatch, t, lambda: (lambda y: (y, [y, mask.reshape(1, 1, n_q + 3, n_kv)]))(
+            x.reshape(1, n_head, n_q, n_kv).copy()))          # in place
+    assert np.all(np.isnan(got[0, :, 1]))
+
+
+# -- rope --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [ops.ROPE_TYPE_NORM, ops.ROPE_TYPE_NEOX])
+@pytest.mark.parametrize("n_dims", [64, 48])
+def test_rope_bits(ctx, rng, monkeypatch, mode, n_dims):
+    a, pos = ctx.new_tensor(F32, (64, 3, 7)), ctx.new_tensor(I32, (7,))
+    x = randn(rng, 7, 3, 64, scale=2.0)
+    p = np.array([0, 1, 5, 31, 700, 4000, 30000], np.int32)
+    out = ops.rope_ext(ctx, a, pos, None, n_dims, mode, 4096, freq_base=10000.0)
+    run_both(monkeypatch, out, {a: x, pos: p})
+    kernel_both(monkeypatch, out, lambda: (lambda y: (y, [y, p]))(x.reshape(1, 7, 3, 64).copy()))  # in place
+
+
+# -- set_rows ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F16, F32])
+@pytest.mark.parametrize("itype", [I64, I32])
+def test_set_rows_bits(ctx, rng, monkeypatch, dtype, itype):
+    a, b, c = ctx.new_tensor(dtype, (13, 10, 2)), ctx.new_tensor(F32, (13, 4, 2)), ctx.new_tensor(itype, (4,))
+    xa = randn(rng, 2, 10, 13).astype(np.float16 if dtype == F16 else np.float32)
+    xb = randn(rng, 2, 4, 13)
+    xb[0, 0, :6] = [7e4, -1e9, 2 ** -25, 3 * 2 ** -26, np.nan, -np.inf]
+    idx = np.array([7, 2, 7, 0], np.int64 if itype == I64 else np.int32)      # a repeated index: last wins
+    with np.errstate(all="ignore"):
+        run_both(monkeypatch, ops.set_rows(ctx, a, b, c), {a: xa, b: xb, c: idx})
+    # the V cache's shape: rows of one element at idx j * kv_size + cell
+    v, vb, vc = ctx.new_tensor(F16, (1, 6 * 16)), ctx.new_tensor(F32, (1, 6)), ctx.new_tensor(I64, (6,))
+    run_both(monkeypatch, ops.set_rows(ctx, v, vb, vc),
+             {v: np.zeros((96, 1), np.float16), vb: randn(rng, 6, 1), vc: np.arange(6) * 16 + 3})
+
+
+# -- mul_mat -----------------------------------------------------------------------------------------
+def _mm_per_slice(wtype, w, x, n11, use_numba, monkeypatch):
+    """quants.mul_mat per slice with vec_n = n11, the reference the fast kernel must equal."""
+    monkeypatch.setattr(quants, "USE_NUMBA", use_numba)
+    A3, A2 = w.shape[:2]
+    B3, B2 = x.shape[:2]
+    out = np.empty(x.shape[:3] + (w.shape[2],), np.float32)
+    for i3 in range(B3):
+        for i2 in range(B2):
+            wm = w[i3 // (B3 // A3), i2 // (B2 // A2)]
+            if wtype == F16:
+                wm = np.ascontiguousarray(wm).view(np.uint8)
+            out[i3, i2] = quants.mul_mat(wtype, wm, np.ascontiguousarray(x[i3, i2]), vec_n=n11)
+    return out
+
+
+@pytest.mark.parametrize("wtype", [F16, F32])
+@pytest.mark.parametrize("K,M,n11", [(64, 256, 1), (64, 256, 5), (256, 64, 1), (256, 64, 3), (40, 12, 1),
+                                     (40, 12, 2), (7, 13, 1), (7, 13, 4), (96, 13, 2), (33, 8, 1), (0, 4, 2)])
+def test_mul_mat_float_bits(rng, monkeypatch, wtype, K, M, n11):
+    """fkernels.mul_mat over all slices (GQA r2 = 3, r3 = 2) == quants.mul_mat per slice, numba and numpy."""
+    w = randn(rng, 1, 2, M, K, scale=0.5)
+    x = randn(rng, 2, 6, n11, K)
+    if K:
+        x[0, 0, 0, 0] = 1e-6                                  # f16 subnormal after rounding
+        w[0, 0, 0, -1] = 3e-7
+    wv = w.astype(np.float16) if wtype == F16 else w
+    dst = np.empty((2, 6, n11, M), np.float32)
+    fk.mul_mat(wv.view(np.uint16) if wtype == F16 else wv, x, dst, n11 >= 2 and K % 8 == 0 and M % 4 == 0,
+               wtype == F16)
+    for use in (True, False):
+        assert_same_bits(dst, _mm_per_slice(wtype, wv, x, n11, use, monkeypatch))
+
+
+# the attention products on KV-cache views: K [head_dim, n_kv, n_head_kv] rows of the cache, V^T rows of
+# kv_size cells, Q permuted; n_kv padded over empty (zero) cells masked to -inf
+@pytest.mark.parametrize("n_tok", [1, 4])
+def test_attention_products_bits(ctx, monkeypatch, rng, n_tok):
+    d, n_head, n_head_kv, kv_size, n_kv = 64, 6, 2, 512, 256
+    kc = ctx.new_tensor(F16, (d * n_head_kv, kv_size))
+    vc = ctx.new_tensor(F16, (kv_size, d * n_head_kv))                    # V^T: rows of kv_size cells
+    q = ctx.new_tensor(F32, (d, n_head, n_tok))
+    m = ctx.new_tensor(F32, (n_kv, n_tok))
+    k = ops.view_3d(ctx, kc, d, n_kv, n_head_kv, kc.nb[1], d * 2, 0)
+    v = ops.view_3d(ctx, vc, n_kv, d, n_head_kv, vc.nb[1], vc.nb[1] * d, 0)
+    kq = ops.mul_mat(ctx, k, ops.permute(ctx, q, 0, 2, 1, 3))
+    kq = ops.soft_max_ext(ctx, kq, m, 0.125, 0.0)
+    kqv = ops.mul_mat(ctx, v, kq)
+    out = ops.cont(ctx, ops.permute(ctx, kqv, 0, 2, 1, 3), (d * n_head, n_tok))
+    used = 37
+    xk = np.zeros((kv_size, d * n_head_kv), np.float16)
+    xk[:used] = randn(rng, used, d * n_head_kv)
+    xv = np.zeros((d * n_head_kv, kv_size), np.float16)
+    xv[:, :used] = randn(rng, d * n_head_kv, used)
+    mask = np.full((n_tok, n_kv), -np.inf, np.float32)
+    mask[:, :used - n_tok + 1] = 0
+    for i in range(n_tok):
+        mask[i, used - n_tok + 1:used - n_tok + 1 + i] = 0
+    run_both(monkeypatch, out, {kc: xk, vc: xv, q: randn(rng, n_tok, n_head, d), m: mask})
+
+
+# exact=True keeps the numpy float32 path (no fast kernel)
+def test_mul_mat_exact_keeps_numpy(ctx, rng, monkeypatch):
+    a, b = ctx.new_tensor(F16, (64, 8, 2)), ctx.new_tensor(F32, (64, 3, 4))
+    got = run_both(monkeypatch, ops.mul_mat(ctx, a, b),
+                   {a: randn(rng, 2, 8, 64).astype(np.float16), b: randn(rng, 4, 3, 64)},
+                   ComputeOptions(exact=True))
+    assert got.shape == (1, 4, 3, 8)
+
+
+def test_fast_path_is_taken(monkeypatch):
+    monkeypatch.setattr(quants, "USE_NUMBA", True)
+    assert cpu_ops._fk() is fk
+    monkeypatch.setattr(quants, "USE_NUMBA", False)
+    assert cpu_ops._fk() is None
