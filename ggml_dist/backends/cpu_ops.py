@@ -25,6 +25,7 @@ from ..core.types import GGMLType, is_quantized
 from . import numerics as nm
 from .base import BufferUsage
 from . import quants
+from .rope import rope_forward
 
 F32 = np.float32
 
@@ -427,8 +428,7 @@ def _nop(t, dst, srcs, opts):
 
 
 def _rope(t, dst, srcs, opts):
-    from .rope import rope_forward
-    rope_forward(t, dst, srcs)
+    rope_forward(t, dst, srcs, _fk())
 
 
 KERNELS: dict[Op, Kernel] = {

@@ -117,23 +117,25 @@ def _rope_cache_cached(pos: np.ndarray, n_dims: int, freq_base: float, freq_scal
     return hit
 
 
-def _fkernels():
-    from .cpu_ops import _fk
-    return _fk()
-
-
-def rope_forward(t: Tensor, dst: np.ndarray, srcs: list) -> None:
-    """x: [ne3, n_tok, n_head, head_dim]; rotates pairs (NORM: 2i, 2i+1; NEOX: i, i+n_dims/2).
-    The rotation runs in fkernels.rope (one call, same bits) when numba is on and x, dst are F32."""
-    _, n_dims, mode, _, n_ctx_orig = (int(v) for v in t.op_params[:5])
+@lru_cache(maxsize=256)
+def _rope_params(op_params: tuple) -> tuple:
+    """(n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr_dims) from a ROPE node's
+    op_params (ggml stores the floats as f32); memoized: every layer ropes with the same ones."""
+    _, n_dims, mode, _, n_ctx_orig = (int(v) for v in op_params[:5])
     freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow = \
-        (float(F32(v)) for v in t.op_params[5:11])       # ggml stores these as f32 op_params
+        (float(F32(v)) for v in op_params[5:11])
+    corr = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
+    return n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr
+
+
+def rope_forward(t: Tensor, dst: np.ndarray, srcs: list, fk=None) -> None:
+    """x: [ne3, n_tok, n_head, head_dim]; rotates pairs (NORM: 2i, 2i+1; NEOX: i, i+n_dims/2).
+    With fk (the fkernels module) and F32 x and dst, the rotation is one fk.rope call (same bits)."""
+    n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr = _rope_params(tuple(t.op_params))
     pos = srcs[1].reshape(-1)
     ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
-    corr = yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow)
     cos, sin = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
-    fk = _fkernels()
-    if fk and srcs[0].dtype == F32 and dst.dtype == F32:
+    if fk is not None and srcs[0].dtype == F32 and dst.dtype == F32:
         fk.rope(srcs[0], cos, sin, n_dims, bool(mode & ROPE_TYPE_NEOX), dst)
         return
     x = srcs[0].astype(F32, copy=False)
