@@ -3,17 +3,18 @@ kernels that read them with ggml's AVX2 numerics, bit for bit.
 
 Why: in GGUF order (one row's blocks after another, two codes per byte) a SIMD loop must decode every block
 before it can use it (qkernels.py does that, at 1-3 GB/s). Repacked once, at a weight's first MUL_MAT, into
-groups of R = 8 rows whose blocks are interleaved, the codes of the 8 rows that meet the same activation
-value sit side by side: the inner loops become plain unit-stride f32 loops that LLVM vectorizes.
+groups of R rows whose blocks are interleaved, the codes of the R rows that meet the same activation value
+sit side by side: every inner loop runs over the rows of a group, unit-stride, with the activation codes as
+broadcast scalars, and LLVM vectorizes it.
 
 Layout of a packed weight (Q4_0, Q4_1, Q8_0; M rows padded with zero rows to G = ceil(M/R) groups,
 nb = K/32 blocks per row; "lane L" = ggml's AVX2 lane, elements 4L..4L+3 of a block):
 * Q4_0/Q4_1 ``qs`` uint8 [G, nb*16*R]: byte (b, k, l, r) at b*16R + k*4R + l*R + r is row r's ``qs[4l+k]`` of
   block b, i.e. element 4l+k (lane l) in the low nibble and element 16+4l+k (lane 4+l) in the high one.
 * Q8_0 ``qs`` int8 [G, nb*32*R]: code (b, k, L, r) at b*32R + k*8R + L*R + r is row r's element 4L+k.
-* ``d`` uint16 [G, nb*R]: f16 bits of row r's scale of block b at b*R + r; ``m`` the same for Q4_1's min.
-Activations match (``_prep``): Y[n, b*32R + k*8R + L*R + r] = the Q8 code of element 32b+4L+k, as f32,
-repeated for the R rows; so lane (L, r) of a block is sum_k code*Y over four unit-stride loads.
+* ``d`` f32 [G, nb*R]: row r's block scale at b*R + r, widened from f16 once (exact); ``m`` the same for
+  Q4_1's min.
+Activations are quantized once per call (``_prep``: quants.quantize_q8_0/_q8_1's steps) into f32 codes.
 
 Numerics (ggml-numerics.md §1.5): a lane is the exact integer sum of its four products (f32 arithmetic on
 integers below 2^24 is exact, in any order). Then
@@ -22,6 +23,8 @@ integers below 2^24 is exact, in any order). Then
 * "chain" (the repacked q4_0_8x8 kernels, Q4_0 with M % 8 == 0): acc[r] = fma(f32(isum), f32(dx*dy), acc[r]),
   isum = the block's integer dot.
 The fma is llvm.fma.f32 (one rounding; the same bits as quants.py's float64 emulation, and vectorized).
+Below MIN_TOKENS tokens each token runs the decode kernels (nibbles decoded in the loop); from there on the
+tiled kernels decode a block's codes once for a tile of tokens and take 4 tokens per code load.
 These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/test_qpack.py checks it.
 """
 from __future__ import annotations
@@ -40,9 +43,12 @@ from . import qkernels
 
 T = GGMLType
 F32 = np.float32
-R = 8                                   # rows per group (the SIMD width of the inner loops)
+R = 64                                  # rows per group: the vector loops run over a group's rows
 PACKABLE = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
 _KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0 = 0, 1, 2, 3
+# multiply-adds from which a product is split across threads: numba's parallel launch costs ~50-100 us
+# here (2 cores), more than it saves on the smaller matrices of a decode step
+_PARALLEL_WORK = 1 << 22
 _BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2)}    # block bytes, offset of the codes
 
 
@@ -84,7 +90,7 @@ class PackedWeight:
             q = b[..., oq:oq + 16].reshape(G, R, nb, 4, 4)       # [g, r, b, l, k]
             self.qs = np.ascontiguousarray(q.transpose(0, 2, 4, 3, 1)).reshape(G, -1)
         self.d = _f16_plane(b, 0)
-        self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((1, 1), np.uint16)
+        self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((G, 1), F32)
         self.type, self.M, self.K, self.key = wtype, M, nb * 32, key
         self.chain = wtype == T.Q4_0 and M % 8 == 0
         self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
@@ -100,45 +106,34 @@ class PackedWeight:
         N, K = x.shape
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
-        Np = N if N < MIN_TOKENS else -(-N // 4) * 4       # the tiled kernels take 4 tokens at a time
-        Y = np.zeros((Np, 32 * R * (K // 32)), F32)
-        dy = np.zeros((Np, K // 32), F32)
-        sy = np.zeros((Np, K // 32), F32)
-        ys = np.zeros((Np, K // 32), F32)
+        tiled = N >= MIN_TOKENS
+        Np = -(-N // 4) * 4 if tiled else N             # the tiled kernels take 4 tokens at a time
+        Y = np.empty((Np, K), F32)
+        dy, sy, ys = (np.empty((Np, K // 32), F32) for _ in range(3))
+        if Np > N:
+            for a in (Y, dy, sy, ys):
+                a[N:] = 0
         if not _prep(np.ascontiguousarray(x, F32), self.type == T.Q4_1, qkernels._F16_LUT, Y, dy, sy, ys):
             return None
         out = np.empty((N, self.M), F32)
-        if N >= MIN_TOKENS:
-            return self._mul_mat_tiled(x, Y, dy, sy, ys, out)
-        args = (self.kind, self.qs, self.d, self.m, qkernels._F16_LUT, Y, dy, sy, ys, out)
+        args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
         threads = qkernels.get_threads()
-        if threads == 1 or N * self.M * K <= qkernels._SERIAL_WORK:
-            _mm_serial(*args)
+        serial = threads == 1 or N * self.M * K < _PARALLEL_WORK
+        if serial:
+            (_mm_t_serial if tiled else _mm_serial)(*args)
             return out
         with qkernels._launch_lock:
             numba.set_num_threads(threads)
-            _mm(*args, 4 * threads)
-        return out
-
-
-    def _mul_mat_tiled(self, x: np.ndarray, Y, dy, sy, ys, out) -> np.ndarray:
-        N, K = x.shape
-        nt = max(4, min(N, _TILE_Y_BYTES // (K * R * 4))) // 4 * 4
-        args = (self.kind, self.qs, self.d, self.m, qkernels._F16_LUT, Y, dy, sy, ys, out, nt)
-        threads = qkernels.get_threads()
-        if threads == 1 or N * self.M * K <= qkernels._SERIAL_WORK:
-            _mm_t_serial(*args)
-            return out
-        with qkernels._launch_lock:
-            numba.set_num_threads(threads)
-            _mm_t(*args, 4 * threads)
+            (_mm_t if tiled else _mm)(*args, 4 * threads)
         return out
 
 
 def _f16_plane(b: np.ndarray, off: int) -> np.ndarray:
-    """The f16 field at byte `off` of every block, as uint16 [G, nb*R] in (block, row) order."""
+    """The f16 field at byte `off` of every block, as f32 [G, nb*R] in (block, row) order (widened once:
+    the kernels then read scales with vector loads instead of table lookups)."""
     G, _, nb, _ = b.shape
-    return np.ascontiguousarray(b[..., off:off + 2].transpose(0, 2, 1, 3)).view(np.uint16).reshape(G, nb * R)
+    h = np.ascontiguousarray(b[..., off:off + 2].transpose(0, 2, 1, 3)).view(np.float16)
+    return h.reshape(G, nb * R).astype(F32)
 
 
 _PACK_LOCK = threading.Lock()
@@ -165,11 +160,10 @@ def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
 # activations: quants.quantize_q8_0 / _q8_1 and the Y layout, in one pass
 @njit(cache=True)
 def _prep(x, q8_1, lut, Y, dy, sy, ys):
-    """x f32 [N, K] -> Y (layout above), dy, sy f32 [N, K/32] with quants.quantize_q8_0 (q8_1=False;
-    sy = dy) or quantize_q8_1's float steps, ys = each block's sum of codes. False if x has a non-finite
-    value."""
+    """x f32 [N, K] -> Y f32 [N, K] (the Q8 codes), dy, sy f32 [N, K/32] with quants.quantize_q8_0
+    (q8_1=False; sy = dy) or quantize_q8_1's float steps, ys = each block's sum of codes. False if x has
+    a non-finite value."""
     N, K = x.shape
-    q = np.empty(32, F32)
     for n in range(N):
         for b in range(K // 32):
             xb = x[n, 32 * b:32 * b + 32]
@@ -184,119 +178,120 @@ def _prep(x, q8_1, lut, Y, dy, sy, ys):
             isum = 0
             for j in range(32):
                 c = np.int8(np.rint(xb[j] * idv))
-                q[j] = c
+                Y[n, 32 * b + j] = c
                 isum += c
             dy[n, b] = qkernels._f16_round(d, lut)
             sy[n, b] = qkernels._f16_round(d * F32(isum), lut) if q8_1 else dy[n, b]
             ys[n, b] = isum
-            yb = Y[n, 32 * R * b:32 * R * (b + 1)]
-            for k in range(4):
-                for L in range(8):
-                    c = q[4 * L + k]
-                    for r in range(R):
-                        yb[k * 8 * R + L * R + r] = c
     return True
 
 
 # ------------------------------------------------------------------------------------------------
 # kernels
 @njit(parallel=True, cache=True)
-def _mm(kind, qs, d, m, lut, Y, dy, sy, ys, out, n_chunks):
+def _mm(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
     G = qs.shape[0]
     n_chunks = min(G, n_chunks)
     for c in prange(n_chunks):
-        _rows(kind, qs, d, m, lut, Y, dy, sy, ys, out, c * G // n_chunks, (c + 1) * G // n_chunks)
+        _rows(kind, qs, d, m, Y, dy, sy, ys, out, c * G // n_chunks, (c + 1) * G // n_chunks)
 
 
 @njit(cache=True)
-def _mm_serial(kind, qs, d, m, lut, Y, dy, sy, ys, out):
+def _mm_serial(kind, qs, d, m, Y, dy, sy, ys, out):
     """_mm on the calling thread (a parallel launch costs more than a small product)."""
-    _rows(kind, qs, d, m, lut, Y, dy, sy, ys, out, 0, qs.shape[0])
+    _rows(kind, qs, d, m, Y, dy, sy, ys, out, 0, qs.shape[0])
 
 
 @njit(cache=True)
-def _rows(kind, qs, d, m, lut, Y, dy, sy, ys, out, g0, g1):
+def _rows(kind, qs, d, m, Y, dy, sy, ys, out, g0, g1):
     """Groups g0 .. g1-1; one specialized loop nest per kind (flags are constants once inlined)."""
     if kind == _KIND_Q4_0:
-        _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, True, False, False)
+        _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, True, False, False)
     elif kind == _KIND_Q4_1:
-        _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, False, True, False)
+        _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, False, True, False)
     elif kind == _KIND_Q4_0_CHAIN:
-        _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, True, False, True)
+        _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, True, False, True)
     else:
-        _rows_q8(qs, d, lut, Y, dy, out, g0, g1)
+        _rows_q8(qs, d, Y, dy, out, g0, g1)
 
 
 @njit(cache=True, inline="always")
-def _rows_q4(qs, d, m, lut, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
+def _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
     N = Y.shape[0]
     M = out.shape[1]
-    nb = qs.shape[1] // (16 * R)
+    nb = dy.shape[1]
     acc = np.empty(8 * R, F32)
-    S = np.empty(4 * R, F32)
-    D = np.empty(4 * R, F32)
+    S = np.empty(R, F32)
+    D = np.empty(R, F32)
+    sm = np.zeros(R, F32)
+    nr = D.shape[0]     # = R, read at run time: LLVM unrolls a short constant loop instead of vectorizing
     for g in range(g0, g1):
         qg = qs[g]
         dg = d[g]
+        mg = m[g]
         for n in range(N):
-            yn = Y[n]
             acc[:] = 0
             for b in range(nb):
                 q = qg[16 * R * b:16 * R * (b + 1)]
-                yb = yn[32 * R * b:32 * R * (b + 1)]
+                yb = Y[n, 32 * b:32 * b + 32]
                 db = dy[n, b]
-                for r in range(R):
-                    v = lut[dg[R * b + r]] * db                  # f32(dx*dy), exact
-                    D[r] = v
-                    D[R + r] = v
-                    D[2 * R + r] = v
-                    D[3 * R + r] = v
-                for i in range(4 * R):                          # i = l*R + r
-                    f0 = F32(q[i])
-                    f1 = F32(q[4 * R + i])
-                    f2 = F32(q[8 * R + i])
-                    f3 = F32(q[12 * R + i])
-                    h0 = np.floor(f0 * F32(0.0625))             # high nibbles, then low = f - 16h
-                    h1 = np.floor(f1 * F32(0.0625))
-                    h2 = np.floor(f2 * F32(0.0625))
-                    h3 = np.floor(f3 * F32(0.0625))
-                    l0 = _fma(h0, F32(-16), f0)
-                    l1 = _fma(h1, F32(-16), f1)
-                    l2 = _fma(h2, F32(-16), f2)
-                    l3 = _fma(h3, F32(-16), f3)
-                    if center and not chain:                    # the chain subtracts 8*sum(y) per block
-                        l0 -= F32(8)
-                        l1 -= F32(8)
-                        l2 -= F32(8)
-                        l3 -= F32(8)
-                        h0 -= F32(8)
-                        h1 -= F32(8)
-                        h2 -= F32(8)
-                        h3 -= F32(8)
-                    slo = _fma(l3, yb[24 * R + i], _fma(l2, yb[16 * R + i], _fma(l1, yb[8 * R + i], l0 * yb[i])))
-                    shi = _fma(h3, yb[28 * R + i], _fma(h2, yb[20 * R + i],
-                                                        _fma(h1, yb[12 * R + i], h0 * yb[4 * R + i])))
-                    if chain:
-                        S[i] = slo + shi
-                    else:
-                        acc[i] = _fma(D[i], slo, acc[i])
-                        acc[4 * R + i] = _fma(D[i], shi, acc[4 * R + i])
+                for r in range(nr):
+                    D[r] = dg[R * b + r] * db                       # f32(dx*dy), exact
+                    S[r] = 0
+                if has_m:                                           # Q4_1: sequential f32 sum of m*s
+                    sb = sy[n, b]
+                    for r in range(nr):
+                        p = mg[R * b + r] * sb
+                        sm[r] = p if b == 0 else sm[r] + p
+                for l in range(4):                                  # unrolled; the r loop is the vector
+                    y0, y1, y2, y3 = yb[4 * l], yb[4 * l + 1], yb[4 * l + 2], yb[4 * l + 3]
+                    z0, z1, z2, z3 = yb[16 + 4 * l], yb[17 + 4 * l], yb[18 + 4 * l], yb[19 + 4 * l]
+                    for r in range(nr):
+                        o = l * R + r
+                        f0 = F32(q[o])
+                        f1 = F32(q[4 * R + o])
+                        f2 = F32(q[8 * R + o])
+                        f3 = F32(q[12 * R + o])
+                        h0 = np.floor(f0 * F32(0.0625))             # high nibbles, then low = f - 16h
+                        h1 = np.floor(f1 * F32(0.0625))
+                        h2 = np.floor(f2 * F32(0.0625))
+                        h3 = np.floor(f3 * F32(0.0625))
+                        l0 = _fma(h0, F32(-16), f0)
+                        l1 = _fma(h1, F32(-16), f1)
+                        l2 = _fma(h2, F32(-16), f2)
+                        l3 = _fma(h3, F32(-16), f3)
+                        if center and not chain:                    # the chain subtracts 8*sum(y) per block
+                            l0 -= F32(8)
+                            l1 -= F32(8)
+                            l2 -= F32(8)
+                            l3 -= F32(8)
+                            h0 -= F32(8)
+                            h1 -= F32(8)
+                            h2 -= F32(8)
+                            h3 -= F32(8)
+                        slo = _fma(l3, y3, _fma(l2, y2, _fma(l1, y1, l0 * y0)))        # exact integers
+                        shi = _fma(h3, z3, _fma(h2, z2, _fma(h1, z1, h0 * z0)))
+                        if chain:
+                            S[r] += slo + shi
+                        else:
+                            acc[o] = _fma(D[r], slo, acc[o])
+                            acc[4 * R + o] = _fma(D[r], shi, acc[4 * R + o])
                 if chain:
                     c8 = F32(8) * ys[n, b]
-                    for r in range(R):
-                        isum = ((S[r] + S[R + r]) + (S[2 * R + r] + S[3 * R + r])) - c8    # exact integers
-                        acc[r] = _fma(isum, D[r], acc[r])
-            for r in range(min(R, M - g * R)):
-                if chain:
-                    res = acc[r]
-                else:
-                    res = _ha(acc, r)
-                if has_m:                                       # + sequential f32 sum of m*s
-                    summs = lut[m[g, r]] * sy[n, 0]
-                    for b in range(1, nb):
-                        summs += lut[m[g, R * b + r]] * sy[n, b]
-                    res = res + summs
-                out[n, g * R + r] = res
+                    for r in range(nr):
+                        acc[r] = _fma(S[r] - c8, D[r], acc[r])
+            _store(acc, sm, out, g, n, has_m, chain)
+
+
+@njit(cache=True, inline="always")
+def _store(acc, sm, out, g, n, has_m, chain):
+    """Row results of group g for token n: the chain's accumulator or HA over the 8 lanes acc[L*R + r],
+    plus for Q4_1 the sequential sum of m*s (sm)."""
+    for r in range(min(R, out.shape[1] - g * R)):
+        res = acc[r] if chain else _ha(acc, r)
+        if has_m:
+            res = res + sm[r]
+        out[n, g * R + r] = res
 
 
 @njit(cache=True, inline="always")
@@ -307,32 +302,31 @@ def _ha(acc, r):
 
 
 @njit(cache=True)
-def _rows_q8(qs, d, lut, Y, dy, out, g0, g1):
+def _rows_q8(qs, d, Y, dy, out, g0, g1):
     N = Y.shape[0]
-    M = out.shape[1]
-    nb = qs.shape[1] // (32 * R)
+    nb = dy.shape[1]
     acc = np.empty(8 * R, F32)
-    D = np.empty(8 * R, F32)
+    D = np.empty(R, F32)
+    nr = D.shape[0]
     for g in range(g0, g1):
         qg = qs[g]
         dg = d[g]
         for n in range(N):
-            yn = Y[n]
             acc[:] = 0
             for b in range(nb):
                 q = qg[32 * R * b:32 * R * (b + 1)]
-                yb = yn[32 * R * b:32 * R * (b + 1)]
+                yb = Y[n, 32 * b:32 * b + 32]
                 db = dy[n, b]
-                for r in range(R):
-                    v = lut[dg[R * b + r]] * db
-                    for L in range(8):
-                        D[L * R + r] = v
-                for i in range(8 * R):                          # i = L*R + r
-                    s = _fma(F32(q[24 * R + i]), yb[24 * R + i], _fma(F32(q[16 * R + i]), yb[16 * R + i],
-                             _fma(F32(q[8 * R + i]), yb[8 * R + i], F32(q[i]) * yb[i])))      # exact integers
-                    acc[i] = _fma(D[i], s, acc[i])
-            for r in range(min(R, M - g * R)):
-                out[n, g * R + r] = _ha(acc, r)
+                for r in range(nr):
+                    D[r] = dg[R * b + r] * db
+                for L in range(8):
+                    y0, y1, y2, y3 = yb[4 * L], yb[4 * L + 1], yb[4 * L + 2], yb[4 * L + 3]
+                    for r in range(nr):
+                        o = L * R + r
+                        s = _fma(F32(q[24 * R + o]), y3, _fma(F32(q[16 * R + o]), y2,
+                                 _fma(F32(q[8 * R + o]), y1, F32(q[o]) * y0)))      # exact integers
+                        acc[o] = _fma(D[r], s, acc[o])
+            _store(acc, D, out, g, n, False, False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,41 +335,39 @@ def _rows_q8(qs, d, lut, Y, dy, out, g0, g1):
 # nibble decode. Work items are (token tile, group) pairs, tile-major, so a tile's activations stay in L2
 # while the weights stream past.
 MIN_TOKENS = 4                          # from this many tokens on, the tiled kernels are used
-_TILE_Y_BYTES = 1 << 20                 # activations of one tile (Y is K*R*4 bytes per token)
+_TILE_TOKENS = 16                       # tokens per work item (a multiple of 4)
 
 
 @njit(parallel=True, cache=True)
-def _mm_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, n_chunks):
-    n_items = -(-out.shape[0] // nt) * qs.shape[0]
+def _mm_t(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
+    n_items = -(-out.shape[0] // _TILE_TOKENS) * qs.shape[0]
     n_chunks = min(n_items, n_chunks)
     for c in prange(n_chunks):
-        _items_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, c * n_items // n_chunks,
-                 (c + 1) * n_items // n_chunks)
+        _items_t(kind, qs, d, m, Y, dy, sy, ys, out, c * n_items // n_chunks, (c + 1) * n_items // n_chunks)
 
 
 @njit(cache=True)
-def _mm_t_serial(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt):
-    _items_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, 0, -(-out.shape[0] // nt) * qs.shape[0])
+def _mm_t_serial(kind, qs, d, m, Y, dy, sy, ys, out):
+    _items_t(kind, qs, d, m, Y, dy, sy, ys, out, 0, -(-out.shape[0] // _TILE_TOKENS) * qs.shape[0])
 
 
 @njit(cache=True)
-def _items_t(kind, qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1):
+def _items_t(kind, qs, d, m, Y, dy, sy, ys, out, i0, i1):
     """Items i0 .. i1-1 (item = tile * G + group); one specialized loop nest per kind."""
     if kind == _KIND_Q4_0:
-        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 0)
+        _items_t_kind(qs, d, m, Y, dy, sy, ys, out, i0, i1, 0)
     elif kind == _KIND_Q4_1:
-        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 1)
+        _items_t_kind(qs, d, m, Y, dy, sy, ys, out, i0, i1, 1)
     elif kind == _KIND_Q4_0_CHAIN:
-        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 2)
+        _items_t_kind(qs, d, m, Y, dy, sy, ys, out, i0, i1, 2)
     else:
-        _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, 3)
+        _items_t_kind(qs, d, m, Y, dy, sy, ys, out, i0, i1, 3)
 
 
 @njit(cache=True, inline="always")
 def _codes_block(qg, kind, b, C):
-    """All R rows' codes of block b as f32 in the Y layout: C[(k*8 + L)*R + r] = code of element 4L+k of
-    row r (Q4_0 centred unless chained). Trip counts come from C's shape: a loop LLVM can see is 32 long
-    gets unrolled instead of vectorized."""
+    """All R rows' codes of block b as f32: C[(k*8 + L)*R + r] = code of element 4L+k of row r (Q4_0
+    centred unless chained). Trip counts come from C's shape (see _rows_q4)."""
     n8 = C.shape[0] // 4                                 # 8R
     n4 = n8 // 2
     if kind == _KIND_Q8_0:
@@ -397,49 +389,45 @@ def _codes_block(qg, kind, b, C):
 
 
 @njit(cache=True, inline="always")
-def _items_t_kind(qs, d, m, lut, Y, dy, sy, ys, out, nt, i0, i1, kind):
-    N, M = out.shape
+def _items_t_kind(qs, d, m, Y, dy, sy, ys, out, i0, i1, kind):
+    N = out.shape[0]
     G = qs.shape[0]
     nb = dy.shape[1]
     chain = kind == _KIND_Q4_0_CHAIN
     C = np.empty(32 * R, F32)
-    dR = np.empty(8 * R, F32)
-    S = np.empty((4, 8 * R), F32)
-    acc = np.empty((nt, 8 * R), F32)
+    dR = np.empty(R, F32)
+    S = np.empty((4, R), F32)
+    acc = np.empty((_TILE_TOKENS, 8 * R), F32)
+    sm = np.zeros((_TILE_TOKENS, R), F32)
+    has_m = kind == _KIND_Q4_1
     for item in range(i0, i1):
         tile, g = item // G, item % G
-        n0 = tile * nt
-        n1 = min(N, n0 + nt)
+        n0 = tile * _TILE_TOKENS
+        n1 = min(N, n0 + _TILE_TOKENS)
         acc[:] = 0
         for b in range(nb):
             _codes_block(qs[g], kind, b, C)
             for r in range(R):
-                v = lut[d[g, R * b + r]]
-                for L in range(8):
-                    dR[L * R + r] = v
+                dR[r] = d[g, R * b + r]
             for n in range(n0, n1, 4):                          # 4 tokens share each code load
                 _tokens4(C, dR, Y, dy, ys, S, acc, n, n0, b, chain)
+            if has_m:                                           # Q4_1: sequential f32 sum of m*s
+                mb = m[g, R * b:R * (b + 1)]
+                for n in range(n0, n1):
+                    smn = sm[n - n0]
+                    sb = sy[n, b]
+                    for r in range(dR.shape[0]):
+                        p = mb[r] * sb
+                        smn[r] = p if b == 0 else smn[r] + p
         for n in range(n0, n1):
-            a = acc[n - n0]
-            for r in range(min(R, M - g * R)):
-                res = a[r] if chain else _ha(a, r)
-                if kind == _KIND_Q4_1:                          # + sequential f32 sum of m*s
-                    summs = lut[m[g, r]] * sy[n, 0]
-                    for b in range(1, nb):
-                        summs += lut[m[g, R * b + r]] * sy[n, b]
-                    res = res + summs
-                out[n, g * R + r] = res
+            _store(acc[n - n0], sm[n - n0], out, g, n, has_m, chain)
 
 
 @njit(cache=True, inline="always")
 def _tokens4(C, dR, Y, dy, ys, S, acc, n, n0, b, chain):
-    """Block b of tokens n .. n+3 (Y, dy, ys padded to a multiple of 4 tokens) into acc[n-n0 ..]."""
-    n8 = dR.shape[0]
-    o = 32 * R * b
-    y0 = Y[n, o:o + 4 * n8]
-    y1 = Y[n + 1, o:o + 4 * n8]
-    y2 = Y[n + 2, o:o + 4 * n8]
-    y3 = Y[n + 3, o:o + 4 * n8]
+    """Block b of tokens n .. n+3 (Y, dy, ys padded to a multiple of 4 tokens) into acc[n-n0 ..]: for each
+    lane L the 16 activation codes are scalars (broadcast) and the loop over the R rows is the vector."""
+    nr = dR.shape[0]
     a0 = acc[n - n0]
     a1 = acc[n - n0 + 1]
     a2 = acc[n - n0 + 2]
@@ -448,33 +436,39 @@ def _tokens4(C, dR, Y, dy, ys, S, acc, n, n0, b, chain):
     e1 = dy[n + 1, b]
     e2 = dy[n + 2, b]
     e3 = dy[n + 3, b]
-    for i in range(n8):                                         # i = L*R + r
-        c0 = C[i]
-        c1 = C[n8 + i]
-        c2 = C[2 * n8 + i]
-        c3 = C[3 * n8 + i]
-        s0 = _fma(c3, y0[3 * n8 + i], _fma(c2, y0[2 * n8 + i], _fma(c1, y0[n8 + i], c0 * y0[i])))  # exact
-        s1 = _fma(c3, y1[3 * n8 + i], _fma(c2, y1[2 * n8 + i], _fma(c1, y1[n8 + i], c0 * y1[i])))
-        s2 = _fma(c3, y2[3 * n8 + i], _fma(c2, y2[2 * n8 + i], _fma(c1, y2[n8 + i], c0 * y2[i])))
-        s3 = _fma(c3, y3[3 * n8 + i], _fma(c2, y3[2 * n8 + i], _fma(c1, y3[n8 + i], c0 * y3[i])))
-        if chain:
-            S[0, i] = s0
-            S[1, i] = s1
-            S[2, i] = s2
-            S[3, i] = s3
-        else:
-            dr = dR[i]
-            a0[i] = _fma(dr * e0, s0, a0[i])                    # f32(dx*dy), exact
-            a1[i] = _fma(dr * e1, s1, a1[i])
-            a2[i] = _fma(dr * e2, s2, a2[i])
-            a3[i] = _fma(dr * e3, s3, a3[i])
+    if chain:
+        S[:] = 0
+    for L in range(8):
+        o = 32 * b + 4 * L
+        p0, p1, p2, p3 = Y[n, o], Y[n, o + 1], Y[n, o + 2], Y[n, o + 3]
+        q0, q1, q2, q3 = Y[n + 1, o], Y[n + 1, o + 1], Y[n + 1, o + 2], Y[n + 1, o + 3]
+        u0, u1, u2, u3 = Y[n + 2, o], Y[n + 2, o + 1], Y[n + 2, o + 2], Y[n + 2, o + 3]
+        v0, v1, v2, v3 = Y[n + 3, o], Y[n + 3, o + 1], Y[n + 3, o + 2], Y[n + 3, o + 3]
+        for r in range(nr):
+            i = L * R + r
+            c0 = C[i]
+            c1 = C[8 * R + i]
+            c2 = C[16 * R + i]
+            c3 = C[24 * R + i]
+            s0 = _fma(c3, p3, _fma(c2, p2, _fma(c1, p1, c0 * p0)))     # exact integers
+            s1 = _fma(c3, q3, _fma(c2, q2, _fma(c1, q1, c0 * q0)))
+            s2 = _fma(c3, u3, _fma(c2, u2, _fma(c1, u1, c0 * u0)))
+            s3 = _fma(c3, v3, _fma(c2, v2, _fma(c1, v1, c0 * v0)))
+            if chain:
+                S[0, r] += s0
+                S[1, r] += s1
+                S[2, r] += s2
+                S[3, r] += s3
+            else:
+                dr = dR[r]
+                a0[i] = _fma(dr * e0, s0, a0[i])                    # f32(dx*dy), exact
+                a1[i] = _fma(dr * e1, s1, a1[i])
+                a2[i] = _fma(dr * e2, s2, a2[i])
+                a3[i] = _fma(dr * e3, s3, a3[i])
     if chain:
         for j in range(4):
             a = acc[n - n0 + j]
-            Sj = S[j]
             c8 = F32(8) * ys[n + j, b]
             e = dy[n + j, b]
-            for r in range(R):
-                isum = (((Sj[r] + Sj[R + r]) + (Sj[2 * R + r] + Sj[3 * R + r]))
-                        + ((Sj[4 * R + r] + Sj[5 * R + r]) + (Sj[6 * R + r] + Sj[7 * R + r]))) - c8
-                a[r] = _fma(isum, dR[r] * e, a[r])
+            for r in range(nr):
+                a[r] = _fma(S[j, r] - c8, dR[r] * e, a[r])

@@ -44,9 +44,9 @@ def activations(N, K, seed):
 
 
 @pytest.mark.parametrize("t", TYPES)
-@pytest.mark.parametrize("M", [8, 37, 64])
+@pytest.mark.parametrize("M", [8, 37, 136, 150])
 def test_bit_identical_every_token_count(t, M, monkeypatch):
-    # M = 37: a partial last group and (Q4_0) the 8-lane vec_dot order; 8, 64: Q4_0's repacked chain
+    # M = 37, 150: partial last groups and (Q4_0) the 8-lane vec_dot order; 8, 136: Q4_0 repacked chain
     K = 256
     w = random_rows(t, M, K, seed=M)
     w[::3, :Q.TYPE_TRAITS[t].type_size] = 0        # zero blocks (d = 0)
