@@ -241,10 +241,12 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
     pw = qpack.packed(a_t.type, srcs[0][0, 0], a_t)
     x = srcs[1]
     xm = x.reshape(-1, x.shape[-1]) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, x.shape[-1])
-    r = pw.mul_mat(xm)
+    direct = dst.flags.c_contiguous
+    r = pw.mul_mat(xm, dst.reshape(xm.shape[0], -1) if direct else None)
     if r is None:                       # a non-finite activation: the generic path gives ggml's values
         return False
-    dst[...] = r.reshape(dst.shape)
+    if not direct:
+        dst[...] = r.reshape(dst.shape)
     return True
 
 

@@ -100,32 +100,45 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes + self.m.nbytes
 
-    def mul_mat(self, x: np.ndarray) -> np.ndarray | None:
-        """x f32 [N, K] -> f32 [N, M], or None when x has a non-finite value (the caller's generic path
-        then gives ggml's values for those)."""
+    def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
+        """x f32 [N, K] -> f32 [N, M] (into `out` if given, C-contiguous), or None when x has a non-finite
+        value (the caller's generic path then gives ggml's values for those)."""
         N, K = x.shape
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
         tiled = N >= MIN_TOKENS
-        Np = -(-N // 4) * 4 if tiled else N             # the tiled kernels take 4 tokens at a time
-        Y = np.empty((Np, K), F32)
-        dy, sy, ys = (np.empty((Np, K // 32), F32) for _ in range(3))
-        if Np > N:
-            for a in (Y, dy, sy, ys):
-                a[N:] = 0
+        Y, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)      # tiled kernels take 4 tokens at once
         if not _prep(np.ascontiguousarray(x, F32), self.type == T.Q4_1, qkernels._F16_LUT, Y, dy, sy, ys):
             return None
-        out = np.empty((N, self.M), F32)
+        if out is None:
+            out = np.empty((N, self.M), F32)
         args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
         threads = qkernels.get_threads()
-        serial = threads == 1 or N * self.M * K < _PARALLEL_WORK
-        if serial:
+        if threads == 1 or N * self.M * K < _PARALLEL_WORK:
             (_mm_t_serial if tiled else _mm_serial)(*args)
             return out
         with qkernels._launch_lock:
             numba.set_num_threads(threads)
             (_mm_t if tiled else _mm)(*args, 4 * threads)
         return out
+
+
+_WORK = threading.local()
+
+
+def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
+    """Activation scratch (Y, dy, sy, ys) for Np tokens of K, reused per thread. Rows past a call's N (the
+    padding to 4 tokens) hold zeros or an earlier call's finite codes: only the accumulators of those
+    padding tokens read them, and those are never stored."""
+    cache = getattr(_WORK, "bufs", None)
+    if cache is None:
+        cache = _WORK.bufs = {}
+    bufs = cache.get((Np, K))
+    if bufs is None:
+        if len(cache) > 16:
+            cache.clear()
+        bufs = cache[(Np, K)] = (np.zeros((Np, K), F32),) + tuple(np.zeros((Np, K // 32), F32) for _ in range(3))
+    return bufs
 
 
 def _f16_plane(b: np.ndarray, off: int) -> np.ndarray:
