@@ -259,9 +259,102 @@ def mul_mat(w, x, dst, tiny, half):
     K = w.shape[3]
     rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
     if half:
-        _mm(w, x, dst, tiny, True, np.empty(K * _RB, F32), np.empty((rows, K * _RB), F32))
+        _mm_h(w, x, dst, tiny)
     else:
         _mm(w, x, dst, tiny, False, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
+
+
+# F16 weights, rows as the vector: a block of _RV weight rows is widened once into wt[k, r] (transposed),
+# the activation rows that share the weight slice (GQA heads x tokens) are rounded to f16 once, and each
+# lane step is a unit-stride loop over the block's rows with the activation value broadcast, four
+# activation rows per weight load. The lane updates and reductions are those of _mm.
+_RV = 64
+
+
+@njit(cache=True, error_model="numpy")
+def _mm_h(w, x, dst, tiny):
+    A3, A2, M, K = w.shape
+    B3, B2, N = x.shape[0], x.shape[1], x.shape[2]
+    r2, r3 = B2 // A2, B3 // A3
+    nq = r3 * r2 * N
+    nl = 8 if tiny else 32
+    ks = K - K % nl
+    Yq = np.zeros((-(-nq // 4) * 4, K), F32)
+    wt = np.zeros((K, _RV), F32)
+    acc = np.empty((4, nl, _RV), F32)
+    res = np.empty(_RV, F32)
+    for a3 in range(A3):
+        for a2 in range(A2):
+            q = 0
+            for i3 in range(a3 * r3, a3 * r3 + r3):
+                for i2 in range(a2 * r2, a2 * r2 + r2):
+                    for n in range(N):
+                        xr = x[i3, i2, n]
+                        yq = Yq[q]
+                        for k in range(K):
+                            yq[k] = _round_half(xr[k])
+                        q += 1
+            for m0 in range(0, M, _RV):
+                nr = min(_RV, M - m0)
+                for r in range(nr):
+                    wr = w[a3, a2, m0 + r]
+                    for k in range(K):
+                        wt[k, r] = _widen(wr[k])
+                for q0 in range(0, nq, 4):
+                    _lanes4(wt, Yq, q0, ks, nl, acc)
+                    for j in range(min(4, nq - q0)):
+                        _reduce(acc[j], res, wt, Yq[q0 + j], ks, K, tiny)
+                        qq = q0 + j
+                        n = qq % N
+                        i2 = a2 * r2 + (qq // N) % r2
+                        i3 = a3 * r3 + qq // (N * r2)
+                        dst[i3, i2, n, m0:m0 + nr] = res[:nr]
+
+
+@njit(cache=True, inline="always")
+def _lanes4(wt, Yq, q0, ks, nl, acc):
+    """acc[j, l, r] = lane l's chain fma(w, y, acc) over steps, for activation rows q0 .. q0+3."""
+    acc[:] = 0
+    nrv = wt.shape[1]
+    y0 = Yq[q0]
+    y1 = Yq[q0 + 1]
+    y2 = Yq[q0 + 2]
+    y3 = Yq[q0 + 3]
+    for k in range(ks):
+        l = k % nl
+        wk = wt[k]
+        b0, b1, b2, b3 = y0[k], y1[k], y2[k], y3[k]
+        c0 = acc[0, l]
+        c1 = acc[1, l]
+        c2 = acc[2, l]
+        c3 = acc[3, l]
+        for r in range(nrv):
+            v = wk[r]
+            c0[r] = _fma(v, b0, c0[r])
+            c1[r] = _fma(v, b1, c1[r])
+            c2[r] = _fma(v, b2, c2[r])
+            c3[r] = _fma(v, b3, c3[r])
+
+
+@njit(cache=True, inline="always")
+def _reduce(a, res, wt, y, ks, K, tiny):
+    """res[r] = tinyBLAS's HA over 8 lanes, or vec_dot_f16's fold + HB over 32 lanes and the double tail."""
+    nrv = res.shape[0]
+    if tiny:
+        for r in range(nrv):
+            res[r] = ((a[0, r] + a[4, r]) + (a[2, r] + a[6, r])) + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r]))
+        return
+    for l in range(8):
+        for r in range(nrv):
+            a[l, r] = (a[l, r] + a[16 + l, r]) + (a[8 + l, r] + a[24 + l, r])
+    for r in range(nrv):
+        res[r] = ((a[0, r] + a[4, r]) + (a[1, r] + a[5, r])) + ((a[2, r] + a[6, r]) + (a[3, r] + a[7, r]))
+    if ks < K:
+        for r in range(nrv):
+            sd = F64(res[r])
+            for k in range(ks, K):
+                sd += F64(F32(wt[k, r] * y[k]))
+            res[r] = F32(sd)
 
 
 @njit(cache=True, error_model="numpy")
