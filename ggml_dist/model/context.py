@@ -9,7 +9,7 @@ graph keeps the scheduler's splits and the allocator's plan, and only its input 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +24,8 @@ from .kv_cache import ContextFullError, KVCache
 from .llama import GraphKey, GraphResult, LlamaGraphBuilder
 from .model import LlamaModel
 from .ubatch import Batch, BatchError, BatchSplitter, Ubatch
+
+MAX_GRAPHS = 8          # graphs kept by shape (GraphKey) for continuous batching's alternating shapes
 
 
 @dataclass
@@ -141,8 +143,12 @@ class LlamaContext:
         self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
         self.recovering = False              # True while a lost stage is being brought back
         self.gf_res_prev: GraphResult | None = None
+        # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
+        # a few) is allocated again instead of built again
+        self._graphs: OrderedDict[GraphKey, GraphResult] = OrderedDict()
         self.n_reused = 0
         self.n_rebuilt = 0
+        self.n_recalled = 0
         self._reserve()
 
     @property
@@ -256,12 +262,22 @@ class LlamaContext:
             self.n_reused += 1
         else:
             self.sched.reset()
-            res = self.builder.build(key)
+            # (not on a pipeline: its stages hold exports bound to the graph copy of the last allocation)
+            res = None if self.pipelined else self._graphs.get(key)
+            if res is None:
+                res = self.builder.build(key)
+                self.n_rebuilt += 1
+                if not self.pipelined:
+                    self._graphs[key] = res
+                    if len(self._graphs) > MAX_GRAPHS:
+                        self._graphs.popitem(last=False)
+            else:
+                self._graphs.move_to_end(key)
+                self.n_recalled += 1
             self.sched.alloc_graph(res.graph)
             if self.after_alloc is not None:
                 self.after_alloc(self.sched, res.graph)
             self.gf_res_prev = res
-            self.n_rebuilt += 1
         self._set_inputs(res, ub, slot, key.n_kv)
         if self.pipelined:                     # at most n_copies ubatches in flight
             while len(self._inflight) >= self.n_copies:

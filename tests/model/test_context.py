@@ -68,3 +68,26 @@ def test_bad_batches(model):
         ctx.decode(Batch.from_tokens([1, 10**6]))
     with pytest.raises(BatchError, match="n_batch"):
         ctx.decode(Batch.from_tokens(list(range(1, 40))))
+
+
+# shapes seen before are recalled from the graph cache, not built again, with the same logits
+def test_graph_cache_recalls_shapes(model, monkeypatch):
+    steps = [[1, 5, 6], [7], [8, 9], [10], [11, 12], [13]]
+
+    def run(ctx):
+        out, pos = [], 0
+        for toks in steps:
+            out.append(ctx.decode(Batch.from_tokens(toks, pos0=pos)))
+            pos += len(toks)
+        return out
+
+    ctx = LlamaContext(model, ContextParams(n_ctx=256))
+    cached = run(ctx)
+    assert (ctx.n_rebuilt, ctx.n_recalled) == (3, 3)          # shapes 3, 1, 2 built; 1, 2, 1 recalled
+    import ggml_dist.model.context as C
+    monkeypatch.setattr(C, "MAX_GRAPHS", 0)
+    fresh_ctx = LlamaContext(model, ContextParams(n_ctx=256))
+    fresh = run(fresh_ctx)
+    assert fresh_ctx.n_recalled == 0
+    for a, b in zip(cached, fresh):
+        np.testing.assert_array_equal(a, b)
