@@ -58,10 +58,13 @@ _F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).
 
 # ------------------------------------------------------------------------------------------------
 # threads
-# The OpenMP layer cost ~8 ms per launch here (2-core container) against ~30 us for workqueue; keep a
-# user's NUMBA_THREADING_LAYER. Takes effect only if no parallel kernel has run in this process yet.
+# OpenMP first: its workers spin briefly (GOMP_SPINCOUNT, 300k by default) before sleeping, so a decode
+# step's back-to-back launches cost a few us each, where numba's workqueue layer wakes sleeping threads
+# (50-100 us per launch on this 2-core VM: more than the product it splits). workqueue where no OpenMP
+# runtime loads. A user's NUMBA_THREADING_LAYER is kept. Takes effect only before the first parallel launch.
 if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
+    numba.config.THREADING_LAYER = "default"
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
 def _default_threads() -> int:
     try:
         n = len(os.sched_getaffinity(0))

@@ -46,9 +46,9 @@ F32 = np.float32
 R = 64                                  # rows per group: the vector loops run over a group's rows
 PACKABLE = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
 _KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0 = 0, 1, 2, 3
-# multiply-adds from which a product is split across threads: numba's parallel launch costs ~50-100 us
-# here (2 cores), more than it saves on the smaller matrices of a decode step
-_PARALLEL_WORK = 1 << 22
+# multiply-adds from which a product is split across threads (a launch costs a few us with OpenMP, see
+# qkernels; ~50-100 us with numba's workqueue layer, where only large products gain)
+_PARALLEL_WORK = 1 << 18
 _BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2)}    # block bytes, offset of the codes
 
 
