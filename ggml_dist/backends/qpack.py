@@ -12,8 +12,8 @@ nb = K/32 blocks per row; "lane L" = ggml's AVX2 lane, elements 4L..4L+3 of a bl
 * Q4_0/Q4_1 ``qs`` uint8 [G, nb*16*R]: byte (b, k, l, r) at b*16R + k*4R + l*R + r is row r's ``qs[4l+k]`` of
   block b, i.e. element 4l+k (lane l) in the low nibble and element 16+4l+k (lane 4+l) in the high one.
 * Q8_0 ``qs`` int8 [G, nb*32*R]: code (b, k, L, r) at b*32R + k*8R + L*R + r is row r's element 4L+k.
-* ``d`` f32 [G, nb*R]: row r's block scale at b*R + r, widened from f16 once (exact); ``m`` the same for
-  Q4_1's min.
+* ``d`` uint16 [G, nb*R]: f16 bits of row r's block scale at b*R + r; ``m`` the same for Q4_1's min. The
+  packed weight has exactly the file's size: decode reads every byte once, so bytes are time.
 Activations are quantized once per call (``_prep``: quants.quantize_q8_0/_q8_1's steps) into f32 codes.
 
 Numerics (ggml-numerics.md §1.5): a lane is the exact integer sum of its four products (f32 arithmetic on
@@ -40,6 +40,7 @@ from numba.extending import intrinsic
 
 from ..core.types import GGMLType, row_size
 from . import qkernels
+from .fkernels import _half
 
 T = GGMLType
 F32 = np.float32
@@ -90,7 +91,7 @@ class PackedWeight:
             q = b[..., oq:oq + 16].reshape(G, R, nb, 4, 4)       # [g, r, b, l, k]
             self.qs = np.ascontiguousarray(q.transpose(0, 2, 4, 3, 1)).reshape(G, -1)
         self.d = _f16_plane(b, 0)
-        self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((G, 1), F32)
+        self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((G, 1), np.uint16)
         self.type, self.M, self.K, self.key = wtype, M, nb * 32, key
         self.chain = wtype == T.Q4_0 and M % 8 == 0
         self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
@@ -142,11 +143,10 @@ def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
 
 
 def _f16_plane(b: np.ndarray, off: int) -> np.ndarray:
-    """The f16 field at byte `off` of every block, as f32 [G, nb*R] in (block, row) order (widened once:
-    the kernels then read scales with vector loads instead of table lookups)."""
+    """The f16 field at byte `off` of every block, as uint16 bits [G, nb*R] in (block, row) order (the
+    kernels widen them with _half, a vector conversion: the packed weight is no bigger than the file's)."""
     G, _, nb, _ = b.shape
-    h = np.ascontiguousarray(b[..., off:off + 2].transpose(0, 2, 1, 3)).view(np.float16)
-    return h.reshape(G, nb * R).astype(F32)
+    return np.ascontiguousarray(b[..., off:off + 2].transpose(0, 2, 1, 3)).view(np.uint16).reshape(G, nb * R)
 
 
 _PACK_LOCK = threading.Lock()
@@ -249,12 +249,12 @@ def _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
                 yb = Y[n, 32 * b:32 * b + 32]
                 db = dy[n, b]
                 for r in range(nr):
-                    D[r] = dg[R * b + r] * db                       # f32(dx*dy), exact
+                    D[r] = _half(dg[R * b + r]) * db                # f32(dx*dy), exact
                     S[r] = 0
                 if has_m:                                           # Q4_1: sequential f32 sum of m*s
                     sb = sy[n, b]
                     for r in range(nr):
-                        p = mg[R * b + r] * sb
+                        p = _half(mg[R * b + r]) * sb
                         sm[r] = p if b == 0 else sm[r] + p
                 for l in range(4):                                  # unrolled; the r loop is the vector
                     y0, y1, y2, y3 = yb[4 * l], yb[4 * l + 1], yb[4 * l + 2], yb[4 * l + 3]
@@ -331,7 +331,7 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
                 yb = Y[n, 32 * b:32 * b + 32]
                 db = dy[n, b]
                 for r in range(nr):
-                    D[r] = dg[R * b + r] * db
+                    D[r] = _half(dg[R * b + r]) * db
                 for L in range(8):
                     y0, y1, y2, y3 = yb[4 * L], yb[4 * L + 1], yb[4 * L + 2], yb[4 * L + 3]
                     for r in range(nr):
@@ -421,7 +421,7 @@ def _items_t_kind(qs, d, m, Y, dy, sy, ys, out, i0, i1, kind):
         for b in range(nb):
             _codes_block(qs[g], kind, b, C)
             for r in range(R):
-                dR[r] = d[g, R * b + r]
+                dR[r] = _half(d[g, R * b + r])
             for n in range(n0, n1, 4):                          # 4 tokens share each code load
                 _tokens4(C, dR, Y, dy, ys, S, acc, n, n0, b, chain)
             if has_m:                                           # Q4_1: sequential f32 sum of m*s
@@ -430,7 +430,7 @@ def _items_t_kind(qs, d, m, Y, dy, sy, ys, out, i0, i1, kind):
                     smn = sm[n - n0]
                     sb = sy[n, b]
                     for r in range(dR.shape[0]):
-                        p = mb[r] * sb
+                        p = _half(mb[r]) * sb
                         smn[r] = p if b == 0 else smn[r] + p
         for n in range(n0, n1):
             _store(acc[n - n0], sm[n - n0], out, g, n, has_m, chain)
