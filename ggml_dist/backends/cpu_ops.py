@@ -265,7 +265,7 @@ def _mul_mat_float(t, dst, srcs, opts) -> bool:
     half = a_t.type == GGMLType.F16
     w = _unit_rows(srcs[0].view(np.uint16) if half else srcs[0])
     K, M, N = a_t.ne[0], a_t.ne[1], b_t.ne[1]
-    fk.mul_mat(w, _unit_rows(srcs[1]), dst, N >= 2 and K % 8 == 0 and M % 4 == 0, half)
+    fk.mul_mat_threads(w, _unit_rows(srcs[1]), dst, N >= 2 and K % 8 == 0 and M % 4 == 0, half)
     return True
 
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, types
+import numba
+from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
+from . import qkernels
 from .numerics import (_C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4,
                        _C_SHIFT)
 
@@ -245,6 +247,21 @@ def _mac_impl(w, y, acc):
     return None
 
 
+def mul_mat_threads(w, x, dst, tiny: bool, half: bool) -> None:
+    """mul_mat, with F16 weights' slices (KV heads) split across qkernels' threads when there are several
+    and the product is big enough to pay for a launch."""
+    A3, A2, M, K = w.shape
+    if half and A3 * A2 > 1 and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
+        with qkernels._launch_lock:
+            numba.set_num_threads(qkernels.get_threads())
+            _mm_h_par(w, x, dst, tiny, A3 * A2)
+        return
+    mul_mat(w, x, dst, tiny, half)
+
+
+_PARALLEL_WORK = 1 << 18                # multiply-adds, as qpack's
+
+
 @njit(cache=True, error_model="numpy")
 def mul_mat(w, x, dst, tiny, half):
     """dst[i3, i2, n, m] = W[i3 // r3, i2 // r2, m, :] . X[i3, i2, n, :] (ggml_compute_forward_mul_mat).
@@ -273,6 +290,21 @@ _RV = 64
 
 @njit(cache=True, error_model="numpy")
 def _mm_h(w, x, dst, tiny):
+    _mm_h_slices(w, x, dst, tiny, 0, w.shape[0] * w.shape[1])
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _mm_h_par(w, x, dst, tiny, n_chunks):
+    """_mm_h with the weight slices (KV heads) split across threads."""
+    n = w.shape[0] * w.shape[1]
+    n_chunks = min(n, n_chunks)
+    for c in prange(n_chunks):
+        _mm_h_slices(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+@njit(cache=True, error_model="numpy")
+def _mm_h_slices(w, x, dst, tiny, s0, s1):
+    """Weight slices s0 .. s1-1 (slice = a3 * A2 + a2) and the activation rows that read them."""
     A3, A2, M, K = w.shape
     B3, B2, N = x.shape[0], x.shape[1], x.shape[2]
     r2, r3 = B2 // A2, B3 // A3
@@ -283,32 +315,32 @@ def _mm_h(w, x, dst, tiny):
     wt = np.zeros((K, _RV), F32)
     acc = np.empty((4, nl, _RV), F32)
     res = np.empty(_RV, F32)
-    for a3 in range(A3):
-        for a2 in range(A2):
-            q = 0
-            for i3 in range(a3 * r3, a3 * r3 + r3):
-                for i2 in range(a2 * r2, a2 * r2 + r2):
-                    for n in range(N):
-                        xr = x[i3, i2, n]
-                        yq = Yq[q]
-                        for k in range(K):
-                            yq[k] = _round_half(xr[k])
-                        q += 1
-            for m0 in range(0, M, _RV):
-                nr = min(_RV, M - m0)
-                for r in range(nr):
-                    wr = w[a3, a2, m0 + r]
+    for sl in range(s0, s1):
+        a3, a2 = sl // A2, sl % A2
+        q = 0
+        for i3 in range(a3 * r3, a3 * r3 + r3):
+            for i2 in range(a2 * r2, a2 * r2 + r2):
+                for n in range(N):
+                    xr = x[i3, i2, n]
+                    yq = Yq[q]
                     for k in range(K):
-                        wt[k, r] = _widen(wr[k])
-                for q0 in range(0, nq, 4):
-                    _lanes4(wt, Yq, q0, ks, nl, acc)
-                    for j in range(min(4, nq - q0)):
-                        _reduce(acc[j], res, wt, Yq[q0 + j], ks, K, tiny)
-                        qq = q0 + j
-                        n = qq % N
-                        i2 = a2 * r2 + (qq // N) % r2
-                        i3 = a3 * r3 + qq // (N * r2)
-                        dst[i3, i2, n, m0:m0 + nr] = res[:nr]
+                        yq[k] = _round_half(xr[k])
+                    q += 1
+        for m0 in range(0, M, _RV):
+            nr = min(_RV, M - m0)
+            for r in range(nr):
+                wr = w[a3, a2, m0 + r]
+                for k in range(K):
+                    wt[k, r] = _widen(wr[k])
+            for q0 in range(0, nq, 4):
+                _lanes4(wt, Yq, q0, ks, nl, acc)
+                for j in range(min(4, nq - q0)):
+                    _reduce(acc[j], res, wt, Yq[q0 + j], ks, K, tiny)
+                    qq = q0 + j
+                    n = qq % N
+                    i2 = a2 * r2 + (qq // N) % r2
+                    i3 = a3 * r3 + qq // (N * r2)
+                    dst[i3, i2, n, m0:m0 + nr] = res[:nr]
 
 
 @njit(cache=True, inline="always")
