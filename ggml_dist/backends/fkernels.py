@@ -259,7 +259,7 @@ def mul_mat_threads(w, x, dst, tiny: bool, half: bool) -> None:
     mul_mat(w, x, dst, tiny, half)
 
 
-_PARALLEL_WORK = 1 << 18                # multiply-adds, as qpack's
+_PARALLEL_WORK = 1 << 16                # multiply-adds (attention products are cheap to launch)
 
 
 @njit(cache=True, error_model="numpy")
