@@ -721,6 +721,30 @@ def _f16_round(v, lut):
     return lut[h_sgn + (((f_sig >> 13) + h_exp) & 0xFFFF)]
 
 
+@njit(cache=True, inline="always")
+def q8_block(xb, q, q8_1, lut):
+    """One block of 32 values with quants.quantize_q8_0's (q8_1=False) or quantize_q8_1's float steps: the
+    codes into q; returns (finite, d, s, sum of codes), d and s as f16 values (s = d for Q8_0). finite is
+    False, and nothing else meaningful, if the block holds a non-finite value."""
+    amax = F32(0)
+    for j in range(32):
+        v = xb[j]
+        if not np.isfinite(v):
+            return False, F32(0), F32(0), 0
+        av = abs(v)
+        if av > amax:
+            amax = av
+    d = amax / F32(127)
+    idv = F32(127) / amax if amax != 0 else F32(0)
+    isum = 0
+    for j in range(32):
+        qj = np.int8(np.rint(xb[j] * idv))
+        q[j] = qj
+        isum += qj
+    d16 = _f16_round(d, lut)
+    return True, d16, (_f16_round(d * F32(isum), lut) if q8_1 else d16), isum
+
+
 @njit(cache=True)
 def _prep_q8_g(x, q8_1, lut, yr, dy, sy):
     """x f32 [N, K] -> yr int8 [N, _R*K] (the _mm_g layout), dy, sy f32 [N, K/32]: quants.quantize_q8_0
@@ -731,24 +755,9 @@ def _prep_q8_g(x, q8_1, lut, yr, dy, sy):
     q = np.empty(32, np.int8)
     for n in range(N):
         for b in range(nb):
-            xb = x[n, 32 * b:32 * b + 32]
-            amax = F32(0)
-            for j in range(32):
-                v = xb[j]
-                if not np.isfinite(v):
-                    return False
-                av = abs(v)
-                if av > amax:
-                    amax = av
-            d = amax / F32(127)
-            idv = F32(127) / amax if amax != 0 else F32(0)
-            isum = 0
-            for j in range(32):
-                qj = np.int8(np.rint(xb[j] * idv))
-                q[j] = qj
-                isum += qj
-            dy[n, b] = _f16_round(d, lut)
-            sy[n, b] = _f16_round(d * F32(isum), lut) if q8_1 else dy[n, b]
+            ok, dy[n, b], sy[n, b], _ = q8_block(x[n, 32 * b:32 * b + 32], q, q8_1, lut)
+            if not ok:
+                return False
             o = 128 * b
             for i in range(4):
                 for p in range(8):

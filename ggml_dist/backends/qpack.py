@@ -177,25 +177,14 @@ def _prep(x, q8_1, lut, Y, dy, sy, ys):
     (q8_1=False; sy = dy) or quantize_q8_1's float steps, ys = each block's sum of codes. False if x has
     a non-finite value."""
     N, K = x.shape
+    q = np.empty(32, np.int8)
     for n in range(N):
         for b in range(K // 32):
-            xb = x[n, 32 * b:32 * b + 32]
-            amax = F32(0)
+            ok, dy[n, b], sy[n, b], ys[n, b] = qkernels.q8_block(x[n, 32 * b:32 * b + 32], q, q8_1, lut)
+            if not ok:
+                return False
             for j in range(32):
-                v = xb[j]
-                if not np.isfinite(v):
-                    return False
-                amax = max(amax, abs(v))
-            d = amax / F32(127)
-            idv = F32(127) / amax if amax != 0 else F32(0)
-            isum = 0
-            for j in range(32):
-                c = np.int8(np.rint(xb[j] * idv))
-                Y[n, 32 * b + j] = c
-                isum += c
-            dy[n, b] = qkernels._f16_round(d, lut)
-            sy[n, b] = qkernels._f16_round(d * F32(isum), lut) if q8_1 else dy[n, b]
-            ys[n, b] = isum
+                Y[n, 32 * b + j] = q[j]
     return True
 
 
