@@ -248,6 +248,9 @@ def _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
                 for l in range(4):                                  # unrolled; the r loop is the vector
                     y0, y1, y2, y3 = yb[4 * l], yb[4 * l + 1], yb[4 * l + 2], yb[4 * l + 3]
                     z0, z1, z2, z3 = yb[16 + 4 * l], yb[17 + 4 * l], yb[18 + 4 * l], yb[19 + 4 * l]
+                    if chain:
+                        _chain_step(q, l, y0, y1, y2, y3, z0, z1, z2, z3, S)
+                        continue
                     for r in range(nr):
                         o = l * R + r
                         f0 = F32(q[o])
@@ -262,7 +265,7 @@ def _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
                         l1 = _fma(h1, F32(-16), f1)
                         l2 = _fma(h2, F32(-16), f2)
                         l3 = _fma(h3, F32(-16), f3)
-                        if center and not chain:                    # the chain subtracts 8*sum(y) per block
+                        if center:                                  # (Q4_0 lanes; the chain subtracts 8*sum(y))
                             l0 -= F32(8)
                             l1 -= F32(8)
                             l2 -= F32(8)
@@ -273,16 +276,31 @@ def _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
                             h3 -= F32(8)
                         slo = _fma(l3, y3, _fma(l2, y2, _fma(l1, y1, l0 * y0)))        # exact integers
                         shi = _fma(h3, z3, _fma(h2, z2, _fma(h1, z1, h0 * z0)))
-                        if chain:
-                            S[r] += slo + shi
-                        else:
-                            acc[o] = _fma(D[r], slo, acc[o])
-                            acc[4 * R + o] = _fma(D[r], shi, acc[4 * R + o])
+                        acc[o] = _fma(D[r], slo, acc[o])
+                        acc[4 * R + o] = _fma(D[r], shi, acc[4 * R + o])
                 if chain:
                     c8 = F32(8) * ys[n, b]
                     for r in range(nr):
                         acc[r] = _fma(S[r] - c8, D[r], acc[r])
             _store(acc, sm, out, g, n, has_m, chain)
+
+
+@njit(cache=True, inline="always")
+def _chain_step(q, l, y0, y1, y2, y3, z0, z1, z2, z3, S):
+    """S[r] += row r's integer dot over bytes 4l..4l+3 of a Q4_0 block (codes not centred). With byte
+    c = lo + 16*hi: lo*y + hi*z = c*y + hi*(z - 16y), so the low nibble is never split out (exact
+    integers throughout)."""
+    w0, w1, w2, w3 = z0 - F32(16) * y0, z1 - F32(16) * y1, z2 - F32(16) * y2, z3 - F32(16) * y3
+    for r in range(S.shape[0]):
+        o = l * R + r
+        f0 = F32(q[o])
+        f1 = F32(q[4 * R + o])
+        f2 = F32(q[8 * R + o])
+        f3 = F32(q[12 * R + o])
+        sc = _fma(f3, y3, _fma(f2, y2, _fma(f1, y1, f0 * y0)))
+        sh = _fma(np.floor(f3 * F32(0.0625)), w3, _fma(np.floor(f2 * F32(0.0625)), w2,
+                  _fma(np.floor(f1 * F32(0.0625)), w1, np.floor(f0 * F32(0.0625)) * w0)))
+        S[r] += sc + sh
 
 
 @njit(cache=True, inline="always")
