@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-import numba
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
@@ -253,7 +252,7 @@ def mul_mat_threads(w, x, dst, tiny: bool, half: bool) -> None:
     A3, A2, M, K = w.shape
     if half and A3 * A2 > 1 and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
         with qkernels._launch_lock:
-            numba.set_num_threads(qkernels.get_threads())
+            qkernels.apply_threads()
             _mm_h_par(w, x, dst, tiny, A3 * A2)
         return
     mul_mat(w, x, dst, tiny, half)

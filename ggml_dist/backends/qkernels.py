@@ -92,6 +92,17 @@ def get_threads() -> int:
     return _n_threads
 
 
+_applied = threading.local()
+
+
+def apply_threads() -> None:
+    """numba.set_num_threads(get_threads()) for the calling thread before a parallel launch; skipped when
+    this thread already has that count (the call costs ~3 us, and a decode step makes ~150 launches)."""
+    if getattr(_applied, "n", None) != _n_threads:
+        numba.set_num_threads(_n_threads)
+        _applied.n = _n_threads
+
+
 # ------------------------------------------------------------------------------------------------
 # row decoders: one weight row -> 8-code words and per-block scales.
 # Codes are written as uint64 words of 8 int8 codes (SWAR unpacking, no per-byte loop). Word layout
@@ -808,7 +819,7 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
             _mm_f16_serial(w16, y, _F16_LUT, out, mode)
             return out
         with _launch_lock:
-            numba.set_num_threads(_n_threads)
+            apply_threads()
             _mm_f16(w16, y, _F16_LUT, out, mode)
         return out
     kind = _KIND[wtype]
@@ -825,7 +836,7 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
                 _mm_g_serial(kind, wr, yr, dy, sy, _NO_BSUMS, _F16_LUT, _SPREAD, out)
                 return out
             with _launch_lock:
-                numba.set_num_threads(_n_threads)
+                apply_threads()
                 _mm_g(kind, wr, yr, dy, sy, _NO_BSUMS, _F16_LUT, _SPREAD, out, 16 * _n_threads)
             return out
     if kind <= 4:
@@ -852,12 +863,12 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
             _mm_g_serial(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out)
             return out
         with _launch_lock:
-            numba.set_num_threads(_n_threads)
+            apply_threads()
             _mm_g(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out, n_chunks)
         return out
     W = 2 if kind >= 7 else 4
     yw = np.ascontiguousarray(qy.reshape(N, K // (8 * W), W, 8).transpose(0, 2, 1, 3)).reshape(N, K)
     with _launch_lock:
-        numba.set_num_threads(_n_threads)
+        apply_threads()
         _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, n_chunks)
     return out

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import threading
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
@@ -119,7 +118,7 @@ class PackedWeight:
             (_mm_t_serial if tiled else _mm_serial)(*args)
             return out
         with qkernels._launch_lock:
-            numba.set_num_threads(threads)
+            qkernels.apply_threads()
             (_mm_t if tiled else _mm)(*args, 4 * threads)
         return out
 
@@ -220,7 +219,6 @@ def _rows(kind, qs, d, m, Y, dy, sy, ys, out, g0, g1):
 @njit(cache=True, inline="always")
 def _rows_q4(qs, d, m, Y, dy, sy, ys, out, g0, g1, center, has_m, chain):
     N = Y.shape[0]
-    M = out.shape[1]
     nb = dy.shape[1]
     acc = np.empty(8 * R, F32)
     S = np.empty(R, F32)
