@@ -151,16 +151,20 @@ def _f16_plane(b: np.ndarray, off: int) -> np.ndarray:
 _PACK_LOCK = threading.Lock()
 
 
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) == 3 and a[0] is b[0] and a[1:] == b[1:]
+
+
 def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
     """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` as ggml keeps its
     repack buffer; made again if t was rebound to other bytes."""
-    key = (id(t.buffer), t.data, w.shape)
+    key = (t.buffer, t.data, w.shape)       # the buffer itself, not its id: an id can be reused
     pw = t.extra
-    if isinstance(pw, PackedWeight) and pw.key == key:
+    if isinstance(pw, PackedWeight) and _same(pw.key, key):
         return pw
     with _PACK_LOCK:
         pw = t.extra
-        if not (isinstance(pw, PackedWeight) and pw.key == key):
+        if not (isinstance(pw, PackedWeight) and _same(pw.key, key)):
             pw = t.extra = PackedWeight(wtype, w, key)
             release = getattr(t.buffer, "release_pages", None)
             if release is not None:            # the mapping's pages of t are not read again by MUL_MAT
