@@ -156,3 +156,16 @@ def test_cpu_backend_packs_model_weights_once(t, monkeypatch):
     wt.data = 0
     wt.buffer = _WeightBuffer(np.ascontiguousarray(w[::-1]).reshape(-1))   # rebound: packed again
     assert qpack.packed(t, wt.buffer.base.reshape(M, -1), wt) is not pw
+
+
+def test_mapped_buffer_release_pages_keeps_the_bytes(tmp_path):
+    # dropping a mapping's resident pages is invisible to readers: the bytes fault back in from the file
+    from ggml_dist.model.weights import MappedBuffer
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
+    path = tmp_path / "w.bin"
+    data.tofile(path)
+    buf = MappedBuffer(str(path))
+    assert int(buf.base.astype(np.int64).sum()) == int(data.astype(np.int64).sum())   # pages resident
+    buf.release_pages(10, 2 * 4096 + 50)        # only whole pages inside the range are dropped
+    buf.release_pages(0, 0)
+    np.testing.assert_array_equal(np.asarray(buf.base), data)
