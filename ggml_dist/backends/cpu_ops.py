@@ -250,7 +250,7 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
     return True
 
 
-_PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
+_PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})   # qpack.PACKABLE (numba-free import)
 
 
 def _mul_mat_float(t, dst, srcs, opts) -> bool:

@@ -133,6 +133,20 @@ def _u64(row, o):
             | (_U(q[4]) << _U(32)) | (_U(q[5]) << _U(40)) | (_U(q[6]) << _U(48)) | (_U(q[7]) << _U(56)))
 
 
+@njit(cache=True, inline="always")
+def _k_words(row, o, oq, c, i, q5):
+    """Q4_K/Q5_K superblock at byte o (codes at o + oq): word i of 32-byte chunk c as the 8 low-nibble codes
+    (sub-block 2c) and the 8 high-nibble codes (sub-block 2c+1), with Q5_K's 5th bits when q5."""
+    u = _u64(row, o + oq + 32 * c + 8 * i)
+    lo4 = u & _M4
+    hi4 = (u >> _S4) & _M4
+    if q5:
+        h = _u64(row, o + 16 + 8 * i)
+        lo4 |= ((h >> _U(2 * c)) & _M1) << _S4
+        hi4 |= ((h >> _U(2 * c + 1)) & _M1) << _S4
+    return lo4, hi4
+
+
 @njit(cache=True)
 def _dec_row(kind, row, lut, sp, cw, ns, d1, d2, sc, mn):
     """kind 0..4: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (W = 4, ns = nb; Q4_0/Q5_0 codes NOT centred: the kernel
@@ -185,15 +199,7 @@ def _dec_row(kind, row, lut, sp, cw, ns, d1, d2, sc, mn):
             for c in range(4):                          # 32-byte chunk c: sub-blocks 2c (low), 2c+1 (high)
                 s0 = b * 8 + 2 * c
                 for i in range(4):
-                    u = _u64(row, o + oq + 32 * c + 8 * i)
-                    lo4 = u & _M4
-                    hi4 = (u >> _S4) & _M4
-                    if kind == 6:
-                        h = _u64(row, o + 16 + 8 * i)
-                        lo4 |= ((h >> _U(2 * c)) & _M1) << _S4
-                        hi4 |= ((h >> _U(2 * c + 1)) & _M1) << _S4
-                    cw[i * ns + s0] = lo4
-                    cw[i * ns + s0 + 1] = hi4
+                    cw[i * ns + s0], cw[i * ns + s0 + 1] = _k_words(row, o, oq, c, i, kind == 6)
     else:                                               # 16 sub-blocks of 16: element 128h + 32g + 8i + k
         for b in range(nb):
             if kind == 7:                               # Q6_K: ql[128], qh[64], sc[16], d
@@ -535,30 +541,10 @@ def _dec_row_g(kind, row, lut, sp, r, cw, dw, d2, scw, mn):
                 mn[b * 8 + j] = mid & 63
                 mn[b * 8 + 4 + j] = (hi >> 4) | ((mid >> 6) << 4)
             for ch in range(4):                         # 32-byte chunk: low nibbles sub 2ch, high 2ch+1
-                lw0 = _U(0)
-                lw1 = _U(0)
-                lw2 = _U(0)
-                lw3 = _U(0)
-                hw0 = _U(0)
-                hw1 = _U(0)
-                hw2 = _U(0)
-                hw3 = _U(0)
-                for i in range(4):
-                    u = _u64(row, o + oq + 32 * ch + 8 * i)
-                    lo4 = u & _M4
-                    hi4 = (u >> _S4) & _M4
-                    if kind == 6:
-                        h = _u64(row, o + 16 + 8 * i)
-                        lo4 |= ((h >> _U(2 * ch)) & _M1) << _S4
-                        hi4 |= ((h >> _U(2 * ch + 1)) & _M1) << _S4
-                    if i == 0:
-                        lw0, hw0 = lo4, hi4
-                    elif i == 1:
-                        lw1, hw1 = lo4, hi4
-                    elif i == 2:
-                        lw2, hw2 = lo4, hi4
-                    else:
-                        lw3, hw3 = lo4, hi4
+                lw0, hw0 = _k_words(row, o, oq, ch, 0, kind == 6)
+                lw1, hw1 = _k_words(row, o, oq, ch, 1, kind == 6)
+                lw2, hw2 = _k_words(row, o, oq, ch, 2, kind == 6)
+                lw3, hw3 = _k_words(row, o, oq, ch, 3, kind == 6)
                 g = 8 * b + 2 * ch
                 _put4(cw, 16 * g + r, lw0, lw1, lw2, lw3)
                 _put4(cw, 16 * (g + 1) + r, hw0, hw1, hw2, hw3)

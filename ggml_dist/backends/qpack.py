@@ -32,14 +32,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange
-from numba.core import types as nbt
-from numba.extending import intrinsic
 
 from ..core.types import GGMLType, row_size
 from . import qkernels
-from .fkernels import _half
+from .fkernels import _fma, _half
 
 T = GGMLType
 F32 = np.float32
@@ -50,18 +47,6 @@ _KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0 = 0, 1, 2, 3
 # qkernels; ~50-100 us with numba's workqueue layer, where only large products gain)
 _PARALLEL_WORK = 1 << 18
 _BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2)}    # block bytes, offset of the codes
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """fma(a, b, c) on float32 with one rounding (llvm.fma.f32)."""
-    sig = nbt.float32(nbt.float32, nbt.float32, nbt.float32)
-
-    def codegen(context, builder, signature, args):
-        f = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
-        return builder.call(fn, args)
-    return sig, codegen
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,10 +80,6 @@ class PackedWeight:
         self.chain = wtype == T.Q4_0 and M % 8 == 0
         self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
                      T.Q8_0: _KIND_Q8_0}[wtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
 
     def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """x f32 [N, K] -> f32 [N, M] (into `out` if given, C-contiguous), or None when x has a non-finite
