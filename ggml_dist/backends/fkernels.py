@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
@@ -247,21 +248,28 @@ def _mac_impl(w, y, acc):
 
 
 def mul_mat_threads(w, x, dst, tiny: bool, half: bool) -> None:
-    """mul_mat, with F16 weights' slices (KV heads) split across qkernels' threads when there are several
-    and the product is big enough to pay for a launch."""
+    """mul_mat, split across qkernels' threads when there are several and the product is big enough to pay
+    for a launch: F16 weights by activation slice (query head) for few rows, by weight slice (KV head)
+    for many."""
     A3, A2, M, K = w.shape
-    if half and A3 * A2 > 1 and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
-        with qkernels._launch_lock:
-            qkernels.apply_threads()
-            _mm_h_par(w, x, dst, tiny, A3 * A2)
-        return
+    B3, B2, N = x.shape[0], x.shape[1], x.shape[2]
+    if half and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
+        few = N < _ROWS_MAX
+        if B3 * B2 > 1 if few else A3 * A2 > 1:
+            with qkernels._launch_lock:
+                qkernels.apply_threads()
+                if few:
+                    _mm_h_rows_par(w, x, dst, tiny, B3 * B2)
+                else:
+                    _mm_h_par(w, x, dst, tiny, A3 * A2)
+            return
     mul_mat(w, x, dst, tiny, half)
 
 
 _PARALLEL_WORK = 1 << 16                # multiply-adds (attention products are cheap to launch)
+_ROWS_MAX = 16                          # activation rows per slice below which _mm_h_rows beats _mm_h
 
 
-@njit(cache=True, error_model="numpy")
 def mul_mat(w, x, dst, tiny, half):
     """dst[i3, i2, n, m] = W[i3 // r3, i2 // r2, m, :] . X[i3, i2, n, :] (ggml_compute_forward_mul_mat).
 
@@ -272,18 +280,113 @@ def mul_mat(w, x, dst, tiny, half):
     tiny=False: ggml_vec_dot_f16/_f32, 4 x 8 lanes (element k -> lane k mod 32) over 32-element steps,
     fold a0+a2, a1+a3, a0+a1, then HB; tiny=True: tinyBLAS, 8 lanes (k mod 8), HA (needs K % 8 == 0).
     Lane updates are fma(w, x, acc) (see _mac), quants._mm_float's step."""
-    K = w.shape[3]
-    rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
-    if half:
+    if half and x.shape[2] < _ROWS_MAX:
+        _mm_h_rows(w, x, dst, tiny, 0, x.shape[0] * x.shape[1])
+    elif half:
         _mm_h(w, x, dst, tiny)
     else:
+        rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
+        K = w.shape[3]
         _mm(w, x, dst, tiny, False, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
 
 
-# F16 weights, rows as the vector: a block of _RV weight rows is widened once into wt[k, r] (transposed),
-# the activation rows that share the weight slice (GQA heads x tokens) are rounded to f16 once, and each
-# lane step is a unit-stride loop over the block's rows with the activation value broadcast, four
-# activation rows per weight load. The lane updates and reductions are those of _mm.
+# F16 weights, few activation rows (decode): one dot product per (activation row, weight row), each a
+# _vdot32/_vdot8 intrinsic that keeps ggml's lane chains in LLVM vector registers (numba would neither
+# vectorise nor keep in registers a chain this short), so no weight block is widened or transposed first.
+def _vdot_codegen(nl):
+    """LLVM IR: the whole steps of one row's lane chains, then ggml's reduction to one float. Arguments
+    (w, wo, y, yo, steps): weight elements (f16 bits) from w[wo], f32 activations from y[yo], steps of nl
+    lanes (lane = element mod nl, in nl // 8 groups of 8). nl = 32: ggml_vec_dot_f16's 4 x 8 lanes, then
+    GGML_F32x8_REDUCE (a0 += a2, a1 += a3, a0 += a1) and HB; nl = 8: tinyBLAS's 8 lanes and HA."""
+    def codegen(context, builder, sig, args):
+        f32, v8 = ir.FloatType(), ir.VectorType(ir.FloatType(), 8)
+        wp = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
+        yp = builder.gep(context.make_array(sig.args[2])(context, builder, args[2]).data, [args[3]])
+        wp = builder.bitcast(wp, ir.VectorType(ir.HalfType(), 8).as_pointer())
+        yp = builder.bitcast(yp, v8.as_pointer())
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
+        ng = nl // 8
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v8, None)) for _ in range(ng)]
+        with cgutils.for_range(builder, args[4]) as loop:
+            base = builder.mul(loop.index, ir.Constant(loop.index.type, ng))
+            for j, acc in enumerate(accs):
+                o = builder.add(base, ir.Constant(base.type, j))
+                wv = builder.fpext(builder.load(builder.gep(wp, [o]), align=2), v8)
+                yv = builder.load(builder.gep(yp, [o]), align=4)
+                builder.store(builder.call(fma, [wv, yv, builder.load(acc)]), acc)
+        a = [builder.load(acc) for acc in accs]
+        s = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3])) if ng == 4 else a[0]
+        lane = [builder.extract_element(s, ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        t = [builder.fadd(lane[i], lane[i + 4]) for i in range(4)]
+        if ng == 4:
+            return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))       # HB
+        return builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))           # HA
+    return codegen
+
+
+def _vdot_typer(w, wo, y, yo, steps):
+    if w == types.Array(types.uint16, 1, "C") and y == types.Array(types.float32, 1, "C") \
+            and all(isinstance(v, types.Integer) for v in (wo, yo, steps)):
+        return types.float32(w, types.intp, y, types.intp, types.intp)
+    return None
+
+
+@intrinsic
+def _vdot32(typingctx, w, wo, y, yo, steps):
+    sig = _vdot_typer(w, wo, y, yo, steps)
+    return (sig, _vdot_codegen(32)) if sig is not None else None
+
+
+@intrinsic
+def _vdot8(typingctx, w, wo, y, yo, steps):
+    sig = _vdot_typer(w, wo, y, yo, steps)
+    return (sig, _vdot_codegen(8)) if sig is not None else None
+
+
+@njit(cache=True, error_model="numpy")
+def _mm_h_rows(w, x, dst, tiny, u0, u1):
+    """Activation slices u0 .. u1-1 (u = i3 * B2 + i2), each against its weight slice, row by row."""
+    A3, A2, M, K = w.shape
+    B2, N = x.shape[1], x.shape[2]
+    r2, r3 = B2 // A2, x.shape[0] // A3
+    ks = K - K % (8 if tiny else 32)
+    y = np.empty(K, F32)
+    wf, w3, w2, w1 = _rows_view(w)
+    for u in range(u0, u1):
+        i3, i2 = u // B2, u % B2
+        for n in range(N):
+            xr = x[i3, i2, n]
+            for k in range(K):
+                y[k] = _round_half(xr[k])
+            drow = dst[i3, i2, n]
+            o = (i3 // r3) * w3 + (i2 // r2) * w2
+            for m in range(M):
+                if tiny:
+                    drow[m] = _vdot8(wf, o, y, 0, ks // 8)
+                else:
+                    r = _vdot32(wf, o, y, 0, ks // 32)
+                    if ks < K:                                  # the leftover products, summed in double
+                        sd = F64(r)
+                        for k in range(ks, K):
+                            sd += F64(F32(_half(wf[o + k]) * y[k]))
+                        r = F32(sd)
+                    drow[m] = r
+                o += w1
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _mm_h_rows_par(w, x, dst, tiny, n_chunks):
+    """_mm_h_rows with the activation slices (query heads) split across threads."""
+    n = x.shape[0] * x.shape[1]
+    n_chunks = min(n, n_chunks)
+    for c in prange(n_chunks):
+        _mm_h_rows(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+# F16 weights, many activation rows (prefill), rows as the vector: a block of _RV weight rows is widened
+# once into wt[k, r] (transposed), the activation rows that share the weight slice (GQA heads x tokens)
+# are rounded to f16 once, and each lane step is a unit-stride loop over the block's rows with the
+# activation value broadcast, four activation rows per weight load. The lane updates and reductions are those of _mm.
 _RV = 64
 
 

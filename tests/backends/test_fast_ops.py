@@ -8,7 +8,7 @@ as gallocr's in-place reuse allows, and KV-cache style views with padded empty c
 import numpy as np
 import pytest
 
-from ggml_dist.backends import cpu_ops, quants
+from ggml_dist.backends import cpu_ops, qkernels, quants
 from ggml_dist.backends import fkernels as fk
 from ggml_dist.backends.cpu_ops import KERNELS, ComputeOptions
 from ggml_dist.backends.reference import ReferenceExecutor
@@ -234,7 +234,8 @@ def _mm_per_slice(wtype, w, x, n11, use_numba, monkeypatch):
 
 @pytest.mark.parametrize("wtype", [F16, F32])
 @pytest.mark.parametrize("K,M,n11", [(64, 256, 1), (64, 256, 5), (256, 64, 1), (256, 64, 3), (40, 12, 1),
-                                     (40, 12, 2), (7, 13, 1), (7, 13, 4), (96, 13, 2), (33, 8, 1), (0, 4, 2)])
+                                     (40, 12, 2), (7, 13, 1), (7, 13, 4), (96, 13, 2), (33, 8, 1), (0, 4, 2),
+                                     (64, 20, 16), (72, 13, 17)])       # n11 >= 16: F16's blocked kernel
 def test_mul_mat_float_bits(rng, monkeypatch, wtype, K, M, n11):
     """fkernels.mul_mat over all slices (GQA r2 = 3, r3 = 2) == quants.mul_mat per slice, numba and numpy."""
     w = randn(rng, 1, 2, M, K, scale=0.5)
@@ -248,6 +249,27 @@ def test_mul_mat_float_bits(rng, monkeypatch, wtype, K, M, n11):
                wtype == F16)
     for use in (True, False):
         assert_same_bits(dst, _mm_per_slice(wtype, wv, x, n11, use, monkeypatch))
+
+
+@pytest.mark.parametrize("n11", [1, 3, 20])
+def test_mul_mat_float_threads_same_bits(rng, n11):
+    """mul_mat_threads splits F16 products by query head (few rows) or KV head (many): same bits as one
+    thread."""
+    w = randn(rng, 1, 2, 256, 64, scale=0.5).astype(np.float16).view(np.uint16)
+    x = randn(rng, 2, 6, n11, 64)
+    one, two = (np.empty((2, 6, n11, 256), np.float32) for _ in range(2))
+    tiny = n11 >= 2
+    before = qkernels.get_threads()
+    try:
+        qkernels.set_threads(1)
+        fk.mul_mat_threads(w, x, one, tiny, True)
+        qkernels.set_threads(2)
+        fk.mul_mat_threads(w, x, two, tiny, True)
+    finally:
+        qkernels.set_threads(before)
+    assert_same_bits(one, two)
+    fk.mul_mat(w, x, one, tiny, True)
+    assert_same_bits(one, two)
 
 
 # the attention products on KV-cache views: K [head_dim, n_kv, n_head_kv] rows of the cache, V^T rows of
