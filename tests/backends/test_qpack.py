@@ -24,6 +24,8 @@ qk = pytest.importorskip("ggml_dist.backends.qkernels")
 
 F32 = np.float32
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+# both packed layouts: the float kernels' everywhere, the int8 (vnni.py) one where the CPU has VNNI
+LAYOUTS = [False] + ([True] if qpack.vnni.AVAILABLE else [])
 
 
 def oracle(t, w, x, monkeypatch):
@@ -43,14 +45,18 @@ def activations(N, K, seed):
     return x
 
 
+@pytest.mark.parametrize("vnni_layout", LAYOUTS)
 @pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("M", [8, 37, 136, 150])
-def test_bit_identical_every_token_count(t, M, monkeypatch):
+def test_bit_identical_every_token_count(t, M, vnni_layout, monkeypatch):
     # M = 37, 150: partial last groups and (Q4_0) the 8-lane vec_dot order; 8, 136: Q4_0 repacked chain
     K = 256
     w = random_rows(t, M, K, seed=M)
     w[::3, :Q.TYPE_TRAITS[t].type_size] = 0        # zero blocks (d = 0)
-    pw = qpack.PackedWeight(t, w)
+    if t == T.Q8_0:
+        w[1::3, 2:34:5] = 0x80                     # code -128 (outside quantize's range, valid in a file)
+    pw = qpack.PackedWeight(t, w, vnni_layout=vnni_layout)
+    assert pw.vnni == vnni_layout
     assert pw.chain == (t == T.Q4_0 and M % 8 == 0)
     xs = activations(21, K, seed=int(t))
     for N in (1, 2, 3, 4, 5, 8, 13, 21):           # decode kernel below MIN_TOKENS, tiled from it on
@@ -62,8 +68,8 @@ def test_bit_identical_every_token_count(t, M, monkeypatch):
 
 @settings(max_examples=25, deadline=None)
 @given(t=st.sampled_from(TYPES), M=st.integers(1, 40), nb=st.integers(1, 6), N=st.integers(1, 12),
-       seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 1e3]))
-def test_bit_identical_random_shapes(t, M, nb, N, seed, scale):
+       seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 1e3]), vnni_layout=st.sampled_from(LAYOUTS))
+def test_bit_identical_random_shapes(t, M, nb, N, seed, scale, vnni_layout):
     K = 32 * nb
     w = random_rows(t, M, K, seed=seed)
     x = (np.random.default_rng(seed + 1).standard_normal((N, K)) * scale).astype(F32)
@@ -72,14 +78,15 @@ def test_bit_identical_random_shapes(t, M, nb, N, seed, scale):
         ref = Q.mul_mat(t, w, x, order="ggml")
     finally:
         Q.USE_NUMBA = True
-    assert np.array_equal(qpack.PackedWeight(t, w).mul_mat(x), ref)
+    assert np.array_equal(qpack.PackedWeight(t, w, vnni_layout=vnni_layout).mul_mat(x), ref)
 
 
+@pytest.mark.parametrize("vnni_layout", LAYOUTS)
 @pytest.mark.parametrize("t", TYPES)
-def test_threads_do_not_change_bits(t):
+def test_threads_do_not_change_bits(t, vnni_layout):
     M, K = 96, 512
     w = random_rows(t, M, K, seed=7)
-    pw = qpack.PackedWeight(t, w)
+    pw = qpack.PackedWeight(t, w, vnni_layout=vnni_layout)
     x = activations(40, K, seed=8)
     before = qk.get_threads()
     try:
@@ -98,6 +105,14 @@ def test_non_finite_activations_defer_to_the_generic_path():
     x = np.ones((2, 64), F32)
     x[1, 3] = np.inf
     assert qpack.PackedWeight(T.Q4_1, w).mul_mat(x) is None
+
+
+def test_vnni_layout_needs_the_instructions(monkeypatch):
+    monkeypatch.setattr(qpack.vnni, "AVAILABLE", False)
+    w = random_rows(T.Q4_0, 8, 64, seed=1)
+    assert not qpack.PackedWeight(T.Q4_0, w).vnni                   # the default follows the host
+    with pytest.raises(ValueError, match="VNNI"):
+        qpack.PackedWeight(T.Q4_0, w, vnni_layout=True)
 
 
 def test_bad_input_is_an_error():
