@@ -3,8 +3,9 @@
     python benchmarks/serve.py [--model smollm2-135m] [--duration 30] [--clients 1,4,8] [--stages 1,2]
     python benchmarks/serve.py --soak 16 --duration 20      # concurrency soak on a synthetic model
 
-Each (stages, clients) point starts a server on a free loopback port (--parallel = the largest client
-count), runs the clients for --duration seconds (requests in flight at the deadline finish and count),
+Each (stages, clients) point starts `ggml-dist serve` as its own process on a free loopback port
+(--parallel = the largest client count; as users run it, so the clients' threads here do not share the
+server's GIL), runs the clients for --duration seconds (requests in flight at the deadline finish and count),
 and reports requests completed, errors, aggregate generated tok/s and p50/p99 time to first token and
 inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process, without
 the server, for comparison. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -111,31 +115,70 @@ def single_stream_decode(path: str, n: int) -> float:
     return round(generate(ctx, m.tokenizer, ids, n, stop_at_eog=False).decode_tok_s, 3)
 
 
+class ServerProcess:
+    """`ggml-dist serve` in a child process on a free loopback port, ready (GET /health) on entry,
+    stopped with SIGINT (uvicorn's graceful shutdown; a Ray cluster it started goes with it) on exit."""
+
+    def __init__(self, path: str, stages: int, parallel: int, ctx: int, timeout_s: float = 600.0) -> None:
+        from ggml_dist.serve.server import free_port
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="ggml-dist-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-c", "import sys; from ggml_dist.cli import main; sys.exit(main())", "serve",
+               "--model", path, "--port", str(self.port), "--stages", str(stages), "--parallel", str(parallel),
+               "--ctx", str(ctx)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self._tail()}")
+            if time.monotonic() - t0 > timeout_s:
+                self.stop()
+                raise RuntimeError(f"server not ready after {timeout_s:.0f} s: {self._tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def _tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-2000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def bench(args: argparse.Namespace) -> dict:
     from ggml_dist.model.pull import resolve_model
-    from ggml_dist.serve import EngineConfig, ServerThread
     path = str(resolve_model(args.model))
     clients = [int(x) for x in args.clients.split(",")]
     stages = [int(x) for x in args.stages.split(",")]
     out: dict = {"model": Path(path).name, "duration_s": args.duration, "max_tokens": args.max_tokens,
                  "single_stream_decode_tok_s": single_stream_decode(path, args.max_tokens), "runs": []}
-    ray_up = False
     for k in stages:
-        if k > 1 and not ray_up:
-            from ggml_dist.workers.cluster import connect
-            connect(num_cpus=max(4, k))
-            ray_up = True
-        cfg = EngineConfig(path, n_stages=k, n_parallel=max(clients), n_ctx=max(clients) * 256)
-        with ServerThread(cfg, model_name=out["model"]) as srv:
+        with ServerProcess(path, k, max(clients), max(clients) * 256) as srv:
             for n in clients:
                 r = run_clients(srv.url, n, args.duration, args.max_tokens)
                 r["stages"] = k
                 r["x_single_stream"] = round(r["aggregate_tok_s"] / out["single_stream_decode_tok_s"], 2)
                 print(json.dumps(r), file=sys.stderr)
                 out["runs"].append(r)
-    if ray_up:
-        import ray
-        ray.shutdown()
     return out
 
 

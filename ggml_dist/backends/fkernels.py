@@ -171,8 +171,8 @@ def _ha(a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 # ------------------------------------------------------------------------------------------------
-# MUL_MAT, F16 / F32 weights
-# A block of _RB weight rows is widened once and reused by every activation row of the slices that share
+# MUL_MAT, F16 / F32 weights (F16: _mm_h_rows below)
+# F32 weights: a block of _RB weight rows is widened once and reused by every activation row of the slices that share
 # it. Layout per accumulation step s (nl ggml lanes): lane j = r * nl + l is lane l of row r, so a step is one
 # unit-stride loop over _RB * nl lanes: wt[s, j] = W[m0 + r, s * nl + l] and, per activation row,
 # yr[s, j] = Y[s * nl + l] (the row repeated for each of the _RB weight rows).
@@ -248,26 +248,18 @@ def _mac_impl(w, y, acc):
 
 
 def mul_mat_threads(w, x, dst, tiny: bool, half: bool) -> None:
-    """mul_mat, split across qkernels' threads when there are several and the product is big enough to pay
-    for a launch: F16 weights by activation slice (query head) for few rows, by weight slice (KV head)
-    for many."""
-    A3, A2, M, K = w.shape
-    B3, B2, N = x.shape[0], x.shape[1], x.shape[2]
-    if half and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
-        few = N < _ROWS_MAX
-        if B3 * B2 > 1 if few else A3 * A2 > 1:
-            with qkernels._launch_lock:
-                qkernels.apply_threads()
-                if few:
-                    _mm_h_rows_par(w, x, dst, tiny, B3 * B2)
-                else:
-                    _mm_h_par(w, x, dst, tiny, A3 * A2)
-            return
+    """mul_mat, with F16 products split by activation slice (query head) across qkernels' threads when
+    there are several and the product is big enough to pay for a launch."""
+    B3, B2, M = x.shape[0], x.shape[1], w.shape[2]
+    if half and B3 * B2 > 1 and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
+        with qkernels._launch_lock:
+            qkernels.apply_threads()
+            _mm_h_rows_par(w, x, dst, tiny, B3 * B2)
+        return
     mul_mat(w, x, dst, tiny, half)
 
 
 _PARALLEL_WORK = 1 << 16                # multiply-adds (attention products are cheap to launch)
-_ROWS_MAX = 16                          # activation rows per slice below which _mm_h_rows beats _mm_h
 
 
 def mul_mat(w, x, dst, tiny, half):
@@ -280,67 +272,96 @@ def mul_mat(w, x, dst, tiny, half):
     tiny=False: ggml_vec_dot_f16/_f32, 4 x 8 lanes (element k -> lane k mod 32) over 32-element steps,
     fold a0+a2, a1+a3, a0+a1, then HB; tiny=True: tinyBLAS, 8 lanes (k mod 8), HA (needs K % 8 == 0).
     Lane updates are fma(w, x, acc) (see _mac), quants._mm_float's step."""
-    if half and x.shape[2] < _ROWS_MAX:
+    if half:
         _mm_h_rows(w, x, dst, tiny, 0, x.shape[0] * x.shape[1])
-    elif half:
-        _mm_h(w, x, dst, tiny)
     else:
         rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
         K = w.shape[3]
         _mm(w, x, dst, tiny, False, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
 
 
-# F16 weights, few activation rows (decode): one dot product per (activation row, weight row), each a
-# _vdot32/_vdot8 intrinsic that keeps ggml's lane chains in LLVM vector registers (numba would neither
-# vectorise nor keep in registers a chain this short), so no weight block is widened or transposed first.
-def _vdot_codegen(nl):
-    """LLVM IR: the whole steps of one row's lane chains, then ggml's reduction to one float. Arguments
-    (w, wo, y, yo, steps): weight elements (f16 bits) from w[wo], f32 activations from y[yo], steps of nl
-    lanes (lane = element mod nl, in nl // 8 groups of 8). nl = 32: ggml_vec_dot_f16's 4 x 8 lanes, then
-    GGML_F32x8_REDUCE (a0 += a2, a1 += a3, a0 += a1) and HB; nl = 8: tinyBLAS's 8 lanes and HA."""
-    def codegen(context, builder, sig, args):
-        f32, v8 = ir.FloatType(), ir.VectorType(ir.FloatType(), 8)
-        wp = builder.gep(context.make_array(sig.args[0])(context, builder, args[0]).data, [args[1]])
-        yp = builder.gep(context.make_array(sig.args[2])(context, builder, args[2]).data, [args[3]])
-        wp = builder.bitcast(wp, ir.VectorType(ir.HalfType(), 8).as_pointer())
-        yp = builder.bitcast(yp, v8.as_pointer())
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
-        ng = nl // 8
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(v8, None)) for _ in range(ng)]
-        with cgutils.for_range(builder, args[4]) as loop:
-            base = builder.mul(loop.index, ir.Constant(loop.index.type, ng))
-            for j, acc in enumerate(accs):
-                o = builder.add(base, ir.Constant(base.type, j))
+# F16 weights (the KV cache): one dot product per (activation row, weight row), each a _vdot32/_vdot8
+# intrinsic that keeps ggml's lane chains in LLVM vector registers (numba would neither vectorise nor keep
+# in registers chains this short), so no weight block is widened or transposed first; tinyBLAS rows go 8
+# at a time (_vdot8xR) to hide the fma latency of one chain.
+def _lane_chains(context, builder, sig, args, nl, rows):
+    """LLVM IR: the lane chains of `rows` weight rows against one activation row over `steps` whole
+    steps of nl lanes (lane = element mod nl, in nl // 8 groups of 8 f32), as <8 x float> values.
+    args (w, wo, ws, y, yo, steps, ...): weight row i (f16 bits) at w[wo + i*ws], activations at y[yo]."""
+    v8, h8 = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.HalfType(), 8)
+    w, wo, ws, y, yo, steps = args[:6]
+    wbase = context.make_array(sig.args[0])(context, builder, w).data
+    wps = [builder.bitcast(builder.gep(wbase, [builder.add(wo, builder.mul(ws, ir.Constant(ws.type, i)))]),
+                           h8.as_pointer()) for i in range(rows)]
+    yp = builder.bitcast(builder.gep(context.make_array(sig.args[3])(context, builder, y).data, [yo]),
+                         v8.as_pointer())
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
+    ng = nl // 8
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8, None)) for _ in range(ng)] for _ in range(rows)]
+    with cgutils.for_range(builder, steps) as loop:
+        base = builder.mul(loop.index, ir.Constant(loop.index.type, ng))
+        for j in range(ng):
+            o = builder.add(base, ir.Constant(base.type, j))
+            yv = builder.load(builder.gep(yp, [o]), align=4)
+            for wp, acc in zip(wps, accs):
                 wv = builder.fpext(builder.load(builder.gep(wp, [o]), align=2), v8)
-                yv = builder.load(builder.gep(yp, [o]), align=4)
-                builder.store(builder.call(fma, [wv, yv, builder.load(acc)]), acc)
-        a = [builder.load(acc) for acc in accs]
-        s = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3])) if ng == 4 else a[0]
-        lane = [builder.extract_element(s, ir.Constant(ir.IntType(32), i)) for i in range(8)]
-        t = [builder.fadd(lane[i], lane[i + 4]) for i in range(4)]
-        if ng == 4:
-            return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))       # HB
-        return builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))           # HA
-    return codegen
+                builder.store(builder.call(fma, [wv, yv, builder.load(acc[j])]), acc[j])
+    return [[builder.load(a) for a in acc] for acc in accs]
 
 
-def _vdot_typer(w, wo, y, yo, steps):
+def _reduce_lanes(builder, a):
+    """ggml's reduction of one row's lane vectors: 4 groups (vec_dot_f16): GGML_F32x8_REDUCE (a0 += a2,
+    a1 += a3, a0 += a1) then HB; 1 group (tinyBLAS): HA."""
+    s = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3])) if len(a) == 4 else a[0]
+    lane = [builder.extract_element(s, ir.Constant(ir.IntType(32), i)) for i in range(8)]
+    t = [builder.fadd(lane[i], lane[i + 4]) for i in range(4)]
+    if len(a) == 4:
+        return builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))         # HB
+    return builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))             # HA
+
+
+def _vdot_typer(w, wo, ws, y, yo, steps, *out):
     if w == types.Array(types.uint16, 1, "C") and y == types.Array(types.float32, 1, "C") \
-            and all(isinstance(v, types.Integer) for v in (wo, yo, steps)):
-        return types.float32(w, types.intp, y, types.intp, types.intp)
+            and all(isinstance(v, types.Integer) for v in (wo, ws, yo, steps) + out[1:]) \
+            and (not out or out[0] == types.Array(types.float32, 1, "C")):
+        res = types.void if out else types.float32
+        return res(w, types.intp, types.intp, y, types.intp, types.intp, *out[:1], *(types.intp,) * len(out[1:]))
     return None
 
 
 @intrinsic
-def _vdot32(typingctx, w, wo, y, yo, steps):
-    sig = _vdot_typer(w, wo, y, yo, steps)
-    return (sig, _vdot_codegen(32)) if sig is not None else None
+def _vdot32(typingctx, w, wo, ws, y, yo, steps):
+    """ggml_vec_dot_f16 over whole 32-lane steps of weight row w[wo:] (f16 bits; ws unused) and y[yo:]."""
+    def codegen(context, builder, sig, args):
+        return _reduce_lanes(builder, _lane_chains(context, builder, sig, args, 32, 1)[0])
+    sig = _vdot_typer(w, wo, ws, y, yo, steps)
+    return (sig, codegen) if sig is not None else None
+
+
+_ROWS8 = 8           # weight rows per _vdot8xR call
 
 
 @intrinsic
-def _vdot8(typingctx, w, wo, y, yo, steps):
-    sig = _vdot_typer(w, wo, y, yo, steps)
-    return (sig, _vdot_codegen(8)) if sig is not None else None
+def _vdot8xR(typingctx, w, wo, ws, y, yo, steps, out, oo):
+    """tinyBLAS's 8-lane dot (HA) of _ROWS8 weight rows w[wo + i*ws:] against y[yo:], into out[oo + i]:
+    independent chains, so the latency of one row's 8-lane fma chain is hidden."""
+    def codegen(context, builder, sig, args):
+        res = [_reduce_lanes(builder, a) for a in _lane_chains(context, builder, sig, args, 8, _ROWS8)]
+        op = builder.gep(context.make_array(sig.args[6])(context, builder, args[6]).data, [args[7]])
+        for i, r in enumerate(res):
+            builder.store(r, builder.gep(op, [ir.Constant(ir.IntType(64), i)]))
+        return context.get_dummy_value()
+    sig = _vdot_typer(w, wo, ws, y, yo, steps, out, oo)
+    return (sig, codegen) if sig is not None else None
+
+
+@intrinsic
+def _vdot8(typingctx, w, wo, ws, y, yo, steps):
+    """tinyBLAS's 8-lane dot (HA) of one weight row w[wo:] against y[yo:]."""
+    def codegen(context, builder, sig, args):
+        return _reduce_lanes(builder, _lane_chains(context, builder, sig, args, 8, 1)[0])
+    sig = _vdot_typer(w, wo, ws, y, yo, steps)
+    return (sig, codegen) if sig is not None else None
 
 
 @njit(cache=True, error_model="numpy")
@@ -351,6 +372,7 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1):
     r2, r3 = B2 // A2, x.shape[0] // A3
     ks = K - K % (8 if tiny else 32)
     y = np.empty(K, F32)
+    res = np.empty(M, F32)
     wf, w3, w2, w1 = _rows_view(w)
     for u in range(u0, u1):
         i3, i2 = u // B2, u % B2
@@ -358,20 +380,23 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1):
             xr = x[i3, i2, n]
             for k in range(K):
                 y[k] = _round_half(xr[k])
-            drow = dst[i3, i2, n]
             o = (i3 // r3) * w3 + (i2 // r2) * w2
-            for m in range(M):
-                if tiny:
-                    drow[m] = _vdot8(wf, o, y, 0, ks // 8)
-                else:
-                    r = _vdot32(wf, o, y, 0, ks // 32)
+            if tiny:                                            # _ROWS8 weight rows per call, then the rest
+                mr = M - M % _ROWS8
+                for m in range(0, mr, _ROWS8):
+                    _vdot8xR(wf, o + m * w1, w1, y, 0, ks // 8, res, m)
+                for m in range(mr, M):
+                    res[m] = _vdot8(wf, o + m * w1, 0, y, 0, ks // 8)
+            else:
+                for m in range(M):
+                    r = _vdot32(wf, o + m * w1, 0, y, 0, ks // 32)
                     if ks < K:                                  # the leftover products, summed in double
                         sd = F64(r)
                         for k in range(ks, K):
-                            sd += F64(F32(_half(wf[o + k]) * y[k]))
+                            sd += F64(F32(_half(wf[o + m * w1 + k]) * y[k]))
                         r = F32(sd)
-                    drow[m] = r
-                o += w1
+                    res[m] = r
+            dst[i3, i2, n] = res
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -381,114 +406,6 @@ def _mm_h_rows_par(w, x, dst, tiny, n_chunks):
     n_chunks = min(n, n_chunks)
     for c in prange(n_chunks):
         _mm_h_rows(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks)
-
-
-# F16 weights, many activation rows (prefill), rows as the vector: a block of _RV weight rows is widened
-# once into wt[k, r] (transposed), the activation rows that share the weight slice (GQA heads x tokens)
-# are rounded to f16 once, and each lane step is a unit-stride loop over the block's rows with the
-# activation value broadcast, four activation rows per weight load. The lane updates and reductions are those of _mm.
-_RV = 64
-
-
-@njit(cache=True, error_model="numpy")
-def _mm_h(w, x, dst, tiny):
-    _mm_h_slices(w, x, dst, tiny, 0, w.shape[0] * w.shape[1])
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _mm_h_par(w, x, dst, tiny, n_chunks):
-    """_mm_h with the weight slices (KV heads) split across threads."""
-    n = w.shape[0] * w.shape[1]
-    n_chunks = min(n, n_chunks)
-    for c in prange(n_chunks):
-        _mm_h_slices(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks)
-
-
-@njit(cache=True, error_model="numpy")
-def _mm_h_slices(w, x, dst, tiny, s0, s1):
-    """Weight slices s0 .. s1-1 (slice = a3 * A2 + a2) and the activation rows that read them."""
-    A3, A2, M, K = w.shape
-    B3, B2, N = x.shape[0], x.shape[1], x.shape[2]
-    r2, r3 = B2 // A2, B3 // A3
-    nq = r3 * r2 * N
-    nl = 8 if tiny else 32
-    ks = K - K % nl
-    Yq = np.zeros((-(-nq // 4) * 4, K), F32)
-    wt = np.zeros((K, _RV), F32)
-    acc = np.empty((4, nl, _RV), F32)
-    res = np.empty(_RV, F32)
-    for sl in range(s0, s1):
-        a3, a2 = sl // A2, sl % A2
-        q = 0
-        for i3 in range(a3 * r3, a3 * r3 + r3):
-            for i2 in range(a2 * r2, a2 * r2 + r2):
-                for n in range(N):
-                    xr = x[i3, i2, n]
-                    yq = Yq[q]
-                    for k in range(K):
-                        yq[k] = _round_half(xr[k])
-                    q += 1
-        for m0 in range(0, M, _RV):
-            nr = min(_RV, M - m0)
-            for r in range(nr):
-                wr = w[a3, a2, m0 + r]
-                for k in range(K):
-                    wt[k, r] = _widen(wr[k])
-            for q0 in range(0, nq, 4):
-                _lanes4(wt, Yq, q0, ks, nl, acc)
-                for j in range(min(4, nq - q0)):
-                    _reduce(acc[j], res, wt, Yq[q0 + j], ks, K, tiny)
-                    qq = q0 + j
-                    n = qq % N
-                    i2 = a2 * r2 + (qq // N) % r2
-                    i3 = a3 * r3 + qq // (N * r2)
-                    dst[i3, i2, n, m0:m0 + nr] = res[:nr]
-
-
-@njit(cache=True, inline="always")
-def _lanes4(wt, Yq, q0, ks, nl, acc):
-    """acc[j, l, r] = lane l's chain fma(w, y, acc) over steps, for activation rows q0 .. q0+3."""
-    acc[:] = 0
-    nrv = wt.shape[1]
-    y0 = Yq[q0]
-    y1 = Yq[q0 + 1]
-    y2 = Yq[q0 + 2]
-    y3 = Yq[q0 + 3]
-    for k in range(ks):
-        l = k % nl
-        wk = wt[k]
-        b0, b1, b2, b3 = y0[k], y1[k], y2[k], y3[k]
-        c0 = acc[0, l]
-        c1 = acc[1, l]
-        c2 = acc[2, l]
-        c3 = acc[3, l]
-        for r in range(nrv):
-            v = wk[r]
-            c0[r] = _fma(v, b0, c0[r])
-            c1[r] = _fma(v, b1, c1[r])
-            c2[r] = _fma(v, b2, c2[r])
-            c3[r] = _fma(v, b3, c3[r])
-
-
-@njit(cache=True, inline="always")
-def _reduce(a, res, wt, y, ks, K, tiny):
-    """res[r] = tinyBLAS's HA over 8 lanes, or vec_dot_f16's fold + HB over 32 lanes and the double tail."""
-    nrv = res.shape[0]
-    if tiny:
-        for r in range(nrv):
-            res[r] = ((a[0, r] + a[4, r]) + (a[2, r] + a[6, r])) + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r]))
-        return
-    for l in range(8):
-        for r in range(nrv):
-            a[l, r] = (a[l, r] + a[16 + l, r]) + (a[8 + l, r] + a[24 + l, r])
-    for r in range(nrv):
-        res[r] = ((a[0, r] + a[4, r]) + (a[1, r] + a[5, r])) + ((a[2, r] + a[6, r]) + (a[3, r] + a[7, r]))
-    if ks < K:
-        for r in range(nrv):
-            sd = F64(res[r])
-            for k in range(ks, K):
-                sd += F64(F32(wt[k, r] * y[k]))
-            res[r] = F32(sd)
 
 
 @njit(cache=True, error_model="numpy")
@@ -672,7 +589,7 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
                             break
                 for i in range(ne0):
                     v = w[i]
-                    w[i] = vexp(v if v == -np.inf else F32(v - mx))
+                    w[i] = F32(0) if v == -np.inf else vexp(F32(v - mx))     # vexp(-inf) = +0: masked
                 s = 0.0
                 for c in range(0, ne0, 8):
                     s += F64(_ha(w[c], w[c + 1], w[c + 2], w[c + 3], w[c + 4], w[c + 5], w[c + 6], w[c + 7]))
