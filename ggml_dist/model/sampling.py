@@ -47,9 +47,7 @@ class Sampler:
             x[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
         if p.temperature <= 0:
             return int(np.argmax(x))
-        ids = np.argsort(-x, kind="stable")
-        if p.top_k > 0:
-            ids = ids[: p.top_k]
+        ids = _top_k(x, p.top_k)
         probs = _softmax(x[ids])
         if p.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
@@ -59,6 +57,18 @@ class Sampler:
             ids = ids[keep_m]
         probs = _softmax(x[ids] / p.temperature)
         return int(ids[self.rng.choice(len(ids), p=probs)])
+
+
+def _top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest logits, largest first, ties by lower index: the first k of a stable
+    descending argsort (all of it for k = 0), found with a partition instead of sorting the vocabulary
+    (a 49K-entry sort costs milliseconds, per token and sequence)."""
+    if not 0 < k < len(x) or not np.isfinite(x).all():     # NaNs: the sort's own order decides
+        return np.argsort(-x, kind="stable")[:k or None]
+    kth = np.partition(x, len(x) - k)[len(x) - k]           # the k-th largest value
+    above = np.flatnonzero(x > kth)
+    cand = np.concatenate([above, np.flatnonzero(x == kth)[:k - len(above)]])
+    return cand[np.lexsort((cand, -x[cand]))]
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

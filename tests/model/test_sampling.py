@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from ggml_dist.model import sampling
 from ggml_dist.model.sampling import Sampler, SamplingParams
 
 
@@ -46,3 +47,15 @@ def test_repeat_penalty():
 def test_bad_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 40, 99, 100, 150])
+def test_top_k_equals_the_stable_sort(k):
+    """_top_k (a partition) picks exactly the first k of a stable descending argsort, ties included."""
+    rng = np.random.default_rng(k)
+    for x in (rng.standard_normal(100).astype(np.float32),
+              np.round(rng.standard_normal(100), 1).astype(np.float32),        # many ties
+              np.full(100, 2.0, np.float32),
+              np.where(rng.random(100) < 0.1, np.nan, rng.standard_normal(100)).astype(np.float32)):
+        want = np.argsort(-x, kind="stable")[:k or None]
+        np.testing.assert_array_equal(sampling._top_k(x, k), want)
