@@ -19,7 +19,7 @@ from ..core.graph import Graph
 from ..core.tensor import Op, Tensor, TensorFlag, nbytes
 from ..core.types import is_quantized
 from .base import BufferUsage, DeviceType, UnsupportedOpError, array_at, tensor_array
-from .cpu_ops import KERNELS, QUANT_SRC_OPS, ComputeOptions
+from .cpu_ops import KERNELS, QUANT_SRC_OPS, ComputeOptions, bind
 
 TENSOR_ALIGNMENT = 32               # ggml's CPU buffer alignment
 
@@ -150,6 +150,7 @@ class BoundGraph:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.steps: list[tuple] = []
+        self.calls: list = []           # the steps as bound calls (cpu_ops.bind): what run() replays
         tensors: dict[Tensor, None] = {}
         for t in graph.nodes:
             if t.op in _NO_COMPUTE or not t.flags & TensorFlag.COMPUTE:
@@ -159,6 +160,7 @@ class BoundGraph:
                 raise UnsupportedOpError(f"CPU backend has no kernel for {t.op.name} ('{t.name}')")
             srcs = [tensor_array(x) if x is not None else None for x in t.src]
             self.steps.append((kernel, t, tensor_array(t), srcs))
+            self.calls.append(bind(t, self.steps[-1][2], srcs))
             tensors[t] = None
             tensors.update((x, None) for x in t.src if x is not None)
         self.sig = [(t, t.buffer, t.data) for t in tensors]
@@ -167,8 +169,8 @@ class BoundGraph:
         return all(t.buffer is b and t.data == d for t, b, d in self.sig)
 
     def run(self, opts: ComputeOptions) -> None:
-        for kernel, t, dst, srcs in self.steps:
-            kernel(t, dst, srcs, opts)
+        for call in self.calls:
+            call(opts)
 
 
 _NO_COMPUTE = frozenset({Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})

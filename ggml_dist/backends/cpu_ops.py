@@ -15,7 +15,7 @@ reference and the fallback; F32 ADD/MUL with numpy-broadcastable operands are on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
 import numpy as np
@@ -253,6 +253,30 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
 _PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})   # qpack.PACKABLE (numba-free import)
 
 
+def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:
+    """_mul_mat_packed with its static checks, views and packed weight resolved once: the replayed call
+    is the packed product itself. None where the packed path cannot apply."""
+    a_t, b_t = t.src[0], t.src[1]
+    if (a_t.type not in _PACKABLE or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1
+            or b_t.type != GGMLType.F32 or getattr(a_t.buffer, "usage", None) != BufferUsage.WEIGHTS
+            or not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous)):
+        return None
+    w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
+    out = dst.reshape(xm.shape[0], -1)
+    bound: list = [None]
+
+    def run(opts: ComputeOptions) -> None:
+        if opts.exact or not quants.USE_NUMBA or quants.DEFAULT_ORDER != "ggml":
+            return _mul_mat(t, dst, srcs, opts)
+        pw = bound[0]
+        if pw is None or a_t.extra is not pw:
+            from . import qpack
+            pw = bound[0] = qpack.packed(a_t.type, w, a_t)
+        if pw.mul_mat(xm, out) is None:         # a non-finite activation: the generic path
+            _mul_mat(t, dst, srcs, opts)
+    return run
+
+
 def _mul_mat_float(t, dst, srcs, opts) -> bool:
     """F16/F32 weights (the attention products on the KV cache) in ggml's order: one fkernels.mul_mat
     call for all slices, bit-identical to quants.mul_mat(order="ggml", vec_n=ne11) per slice (vec_dot
@@ -431,6 +455,16 @@ def _nop(t, dst, srcs, opts):
 
 def _rope(t, dst, srcs, opts):
     rope_forward(t, dst, srcs, _fk())
+
+
+def bind(t: Tensor, dst: np.ndarray, srcs: list) -> Callable[[ComputeOptions], None]:
+    """The node's kernel with its arrays bound, for a replayed step list (cpu.BoundGraph); MUL_MAT on a
+    packable model weight binds the packed product directly."""
+    if t.op == Op.MUL_MAT:
+        fast = _bind_mul_mat_packed(t, dst, srcs)
+        if fast is not None:
+            return fast
+    return partial(KERNELS[t.op], t, dst, srcs)
 
 
 KERNELS: dict[Op, Kernel] = {

@@ -98,24 +98,28 @@ class PackedWeight:
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
         tiled = N >= MIN_TOKENS and not self.vnni
-        Y, Yb, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)  # tiled kernels take 4 tokens at once
-        if not _prep(np.ascontiguousarray(x, F32), self.type == T.Q4_1, qkernels._F16_LUT, Y, Yb, dy, sy, ys):
-            return None
+        Y, Yb, Y4, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)  # tiled kernels take 4 tokens at once
         if out is None:
             out = np.empty((N, self.M), F32)
-        if self.vnni:
-            serial, parallel = _mm_v_serial, _mm_v
-            args = (self.kind, self.qs, self.d, self.m, Yb.view(np.int32), dy, sy, out)
-        else:
-            serial, parallel = (_mm_t_serial, _mm_t) if tiled else (_mm_serial, _mm)
-            args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
-        threads = qkernels.get_threads()
-        if threads == 1 or N * self.M * K < _PARALLEL_WORK:
-            serial(*args)
+        x = np.ascontiguousarray(x, F32)
+        parallel = qkernels.get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
+        if self.vnni:                   # quantize and multiply in one call
+            args = (x, self.type == T.Q4_1, qkernels._F16_LUT, Y, Yb, Y4, dy, sy, ys, self.kind, self.qs,
+                    self.d, self.m, out)
+            if not parallel:
+                return out if _prep_mm_v_serial(*args) else None
+            with qkernels._launch_lock:
+                qkernels.apply_threads()
+                return out if _prep_mm_v(*args, 4 * qkernels.get_threads()) else None
+        if not _prep(x, self.type == T.Q4_1, qkernels._F16_LUT, Y, Yb, dy, sy, ys):
+            return None
+        args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
+        if not parallel:
+            (_mm_t_serial if tiled else _mm_serial)(*args)
             return out
         with qkernels._launch_lock:
             qkernels.apply_threads()
-            parallel(*args, 4 * threads)
+            (_mm_t if tiled else _mm)(*args, 4 * qkernels.get_threads())
         return out
 
 
@@ -123,7 +127,8 @@ _WORK = threading.local()
 
 
 def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
-    """Activation scratch (Y, Yb, dy, sy, ys) for Np tokens of K, reused per thread. Rows past a call's N (the
+    """Activation scratch (Y, Yb, Y4, dy, sy, ys) for Np tokens of K, reused per thread (Y4: Yb's codes
+    as int32 words of 4). Rows past a call's N (the
     padding to 4 tokens) hold zeros or an earlier call's finite codes: only the accumulators of those
     padding tokens read them, and those are never stored."""
     cache = getattr(_WORK, "bufs", None)
@@ -133,7 +138,8 @@ def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
     if bufs is None:
         if len(cache) > 16:
             cache.clear()
-        bufs = cache[(Np, K)] = (np.zeros((Np, K), F32), np.zeros((Np, K), np.int8)) \
+        Yb = np.zeros((Np, K), np.int8)
+        bufs = cache[(Np, K)] = (np.zeros((Np, K), F32), Yb, Yb.view(np.int32)) \
             + tuple(np.zeros((Np, K // 32), F32) for _ in range(3))
     return bufs
 
@@ -354,16 +360,23 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 # count (a group's bytes stay in L1/L2 while its tokens pass, and the int8 lane sums are cheap enough
 # that decoding codes once per tile, as the float kernels below do, would not pay).
 @njit(parallel=True, cache=True)
-def _mm_v(kind, qs, d, m, Y4, dy, sy, out, n_chunks):
+def _prep_mm_v(x, q8_1, lut, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
+    """_prep, then the groups split across threads; False (nothing computed) on a non-finite x."""
+    if not _prep(x, q8_1, lut, Y, Yb, dy, sy, ys):
+        return False
     G = qs.shape[0]
     n_chunks = min(G, n_chunks)
     for c in prange(n_chunks):
         _rows_v(kind, qs, d, m, Y4, dy, sy, out, c * G // n_chunks, (c + 1) * G // n_chunks)
+    return True
 
 
 @njit(cache=True)
-def _mm_v_serial(kind, qs, d, m, Y4, dy, sy, out):
+def _prep_mm_v_serial(x, q8_1, lut, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
+    if not _prep(x, q8_1, lut, Y, Yb, dy, sy, ys):
+        return False
     _rows_v(kind, qs, d, m, Y4, dy, sy, out, 0, qs.shape[0])
+    return True
 
 
 @njit(cache=True)
