@@ -152,6 +152,11 @@ class BoundGraph:
         self.steps: list[tuple] = []
         self.calls: list = []           # the steps as bound calls (cpu_ops.bind): what run() replays
         tensors: dict[Tensor, None] = {}
+        consumers: dict[Tensor, list[Tensor]] = {}
+        for t in graph.nodes:
+            for x in t.src:
+                if x is not None:
+                    consumers.setdefault(x, []).append(t)
         for t in graph.nodes:
             if t.op in _NO_COMPUTE or not t.flags & TensorFlag.COMPUTE:
                 continue
@@ -160,7 +165,7 @@ class BoundGraph:
                 raise UnsupportedOpError(f"CPU backend has no kernel for {t.op.name} ('{t.name}')")
             srcs = [tensor_array(x) if x is not None else None for x in t.src]
             self.steps.append((kernel, t, tensor_array(t), srcs))
-            self.calls.append(bind(t, self.steps[-1][2], srcs))
+            self.calls.append(bind(t, self.steps[-1][2], srcs, consumers, tensor_array))
             tensors[t] = None
             tensors.update((x, None) for x in t.src if x is not None)
         self.sig = [(t, t.buffer, t.data) for t in tensors]

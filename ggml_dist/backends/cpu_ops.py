@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..core.tensor import GLUOp, Op, Tensor, UnaryOp
+from ..core.tensor import GLUOp, Op, Tensor, TensorFlag, UnaryOp
 from ..core.types import GGMLType, is_quantized
 from . import numerics as nm
 from .base import BufferUsage
@@ -277,10 +277,11 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
     return run
 
 
-def _mul_mat_float(t, dst, srcs, opts) -> bool:
+def _mul_mat_float(t, dst, srcs, opts, mask=None, skip: int = 0) -> bool:
     """F16/F32 weights (the attention products on the KV cache) in ggml's order: one fkernels.mul_mat
     call for all slices, bit-identical to quants.mul_mat(order="ggml", vec_n=ne11) per slice (vec_dot
-    for one activation row, tinyBLAS for more when K % 8 == 0 and M % 4 == 0)."""
+    for one activation row, tinyBLAS for more when K % 8 == 0 and M % 4 == 0). mask/skip: the attention
+    chain's skipped cells (fkernels.SKIP_*, bound by _bind_attention)."""
     a_t, b_t = t.src[0], t.src[1]
     fk = _fk()
     if not fk or opts.exact or quants.DEFAULT_ORDER != "ggml" or a_t.type not in (GGMLType.F16, GGMLType.F32) \
@@ -289,7 +290,8 @@ def _mul_mat_float(t, dst, srcs, opts) -> bool:
     half = a_t.type == GGMLType.F16
     w = _unit_rows(srcs[0].view(np.uint16) if half else srcs[0])
     K, M, N = a_t.ne[0], a_t.ne[1], b_t.ne[1]
-    fk.mul_mat_threads(w, _unit_rows(srcs[1]), dst, N >= 2 and K % 8 == 0 and M % 4 == 0, half)
+    fk.mul_mat_threads(w, _unit_rows(srcs[1]), dst, N >= 2 and K % 8 == 0 and M % 4 == 0, half,
+                       mask if half else None, skip if half else 0)
     return True
 
 
@@ -457,11 +459,38 @@ def _rope(t, dst, srcs, opts):
     rope_forward(t, dst, srcs, _fk())
 
 
-def bind(t: Tensor, dst: np.ndarray, srcs: list) -> Callable[[ComputeOptions], None]:
-    """The node's kernel with its arrays bound, for a replayed step list (cpu.BoundGraph); MUL_MAT on a
-    packable model weight binds the packed product directly."""
+def _bind_attention(t, dst, srcs, consumers, array) -> Callable[[ComputeOptions], None] | None:
+    """The F16 products of the attention chain KQ = K.Q -> SOFT_MAX(KQ, mask) -> KQV = V.softmax, which
+    may skip the cells the mask hides (fkernels.SKIP_KQ / SKIP_KQV: ggml's flash attention skips them
+    too; exact for finite K and V). KQ must feed only that SOFT_MAX and not be a graph output."""
+    a_t, b_t = t.src[0], t.src[1]
+    if a_t.type != GGMLType.F16 or b_t.type != GGMLType.F32 or t.type != GGMLType.F32:
+        return None
+    if b_t.op == Op.SOFT_MAX and b_t.src[0] is not None and b_t.src[0].op == Op.MUL_MAT:
+        mask, skip = None, 2                                    # KQV: probabilities from the soft_max
+    else:
+        users = consumers.get(t, ())
+        sm = users[0] if len(users) == 1 else None
+        if (sm is None or sm.op != Op.SOFT_MAX or sm.src[0] is not t or len(sm.src) < 2 or sm.src[1] is None
+                or sm.src[1].type != GGMLType.F32 or t.flags & TensorFlag.OUTPUT):
+            return None
+        mask, skip = array(sm.src[1]), 1                        # KQ: the soft_max's mask
+
+    def run(opts: ComputeOptions) -> None:
+        if not _mul_mat_float(t, dst, srcs, opts, mask, skip):
+            _mul_mat(t, dst, srcs, opts)
+    return run
+
+
+def bind(t: Tensor, dst: np.ndarray, srcs: list, consumers: dict | None = None,
+         array: Callable[[Tensor], np.ndarray] | None = None) -> Callable[[ComputeOptions], None]:
+    """The node's kernel with its arrays bound, for a replayed step list (cpu.BoundGraph): MUL_MAT on a
+    packable model weight binds the packed product directly; with the graph's consumers (tensor -> nodes
+    reading it) and `array` (tensor -> its bound array), the attention chain's products skip masked cells."""
     if t.op == Op.MUL_MAT:
         fast = _bind_mul_mat_packed(t, dst, srcs)
+        if fast is None and consumers is not None and array is not None:
+            fast = _bind_attention(t, dst, srcs, consumers, array)
         if fast is not None:
             return fast
     return partial(KERNELS[t.op], t, dst, srcs)

@@ -247,22 +247,32 @@ def _mac_impl(w, y, acc):
     return None
 
 
-def mul_mat_threads(w, x, dst, tiny: bool, half: bool) -> None:
+# Attention products skip what cannot change the result, as ggml's flash attention does (it skips cells
+# whose mask is -inf): SKIP_KQ leaves out KQ's cells that the soft_max's mask sets to -inf (any finite KQ
+# value gives -inf there; 0 is written), SKIP_KQV leaves out the leading and trailing lane steps whose
+# probabilities are all 0 (fma(v, 0, acc) = acc; acc starts at +0 and never becomes -0). Both are exact
+# when the cached K and V are finite; cpu_ops binds them only to the KQ -> SOFT_MAX -> KQV chain.
+SKIP_NONE, SKIP_KQ, SKIP_KQV = 0, 1, 2
+_NO_MASK = np.zeros((1, 1, 1, 1), F32)
+
+
+def mul_mat_threads(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SKIP_NONE) -> None:
     """mul_mat, with F16 products split by activation slice (query head) across qkernels' threads when
-    there are several and the product is big enough to pay for a launch."""
+    there are several and the product is big enough to pay for a launch. mask/skip: see _mm_h_rows."""
     B3, B2, M = x.shape[0], x.shape[1], w.shape[2]
+    mask = _NO_MASK if mask is None else mask
     if half and B3 * B2 > 1 and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
         with qkernels._launch_lock:
             qkernels.apply_threads()
-            _mm_h_rows_par(w, x, dst, tiny, B3 * B2)
+            _mm_h_rows_par(w, x, dst, tiny, B3 * B2, mask, skip)
         return
-    mul_mat(w, x, dst, tiny, half)
+    mul_mat(w, x, dst, tiny, half, mask, skip)
 
 
 _PARALLEL_WORK = 1 << 16                # multiply-adds (attention products are cheap to launch)
 
 
-def mul_mat(w, x, dst, tiny, half):
+def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
     """dst[i3, i2, n, m] = W[i3 // r3, i2 // r2, m, :] . X[i3, i2, n, :] (ggml_compute_forward_mul_mat).
 
     w: [A3, A2, M, K] uint16 (f16 bits; half=True) or float32 (half=False); x: float32 [B3, B2, N, K];
@@ -271,9 +281,10 @@ def mul_mat(w, x, dst, tiny, half):
     (ggml_vec_dot_f16), else X is kept and the tail summed in float (ggml_vec_dot_f32).
     tiny=False: ggml_vec_dot_f16/_f32, 4 x 8 lanes (element k -> lane k mod 32) over 32-element steps,
     fold a0+a2, a1+a3, a0+a1, then HB; tiny=True: tinyBLAS, 8 lanes (k mod 8), HA (needs K % 8 == 0).
-    Lane updates are fma(w, x, acc) (see _mac), quants._mm_float's step."""
+    Lane updates are fma(w, x, acc) (see _mac), quants._mm_float's step. mask/skip (F16 only): the
+    attention products' skipped cells, see _mm_h_rows."""
     if half:
-        _mm_h_rows(w, x, dst, tiny, 0, x.shape[0] * x.shape[1])
+        _mm_h_rows(w, x, dst, tiny, 0, x.shape[0] * x.shape[1], _NO_MASK if mask is None else mask, skip)
     else:
         rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
         K = w.shape[3]
@@ -365,12 +376,14 @@ def _vdot8(typingctx, w, wo, ws, y, yo, steps):
 
 
 @njit(cache=True, error_model="numpy")
-def _mm_h_rows(w, x, dst, tiny, u0, u1):
-    """Activation slices u0 .. u1-1 (u = i3 * B2 + i2), each against its weight slice, row by row."""
+def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
+    """Activation slices u0 .. u1-1 (u = i3 * B2 + i2), each against its weight slice, row by row.
+    skip = SKIP_KQ: mask [m3, m2, m1, M] (the soft_max's, row n of slice (i3, i2) at [i3 % m3, i2 % m2, n])."""
     A3, A2, M, K = w.shape
     B2, N = x.shape[1], x.shape[2]
     r2, r3 = B2 // A2, x.shape[0] // A3
-    ks = K - K % (8 if tiny else 32)
+    nl = 8 if tiny else 32
+    ks = K - K % nl
     y = np.empty(K, F32)
     res = np.empty(M, F32)
     wf, w3, w2, w1 = _rows_view(w)
@@ -381,15 +394,28 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1):
             for k in range(K):
                 y[k] = _round_half(xr[k])
             o = (i3 // r3) * w3 + (i2 // r2) * w2
+            s0, s1 = 0, ks // nl                                # the lane steps to run
+            if skip == SKIP_KQV:
+                while s1 > s0 and _zero_step(y, s1 - 1, nl):
+                    s1 -= 1
+                while s0 < s1 and _zero_step(y, s0, nl):
+                    s0 += 1
+            mrow = mask[i3 % mask.shape[0], i2 % mask.shape[1], n % mask.shape[2]]
             if tiny:                                            # _ROWS8 weight rows per call, then the rest
                 mr = M - M % _ROWS8
                 for m in range(0, mr, _ROWS8):
-                    _vdot8xR(wf, o + m * w1, w1, y, 0, ks // 8, res, m)
+                    if skip == SKIP_KQ and _all_masked(mrow, m, m + _ROWS8):
+                        res[m:m + _ROWS8] = 0
+                    else:
+                        _vdot8xR(wf, o + m * w1 + 8 * s0, w1, y, 8 * s0, s1 - s0, res, m)
                 for m in range(mr, M):
-                    res[m] = _vdot8(wf, o + m * w1, 0, y, 0, ks // 8)
+                    res[m] = _vdot8(wf, o + m * w1 + 8 * s0, 0, y, 8 * s0, s1 - s0)
             else:
                 for m in range(M):
-                    r = _vdot32(wf, o + m * w1, 0, y, 0, ks // 32)
+                    if skip == SKIP_KQ and mrow[m] == -np.inf:
+                        res[m] = 0
+                        continue
+                    r = _vdot32(wf, o + m * w1 + 32 * s0, 0, y, 32 * s0, s1 - s0)
                     if ks < K:                                  # the leftover products, summed in double
                         sd = F64(r)
                         for k in range(ks, K):
@@ -399,13 +425,29 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1):
             dst[i3, i2, n] = res
 
 
+@njit(cache=True, inline="always")
+def _zero_step(y, s, nl):
+    for k in range(s * nl, (s + 1) * nl):
+        if y[k] != 0:
+            return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def _all_masked(mrow, m0, m1):
+    for m in range(m0, m1):
+        if mrow[m] != -np.inf:
+            return False
+    return True
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
-def _mm_h_rows_par(w, x, dst, tiny, n_chunks):
+def _mm_h_rows_par(w, x, dst, tiny, n_chunks, mask, skip):
     """_mm_h_rows with the activation slices (query heads) split across threads."""
     n = x.shape[0] * x.shape[1]
     n_chunks = min(n, n_chunks)
     for c in prange(n_chunks):
-        _mm_h_rows(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks)
+        _mm_h_rows(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks, mask, skip)
 
 
 @njit(cache=True, error_model="numpy")

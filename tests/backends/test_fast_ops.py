@@ -11,7 +11,10 @@ import pytest
 from ggml_dist.backends import cpu_ops, qkernels, quants
 from ggml_dist.backends import fkernels as fk
 from ggml_dist.backends.cpu_ops import KERNELS, ComputeOptions
-from ggml_dist.backends.reference import ReferenceExecutor
+from ggml_dist.backends.base import tensor_array
+from ggml_dist.backends.cpu import compute_graph
+from ggml_dist.backends.reference import _HOST, ReferenceExecutor, _all_tensors
+from ggml_dist.core.tensor import nbytes
 from ggml_dist.core import ops
 from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph
@@ -297,6 +300,55 @@ def test_attention_products_bits(ctx, monkeypatch, rng, n_tok):
     for i in range(n_tok):
         mask[i, used - n_tok + 1:used - n_tok + 1 + i] = 0
     run_both(monkeypatch, out, {kc: xk, vc: xv, q: randn(rng, n_tok, n_head, d), m: mask})
+
+
+def _bound_run(g, out, inputs):
+    """Run g through the CPU backend's bound replay (cpu.compute_graph), every tensor in its own buffer."""
+    tensors = _all_tensors(g)
+    for t in tensors:
+        if t.view_src is None:
+            t.buffer, t.data = _HOST.alloc_buffer(max(nbytes(t), 1)), 0
+    for t in tensors:
+        if t.view_src is not None:
+            t.buffer, t.data = t.view_src.buffer, t.view_src.data + t.view_offs
+    for t, v in inputs.items():
+        t.buffer.set_tensor(t, v)
+    compute_graph(g)
+    return tensor_array(out).copy()
+
+
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok):
+    """Bound into a graph, KQ skips the cells the soft_max masks and KQV the all-zero probability steps
+    (fkernels.SKIP_KQ/KQV); the chain's bits equal the numpy kernels'. Two sequences' cells interleave,
+    as in a server's shared cache, and the cache is zero past the used cells."""
+    d, n_head, n_head_kv, kv_size, n_kv, used = 64, 6, 2, 512, 512, 301
+    kc = ctx.new_tensor(F16, (d * n_head_kv, kv_size))
+    vc = ctx.new_tensor(F16, (kv_size, d * n_head_kv))
+    q = ctx.new_tensor(F32, (d, n_head, n_tok))
+    m = ctx.new_tensor(F32, (n_kv, n_tok))
+    k = ops.view_3d(ctx, kc, d, n_kv, n_head_kv, kc.nb[1], d * 2, 0)
+    v = ops.view_3d(ctx, vc, n_kv, d, n_head_kv, vc.nb[1], vc.nb[1] * d, 0)
+    kq = ops.soft_max_ext(ctx, ops.mul_mat(ctx, k, ops.permute(ctx, q, 0, 2, 1, 3)), m, 0.125, 0.0)
+    out = ops.cont(ctx, ops.permute(ctx, ops.mul_mat(ctx, v, kq), 0, 2, 1, 3), (d * n_head, n_tok))
+    xk = np.zeros((kv_size, d * n_head_kv), np.float16)
+    xk[:used] = randn(rng, used, d * n_head_kv)
+    xv = np.zeros((d * n_head_kv, kv_size), np.float16)
+    xv[:, :used] = randn(rng, d * n_head_kv, used)
+    mask = np.full((n_tok, n_kv), -np.inf, np.float32)
+    for i in range(n_tok):                       # sequence 0 owns the even cells, up to its position
+        mask[i, 0:used - n_tok + 1 + i:2] = 0
+    inputs = {kc: xk, vc: xv, q: randn(rng, n_tok, n_head, d), m: mask}
+    g = Graph()
+    g.build_forward_expand(out)
+    monkeypatch.setattr(quants, "USE_NUMBA", False)
+    want = ReferenceExecutor().compute(g, inputs)[out]
+    monkeypatch.setattr(quants, "USE_NUMBA", True)
+    skips = []
+    real = fk.mul_mat_threads
+    monkeypatch.setattr(fk, "mul_mat_threads", lambda *a: skips.append(a[6]) or real(*a))
+    assert_same_bits(_bound_run(g, out, inputs), want)
+    assert sorted(skips) == [fk.SKIP_KQ, fk.SKIP_KQV]
 
 
 # exact=True keeps the numpy float32 path (no fast kernel)
