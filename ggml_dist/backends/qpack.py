@@ -38,7 +38,7 @@ from numba import njit, prange
 
 from ..core.types import GGMLType, row_size
 from . import qkernels, vnni
-from .fkernels import _fma, _half
+from .fkernels import _bits, _float, _fma, _half, _round_half
 
 T = GGMLType
 F32 = np.float32
@@ -104,14 +104,14 @@ class PackedWeight:
         x = np.ascontiguousarray(x, F32)
         parallel = qkernels.get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
         if self.vnni:                   # quantize and multiply in one call
-            args = (x, self.type == T.Q4_1, qkernels._F16_LUT, Y, Yb, Y4, dy, sy, ys, self.kind, self.qs,
+            args = (x, self.type == T.Q4_1, Y, Yb, Y4, dy, sy, ys, self.kind, self.qs,
                     self.d, self.m, out)
             if not parallel:
                 return out if _prep_mm_v_serial(*args) else None
             with qkernels._launch_lock:
                 qkernels.apply_threads()
                 return out if _prep_mm_v(*args, 4 * qkernels.get_threads()) else None
-        if not _prep(x, self.type == T.Q4_1, qkernels._F16_LUT, Y, Yb, dy, sy, ys):
+        if not _prep(x, self.type == T.Q4_1, Y, Yb, dy, sy, ys):
             return None
         args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
         if not parallel:
@@ -178,20 +178,34 @@ def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
 # ------------------------------------------------------------------------------------------------
 # activations: quants.quantize_q8_0 / _q8_1 and the Y layout, in one pass
 @njit(cache=True)
-def _prep(x, q8_1, lut, Y, Yb, dy, sy, ys):
+def _prep(x, q8_1, Y, Yb, dy, sy, ys):
     """x f32 [N, K] -> Y f32 and Yb int8 [N, K] (the Q8 codes), dy, sy f32 [N, K/32] with quants.quantize_q8_0
-    (q8_1=False; sy = dy) or quantize_q8_1's float steps, ys = each block's sum of codes. False if x has
-    a non-finite value."""
+    (q8_1=False; sy = dy) or quantize_q8_1's float steps (qkernels.q8_block's), ys = each block's sum of
+    codes. False if x has a non-finite value. Written to vectorize: a block's amax is the integer max of
+    the |x| bit patterns (ordered like the values; an inf or NaN shows as >= 0x7F800000), f16 rounding is
+    the hardware's (fptrunc: nearest-even, as numpy's)."""
     N, K = x.shape
-    q = np.empty(32, np.int8)
     for n in range(N):
         for b in range(K // 32):
-            ok, dy[n, b], sy[n, b], ys[n, b] = qkernels.q8_block(x[n, 32 * b:32 * b + 32], q, q8_1, lut)
-            if not ok:
+            o = 32 * b
+            m = np.uint32(0)
+            for j in range(o, o + 32):
+                m = max(m, _bits(x[n, j]) & np.uint32(0x7FFFFFFF))
+            if m >= np.uint32(0x7F800000):
                 return False
-            for j in range(32):
-                Y[n, 32 * b + j] = q[j]
-                Yb[n, 32 * b + j] = q[j]
+            amax = _float(np.uint32(m))
+            d = amax / F32(127)
+            idv = F32(127) / amax if amax != 0 else F32(0)
+            isum = 0
+            for j in range(o, o + 32):
+                qj = np.int8(np.rint(x[n, j] * idv))
+                Yb[n, j] = qj
+                Y[n, j] = qj
+                isum += qj
+            d16 = _round_half(d)
+            dy[n, b] = d16
+            sy[n, b] = _round_half(d * F32(isum)) if q8_1 else d16
+            ys[n, b] = isum
     return True
 
 
@@ -360,9 +374,9 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 # count (a group's bytes stay in L1/L2 while its tokens pass, and the int8 lane sums are cheap enough
 # that decoding codes once per tile, as the float kernels below do, would not pay).
 @njit(parallel=True, cache=True)
-def _prep_mm_v(x, q8_1, lut, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
+def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
     """_prep, then the groups split across threads; False (nothing computed) on a non-finite x."""
-    if not _prep(x, q8_1, lut, Y, Yb, dy, sy, ys):
+    if not _prep(x, q8_1, Y, Yb, dy, sy, ys):
         return False
     G = qs.shape[0]
     n_chunks = min(G, n_chunks)
@@ -372,8 +386,8 @@ def _prep_mm_v(x, q8_1, lut, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunk
 
 
 @njit(cache=True)
-def _prep_mm_v_serial(x, q8_1, lut, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
-    if not _prep(x, q8_1, lut, Y, Yb, dy, sy, ys):
+def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
+    if not _prep(x, q8_1, Y, Yb, dy, sy, ys):
         return False
     _rows_v(kind, qs, d, m, Y4, dy, sy, out, 0, qs.shape[0])
     return True

@@ -100,6 +100,28 @@ def test_threads_do_not_change_bits(t, vnni_layout):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("q8_1", [False, True])
+@pytest.mark.parametrize("scale", [1e-40, 1e-6, 1.0, 3e4])
+def test_activation_quantization_matches_quants(q8_1, scale):
+    """_prep's codes and scales equal quants.quantize_q8_0/_q8_1's (x86 activation quantizers, numpy),
+    subnormal blocks included."""
+    x = (np.random.default_rng(5).standard_normal((3, 128)) * scale).astype(F32)
+    x[0, :32] = 0
+    x[1, 40] = 1e-45
+    N, K = x.shape
+    Y, Yb, dy, sy, ys = (np.zeros((N, K), F32), np.zeros((N, K), np.int8)) + tuple(np.zeros((N, 4), F32) for _ in range(3))
+    assert qpack._prep(x, q8_1, Y, Yb, dy, sy, ys)
+    if q8_1:
+        codes, d, sd = Q.quantize_q8_1(x)
+        np.testing.assert_array_equal(sy, sd)
+    else:
+        codes, d = Q.quantize_q8_0(x)
+    np.testing.assert_array_equal(dy, d)
+    np.testing.assert_array_equal(Yb, codes.reshape(N, K))
+    np.testing.assert_array_equal(Y, codes.reshape(N, K))
+    np.testing.assert_array_equal(ys, codes.sum(-1))
+
+
 def test_non_finite_activations_defer_to_the_generic_path():
     w = random_rows(T.Q4_1, 8, 64, seed=1)
     x = np.ones((2, 64), F32)
