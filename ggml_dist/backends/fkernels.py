@@ -608,18 +608,26 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
     """ggml_compute_forward_soft_max_f32 (rows of a multiple of 8): w = f32(x*scale) [+ f32(slope*mask)];
     max by a scalar loop; e = vexp(w - max) (masked -inf stays -inf, vexp(-inf) = +0); S = sequential
     double sum of the chunks' HA sums; p = f32(e * f32(1/S)). mask [m3, m2, m1, ne0] is read at
-    (i3 % m3, i2 % m2, i1); slopes[i2] is the ALiBi slope of head i2 (1 without ALiBi)."""
+    (i3 % m3, i2 % m2, i1); slopes[i2] is the ALiBi slope of head i2 (1 without ALiBi).
+    Rows whose mask hides most cells (a server's interleaved sequences) take _soft_max_sparse: when x is
+    finite and the slope positive, a -inf mask entry makes w = -inf and e = 0 whatever x is, so only the
+    other cells need w, the max and vexp (same bits)."""
     ne3, ne2, ne1, ne0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
     w = np.empty(ne0, F32)
+    wc = np.empty(ne0, F32)
+    idx = np.empty(ne0, np.int64)
     for i3 in range(ne3):
         for i2 in range(ne2):
             sl = slopes[i2]
             for i1 in range(ne1):
+                xr, dr = x[i3, i2, i1], dst[i3, i2, i1]
+                mr = mask[i3 % m3, i2 % m2, i1 % mask.shape[2]]        # (a dummy without a mask)
+                if has_mask and sl > 0 and _soft_max_sparse(xr, scale, mr, sl, dr, w, wc, idx):
+                    continue
                 for i in range(ne0):
-                    w[i] = x[i3, i2, i1, i] * scale
+                    w[i] = xr[i] * scale
                 if has_mask:
-                    mr = mask[i3 % m3, i2 % m2, i1]
                     for i in range(ne0):
                         w[i] = w[i] + sl * mr[i]
                 mx = F32(-np.inf)
@@ -632,12 +640,49 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
                 for i in range(ne0):
                     v = w[i]
                     w[i] = F32(0) if v == -np.inf else vexp(F32(v - mx))     # vexp(-inf) = +0: masked
-                s = 0.0
-                for c in range(0, ne0, 8):
-                    s += F64(_ha(w[c], w[c + 1], w[c + 2], w[c + 3], w[c + 4], w[c + 5], w[c + 6], w[c + 7]))
-                inv = F32(1.0 / s)
-                for i in range(ne0):
-                    dst[i3, i2, i1, i] = w[i] * inv
+                _normalize(w, dr)
+
+
+@njit(cache=True, inline="always")
+def _soft_max_sparse(xr, scale, mr, sl, dr, w, wc, idx):
+    """soft_max of one row over its unmasked cells only; False (nothing written) when that does not pay
+    (a quarter or more of the cells unmasked) or is not exact (a non-finite x)."""
+    ne0 = xr.shape[0]
+    k = 0
+    bad = 0
+    for i in range(ne0):                                # branch-free: compacts and checks in one pass
+        idx[k] = i
+        k += mr[i] != -np.inf
+        bad |= (_bits(xr[i]) & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+    if bad or 4 * k >= ne0:
+        return False
+    mx = F32(-np.inf)
+    for j in range(k):                                  # the unmasked cells in order: the same max
+        i = idx[j]
+        v = F32(xr[i] * scale) + F32(sl * mr[i])
+        wc[j] = v
+        if v > mx or np.isnan(v):
+            mx = v
+            if np.isnan(v):
+                break
+    w[:] = 0
+    for j in range(k):
+        v = wc[j]
+        if v != -np.inf:
+            w[idx[j]] = vexp(F32(v - mx))
+    _normalize(w, dr)
+    return True
+
+
+@njit(cache=True, inline="always")
+def _normalize(e, dr):
+    """dr = f32(e * f32(1/S)), S the sequential double sum of the 8-element chunks' HA sums."""
+    s = 0.0
+    for c in range(0, e.shape[0], 8):
+        s += F64(_ha(e[c], e[c + 1], e[c + 2], e[c + 3], e[c + 4], e[c + 5], e[c + 6], e[c + 7]))
+    inv = F32(1.0 / s)
+    for i in range(e.shape[0]):
+        dr[i] = e[i] * inv
 
 
 @njit(cache=True, error_model="numpy")

@@ -190,6 +190,38 @@ def test_soft_max_bits(ctx, rng, monkeypatch, n_kv, max_bias):
     assert np.all(np.isnan(got[0, :, 1]))
 
 
+@pytest.mark.parametrize("max_bias", [0.0, 8.0])
+def test_soft_max_sparse_rows_bits(ctx, rng, monkeypatch, max_bias):
+    """Rows whose mask hides most cells (sequences interleaved in a shared cache) take the sparse path:
+    same bits, also with inf/NaN scores (masked or not), a +inf or NaN mask entry and an in-place dst."""
+    n_kv, n_q, n_head = 256, 8, 3
+    a, m = ctx.new_tensor(F32, (n_kv, n_q, n_head)), ctx.new_tensor(F32, (n_kv, n_q))
+    x = randn(rng, n_head, n_q, n_kv, scale=6.0)
+    mask = np.full((n_q, n_kv), -np.inf, np.float32)
+    for i in range(n_q):
+        mask[i, i % 8::8] = 0                                  # 1 cell in 8: sequence i % 8's
+    mask[3, 3] = -2.0
+    x[0, 1, 0] = np.inf                                       # masked cell, non-finite score: dense path
+    x[1, 2, 2] = np.nan                                       # unmasked NaN
+    mask[4, 4] = np.nan
+    mask[5, 5] = np.inf
+    out = ops.soft_max_ext(ctx, a, m, 0.125, max_bias)
+    g = Graph()
+    g.build_forward_expand(out)
+    res = []
+    with np.errstate(all="ignore"):
+        for use in (True, False):
+            monkeypatch.setattr(quants, "USE_NUMBA", use)
+            res.append(ReferenceExecutor().compute(g, {a: x, m: mask})[out])
+    nan = np.isnan(res[1])                    # NaN rows: the same NaNs (payloads may differ)
+    assert np.array_equal(np.isnan(res[0]), nan) and nan[0, 0, 1].all() and nan[0, 1, 2].all()
+    assert_same_bits(np.where(nan, 0, res[0]), np.where(nan, 0, res[1]))
+    xf, mf = np.nan_to_num(x, posinf=9.0), mask.copy()        # in place (dst = x), finite scores
+    mf[4, 4] = mf[5, 5] = 0
+    kernel_both(monkeypatch, out, lambda: (lambda y: (y, [y, mf.reshape(1, 1, n_q, n_kv)]))(
+        xf.reshape(1, n_head, n_q, n_kv).copy()))
+
+
 # -- rope --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", [ops.ROPE_TYPE_NORM, ops.ROPE_TYPE_NEOX])
 @pytest.mark.parametrize("n_dims", [64, 48])
