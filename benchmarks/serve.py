@@ -8,7 +8,9 @@ Each (stages, clients) point starts `ggml-dist serve` as its own process on a fr
 server's GIL), runs the clients for --duration seconds (requests in flight at the deadline finish and count),
 and reports requests completed, errors, aggregate generated tok/s and p50/p99 time to first token and
 inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process, without
-the server, for comparison. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad
+the server, for comparison (the median of three runs of --max-tokens tokens). `batched_decode` gives the
+decode rate of steps taking one token from each of 1 and N sequences, without a server, here and (with
+llama-cpp-python installed) in llama.cpp on the same file: what batching itself can give on this machine. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad
 requests from N clients and counts every unexpected answer as an error. Prints one JSON object.
 """
 from __future__ import annotations
@@ -111,8 +113,85 @@ def single_stream_decode(path: str, n: int) -> float:
     ctx = LlamaContext(m, ContextParams(n_ctx=512))
     ids = m.tokenizer.encode(PROMPTS[0])
     generate(ctx, m.tokenizer, ids, 2)                 # warm-up (kernel compile, plans)
-    ctx.clear()
-    return round(generate(ctx, m.tokenizer, ids, n, stop_at_eog=False).decode_tok_s, 3)
+    rates = []
+    for _ in range(3):                                 # the median of three: this machine is noisy
+        ctx.clear()
+        rates.append(generate(ctx, m.tokenizer, ids, n, stop_at_eog=False).decode_tok_s)
+    return round(float(np.median(rates)), 3)
+
+
+# -- batched decode without a server: what one step of N sequences gives, here and in llama.cpp ------
+
+_PREFIX = 40                                    # tokens each sequence holds before the timed steps
+_STEPS = 20
+
+
+def batched_decode(path: str, n_seqs: int) -> float:
+    """tok/s of decode steps taking one token from each of n_seqs sequences (ctx.decode, no server)."""
+    from ggml_dist.model.context import ContextParams, LlamaContext
+    from ggml_dist.model.model import LlamaModel
+    from ggml_dist.model.ubatch import Batch
+    m = LlamaModel.load(path)
+    ctx = LlamaContext(m, ContextParams(n_ctx=n_seqs * 256, n_seq_max=n_seqs))
+    P = _PREFIX
+    for s in range(n_seqs):
+        ctx.decode(Batch(np.arange(100, 100 + P, dtype=np.int32), np.arange(P, dtype=np.int32),
+                         [frozenset({s})] * P, np.arange(P) == P - 1))
+    times = []
+    for step in range(_STEPS):
+        b = Batch(np.full(n_seqs, 7, np.int32), np.full(n_seqs, P + step, np.int32),
+                  [frozenset({s}) for s in range(n_seqs)], np.ones(n_seqs, bool))
+        t0 = time.perf_counter()
+        ctx.decode(b)
+        times.append(time.perf_counter() - t0)
+    return round(n_seqs / float(np.median(times[2:])), 2)
+
+
+def llamacpp_batched_decode(path: str, n_seqs: int, threads: int) -> float | None:
+    """The same steps through llama.cpp (llama-cpp-python's C API, unified KV cache as in
+    ggml_dist; flash attention left to llama.cpp's default); None without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(path, n_ctx=256, n_threads=threads, verbose=False)
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_seqs * 256, 512, 512, n_seqs
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.kv_unified = True
+    ctx = llama_cpp.llama_init_from_model(llm.model, cp)
+    batch = llama_cpp.llama_batch_init(512, 0, n_seqs)
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> None:
+        batch.n_tokens = len(items)
+        for i, (tok, pos, seq, out) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, out
+            batch.seq_id[i][0] = seq
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+    try:
+        P = _PREFIX
+        for s in range(n_seqs):
+            decode([(100 + j, j, s, j == P - 1) for j in range(P)])
+        times = []
+        for step in range(_STEPS):
+            t0 = time.perf_counter()
+            decode([(7, P + step, s, True) for s in range(n_seqs)])
+            times.append(time.perf_counter() - t0)
+        return round(n_seqs / float(np.median(times[2:])), 2)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+
+
+def batched_decode_table(path: str, n_max: int) -> dict:
+    from ggml_dist.backends import qkernels
+    threads = qkernels.get_threads()
+    table: dict = {"threads": threads}
+    for n in sorted({1, n_max}):
+        table[str(n)] = {"ggml_dist_tok_s": batched_decode(path, n),
+                         "llamacpp_tok_s": llamacpp_batched_decode(path, n, threads)}
+    return table
 
 
 class ServerProcess:
@@ -170,7 +249,8 @@ def bench(args: argparse.Namespace) -> dict:
     clients = [int(x) for x in args.clients.split(",")]
     stages = [int(x) for x in args.stages.split(",")]
     out: dict = {"model": Path(path).name, "duration_s": args.duration, "max_tokens": args.max_tokens,
-                 "single_stream_decode_tok_s": single_stream_decode(path, args.max_tokens), "runs": []}
+                 "single_stream_decode_tok_s": single_stream_decode(path, args.max_tokens),
+                 "batched_decode": batched_decode_table(path, max(clients)), "runs": []}
     for k in stages:
         with ServerProcess(path, k, max(clients), max(clients) * 256) as srv:
             for n in clients:
@@ -262,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per point (soak: in all)")
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--stages", default="1,2")
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64,
+                    help="tokens per request (with few, each request's prefill dominates the steps)")
     ap.add_argument("--soak", type=int, default=0, help="run the soak with this many clients instead")
     ap.add_argument("--soak-model", default=None, help="GGUF for the soak (default: a synthetic one)")
     ap.add_argument("--parallel", type=int, default=4, help="server slots in the soak")

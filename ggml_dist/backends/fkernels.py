@@ -6,6 +6,8 @@ reference. Each kernel works on the 4-d strided views cpu_ops receives (numpy or
 decode step pays one dispatch per op instead of a chain of numpy temporaries. Each reads a whole row (or
 element pair) before writing it, so dst may alias src0 as gallocr's in-place reuse allows.
 
+Kernels release the GIL (nogil=True): a server's event loop keeps streaming while a step computes.
+
 Float steps follow ggml-numerics.md exactly as the numpy paths emulate them: ``fma(a, b, c)`` is
 ``f32(f64(a) * f64(b) + f64(c))`` (numerics.fma32), sums ggml keeps in double (ggml_float) are sequential
 float64 sums. fastmath stays off (LLVM then neither contracts nor reorders), and error_model="numpy" gives
@@ -375,7 +377,7 @@ def _vdot8(typingctx, w, wo, ws, y, yo, steps):
     return (sig, codegen) if sig is not None else None
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     """Activation slices u0 .. u1-1 (u = i3 * B2 + i2), each against its weight slice, row by row.
     skip = SKIP_KQ: mask [m3, m2, m1, M] (the soft_max's, row n of slice (i3, i2) at [i3 % m3, i2 % m2, n])."""
@@ -441,7 +443,7 @@ def _all_masked(mrow, m0, m1):
     return True
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _mm_h_rows_par(w, x, dst, tiny, n_chunks, mask, skip):
     """_mm_h_rows with the activation slices (query heads) split across threads."""
     n = x.shape[0] * x.shape[1]
@@ -450,7 +452,7 @@ def _mm_h_rows_par(w, x, dst, tiny, n_chunks, mask, skip):
         _mm_h_rows(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks, mask, skip)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _mm(w, x, dst, tiny, half, wt, yr):
     """mul_mat with scratch wt [K * _RB] and yr [r3 * r2 * _NB, K * _RB] of the lane type."""
     A3, A2, M, K = w.shape
@@ -578,7 +580,7 @@ def _tail(wt, yj, res, ks, K, half):
 
 # ------------------------------------------------------------------------------------------------
 # row ops
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def rms_norm(x, eps, wgt, fused, dst):
     """ggml_compute_forward_rms_norm_f32 per row: sum of double(f32(x*x)) in order; mean = f32(sum/n);
     scale = f32(1/sqrt(f32(mean + eps))); y = f32(x*scale). fused: then y = f32(y * wgt[...]) (the MUL
@@ -603,7 +605,7 @@ def rms_norm(x, eps, wgt, fused, dst):
                         dst[i3, i2, i1, i] = x[i3, i2, i1, i] * scale
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def soft_max(x, scale, mask, slopes, has_mask, dst):
     """ggml_compute_forward_soft_max_f32 (rows of a multiple of 8): w = f32(x*scale) [+ f32(slope*mask)];
     max by a scalar loop; e = vexp(w - max) (masked -inf stays -inf, vexp(-inf) = +0); S = sequential
@@ -685,7 +687,7 @@ def _normalize(e, dr):
         dr[i] = e[i] * inv
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def swiglu(g, u, dst):
     """ggml_vec_swiglu_f32 on rows of a multiple of 8: f32(f32(g / f32(1 + vexp(-g))) * u)."""
     ne3, ne2, ne1, ne0 = dst.shape
@@ -698,7 +700,7 @@ def swiglu(g, u, dst):
                     dst[i3, i2, i1, i] = s * u[i3, i2, i1, i]
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy")
 def rope(x, cos, sin, n_dims, neox, dst):
     """The rotation of ggml_compute_forward_rope_flt: x, dst [ne3, n_tok, n_head, head_dim]; cos, sin
     [n_tok, n_dims/2]. Pair i is (2i, 2i+1) (NORM) or (i, i + n_dims/2) (NEOX):
@@ -734,7 +736,7 @@ def _encode_impl(v, like):
     return None
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def set_rows(b, c, dst):
     """ggml_compute_forward_set_rows: dst[i3, i2, c[0, i3 % c1, i2 % c2, j]] = b[i3, i2, j] for each row
     j, converted to dst's type (uint16 = f16 bits, RNE; or float32). Rows are written in order, so a

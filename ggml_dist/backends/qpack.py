@@ -27,7 +27,8 @@ integers below 2^24 is exact, in any order). Then
 The fma is llvm.fma.f32 (one rounding; the same bits as quants.py's float64 emulation, and vectorized).
 Below MIN_TOKENS tokens each token runs the decode kernels (nibbles decoded in the loop); from there on the
 tiled kernels decode a block's codes once for a tile of tokens and take 4 tokens per code load.
-These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/test_qpack.py checks it.
+These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/test_qpack.py checks it. The
+kernels release the GIL (nogil=True), as fkernels' do.
 """
 from __future__ import annotations
 
@@ -177,7 +178,7 @@ def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
 
 # ------------------------------------------------------------------------------------------------
 # activations: quants.quantize_q8_0 / _q8_1 and the Y layout, in one pass
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _prep(x, q8_1, Y, Yb, dy, sy, ys):
     """x f32 [N, K] -> Y f32 and Yb int8 [N, K] (the Q8 codes), dy, sy f32 [N, K/32] with quants.quantize_q8_0
     (q8_1=False; sy = dy) or quantize_q8_1's float steps (qkernels.q8_block's), ys = each block's sum of
@@ -211,7 +212,7 @@ def _prep(x, q8_1, Y, Yb, dy, sy, ys):
 
 # ------------------------------------------------------------------------------------------------
 # kernels
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _mm(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
     G = qs.shape[0]
     n_chunks = min(G, n_chunks)
@@ -219,13 +220,13 @@ def _mm(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
         _rows(kind, qs, d, m, Y, dy, sy, ys, out, c * G // n_chunks, (c + 1) * G // n_chunks)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _mm_serial(kind, qs, d, m, Y, dy, sy, ys, out):
     """_mm on the calling thread (a parallel launch costs more than a small product)."""
     _rows(kind, qs, d, m, Y, dy, sy, ys, out, 0, qs.shape[0])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rows(kind, qs, d, m, Y, dy, sy, ys, out, g0, g1):
     """Groups g0 .. g1-1; one specialized loop nest per kind (flags are constants once inlined)."""
     if kind == _KIND_Q4_0:
@@ -341,7 +342,7 @@ def _ha(acc, r):
             + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rows_q8(qs, d, Y, dy, out, g0, g1):
     N = Y.shape[0]
     nb = dy.shape[1]
@@ -373,7 +374,7 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 # int8 kernels (PackedWeight.vnni): one vnni block intrinsic per (group, token, block), for every token
 # count (a group's bytes stay in L1/L2 while its tokens pass, and the int8 lane sums are cheap enough
 # that decoding codes once per tile, as the float kernels below do, would not pay).
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
     """_prep, then the groups split across threads; False (nothing computed) on a non-finite x."""
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys):
@@ -385,7 +386,7 @@ def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys):
         return False
@@ -393,7 +394,7 @@ def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rows_v(kind, qs, d, m, Y4, dy, sy, out, g0, g1):
     """Groups g0 .. g1-1 of a vnni-layout weight; Y4 [N, K/4] int32 = the tokens' Q8 codes, 4 per word."""
     if kind == _KIND_Q4_0:
@@ -443,7 +444,7 @@ MIN_TOKENS = 4                          # from this many tokens on, the tiled ke
 _TILE_TOKENS = 16                       # tokens per work item (a multiple of 4)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _mm_t(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
     n_items = -(-out.shape[0] // _TILE_TOKENS) * qs.shape[0]
     n_chunks = min(n_items, n_chunks)
@@ -451,12 +452,12 @@ def _mm_t(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
         _items_t(kind, qs, d, m, Y, dy, sy, ys, out, c * n_items // n_chunks, (c + 1) * n_items // n_chunks)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _mm_t_serial(kind, qs, d, m, Y, dy, sy, ys, out):
     _items_t(kind, qs, d, m, Y, dy, sy, ys, out, 0, -(-out.shape[0] // _TILE_TOKENS) * qs.shape[0])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _items_t(kind, qs, d, m, Y, dy, sy, ys, out, i0, i1):
     """Items i0 .. i1-1 (item = tile * G + group); one specialized loop nest per kind."""
     if kind == _KIND_Q4_0:
