@@ -342,13 +342,20 @@ def _vdot_typer(w, wo, ws, y, yo, steps, *out):
     return None
 
 
-@intrinsic
-def _vdot32(typingctx, w, wo, ws, y, yo, steps):
-    """ggml_vec_dot_f16 over whole 32-lane steps of weight row w[wo:] (f16 bits; ws unused) and y[yo:]."""
-    def codegen(context, builder, sig, args):
-        return _reduce_lanes(builder, _lane_chains(context, builder, sig, args, 32, 1)[0])
-    sig = _vdot_typer(w, wo, ws, y, yo, steps)
-    return (sig, codegen) if sig is not None else None
+def _vdot_intrinsic(nl: int, name: str, doc: str):
+    """An intrinsic (w, wo, ws, y, yo, steps) -> float32: one weight row w[wo:] (f16 bits; ws unused)
+    against y[yo:] over whole steps of nl lanes, reduced as ggml does (see _reduce_lanes)."""
+    def vdot(typingctx, w, wo, ws, y, yo, steps):
+        def codegen(context, builder, sig, args):
+            return _reduce_lanes(builder, _lane_chains(context, builder, sig, args, nl, 1)[0])
+        sig = _vdot_typer(w, wo, ws, y, yo, steps)
+        return (sig, codegen) if sig is not None else None
+    vdot.__name__, vdot.__doc__ = name, doc
+    return intrinsic(vdot)
+
+
+_vdot32 = _vdot_intrinsic(32, "_vdot32", "ggml_vec_dot_f16's 4 x 8 lanes, fold and HB")
+_vdot8 = _vdot_intrinsic(8, "_vdot8", "tinyBLAS's 8 lanes and HA")
 
 
 _ROWS8 = 8           # weight rows per _vdot8xR call
@@ -365,15 +372,6 @@ def _vdot8xR(typingctx, w, wo, ws, y, yo, steps, out, oo):
             builder.store(r, builder.gep(op, [ir.Constant(ir.IntType(64), i)]))
         return context.get_dummy_value()
     sig = _vdot_typer(w, wo, ws, y, yo, steps, out, oo)
-    return (sig, codegen) if sig is not None else None
-
-
-@intrinsic
-def _vdot8(typingctx, w, wo, ws, y, yo, steps):
-    """tinyBLAS's 8-lane dot (HA) of one weight row w[wo:] against y[yo:]."""
-    def codegen(context, builder, sig, args):
-        return _reduce_lanes(builder, _lane_chains(context, builder, sig, args, 8, 1)[0])
-    sig = _vdot_typer(w, wo, ws, y, yo, steps)
     return (sig, codegen) if sig is not None else None
 
 
