@@ -397,6 +397,25 @@ class Gallocr:
             return 0
         return buf.size
 
+    # -- saved plans (not in ggml) ----------------------------------------------------------------------
+    _PLAN_FIELDS = ("node_allocs", "leaf_allocs", "hash_values", "n_nodes", "n_leafs", "n_inplace",
+                    "n_inplace_views")
+
+    def save_plan(self) -> dict:
+        """The current plan (what alloc_graph replays), for restore_plan. Each reserve makes new
+        records, so shallow copies are enough."""
+        return {k: getattr(self, k) for k in self._PLAN_FIELDS} | {"buffers": list(self.buffers)}
+
+    def restore_plan(self, plan: dict) -> bool:
+        """Make a saved plan current again, if the buffers are still the ones it was planned into
+        (a later reserve that grew them makes it stale: False, nothing changed)."""
+        if len(plan["buffers"]) != len(self.buffers) or \
+                any(a is not b for a, b in zip(plan["buffers"], self.buffers)):
+            return False
+        for k in self._PLAN_FIELDS:
+            setattr(self, k, plan[k])
+        return True
+
     # -- replay (§2.8) --------------------------------------------------------------------------------
     def _tensor_alloc_valid(self, t: Tensor, rec: TensorAlloc) -> bool:
         """ggml_gallocr_node_needs_realloc (which, despite its name, answers 'still valid')."""

@@ -144,11 +144,13 @@ class LlamaContext:
         self.recovering = False              # True while a lost stage is being brought back
         self.gf_res_prev: GraphResult | None = None
         # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
-        # a few) is allocated again instead of built again
+        # a few) reuses its graph instead of building one, and its scheduler plan (splits, addresses)
+        # while the compute buffer has not grown since, instead of splitting and planning again
         self._graphs: OrderedDict[GraphKey, GraphResult] = OrderedDict()
         self.n_reused = 0
         self.n_rebuilt = 0
         self.n_recalled = 0
+        self.n_plans_restored = 0           # recalled graphs whose scheduler plan came back unchanged
         self._reserve()
 
     @property
@@ -274,7 +276,12 @@ class LlamaContext:
             else:
                 self._graphs.move_to_end(key)
                 self.n_recalled += 1
-            self.sched.alloc_graph(res.graph)
+            if res.plan is not None and self.sched.restore_plan(res.plan):
+                self.n_plans_restored += 1
+            else:
+                self.sched.alloc_graph(res.graph)
+                if not self.pipelined:
+                    res.plan = self.sched.save_plan()
             if self.after_alloc is not None:
                 self.after_alloc(self.sched, res.graph)
             self.gf_res_prev = res

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core import ops
 from ..core.context import Context, graph_overhead, tensor_overhead
@@ -51,6 +52,7 @@ class GraphResult:
     inputs: GraphInputs
     logits: Tensor
     ctx: Context = field(repr=False, default=None)  # type: ignore[assignment]
+    plan: Any = field(repr=False, default=None)     # Sched.save_plan() after its last allocation
 
 
 def graph_max_nodes(n_tensors: int) -> int:

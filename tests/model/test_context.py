@@ -84,6 +84,7 @@ def test_graph_cache_recalls_shapes(model, monkeypatch):
     ctx = LlamaContext(model, ContextParams(n_ctx=256))
     cached = run(ctx)
     assert (ctx.n_rebuilt, ctx.n_recalled) == (3, 3)          # shapes 3, 1, 2 built; 1, 2, 1 recalled
+    assert ctx.n_plans_restored == 3                          # ... with their scheduler plans
     import ggml_dist.model.context as C
     monkeypatch.setattr(C, "MAX_GRAPHS", 0)
     fresh_ctx = LlamaContext(model, ContextParams(n_ctx=256))

@@ -310,3 +310,27 @@ def test_views_only_graph():
     sched.graph_compute(g)
     assert sched.get_n_splits() == 1 and sched.splits[0].n_inputs == 0
     np.testing.assert_array_equal(tensor_array(v).ravel(), np.arange(8, dtype=np.float32))
+
+
+# a saved plan (splits, input copies, graph copy, allocator plan) comes back after another graph ran, and
+# computes the same logits; once the allocator's buffers changed it is refused and the scheduler is reset
+def test_saved_plan_restores_after_another_graph():
+    sched, g, T = _setup_s0()
+    _run_and_compare(sched, g, T)
+    plan = sched.save_plan()
+    want = tensor_array(T["logits"]).copy()
+    gpu_buft, cpu_buft = sched.bufts
+    g2, T2 = build_llama_like(_ctx(), {"tok_embd": cpu_buft, "L0": gpu_buft, "L1": cpu_buft, "out": gpu_buft},
+                              np.random.default_rng(1))   # the same layout, other tensors
+    sched.reset()
+    _run_and_compare(sched, g2, T2)                       # another graph, planned and computed
+    sched.reset()
+    assert sched.restore_plan(plan)
+    assert splits_summary(sched) == S0_SPLITS
+    T["inp_tokens"].buffer.set_tensor(T["inp_tokens"], token_ids())
+    sched.graph_compute(g)
+    check_invariants(sched, g)
+    np.testing.assert_array_equal(tensor_array(T["logits"]), want)
+    sched.reset()
+    sched.galloc.buffers[0] = object()                    # as if a bigger graph had grown buffer 0
+    assert not sched.restore_plan(plan) and not sched.is_alloc
