@@ -5,13 +5,14 @@
 
 Each (stages, clients) point starts `ggml-dist serve` as its own process on a free loopback port
 (--parallel = the largest client count; as users run it, so the clients' threads here do not share the
-server's GIL), runs the clients for --duration seconds (requests in flight at the deadline finish and count),
-and reports requests completed, errors, aggregate generated tok/s and p50/p99 time to first token and
-inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process, without
-the server, for comparison (the median of three runs of --max-tokens tokens). `batched_decode` gives the
-decode rate of steps taking one token from each of 1 and N sequences, without a server, here and (with
-llama-cpp-python installed) in llama.cpp on the same file: what batching itself can give on this machine. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad
-requests from N clients and counts every unexpected answer as an error. Prints one JSON object.
+server's GIL), runs the clients for --duration seconds (requests in flight at the deadline finish and
+count), and reports requests completed, errors, aggregate generated tok/s and p50/p99 time to first
+token and inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process,
+without the server, for comparison (the median of three runs of --max-tokens tokens). `batched_decode`
+gives the decode rate of steps taking one token from each of 1 and N sequences, without a server, here
+and (with llama-cpp-python installed) in llama.cpp on the same file: what batching itself can give on
+this machine. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad requests
+from N clients and counts every unexpected answer as an error. Prints one JSON object.
 """
 from __future__ import annotations
 

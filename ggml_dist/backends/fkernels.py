@@ -310,7 +310,8 @@ def _lane_chains(context, builder, sig, args, nl, rows):
                          v8.as_pointer())
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]), "llvm.fma.v8f32")
     ng = nl // 8
-    accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8, None)) for _ in range(ng)] for _ in range(rows)]
+    zero = ir.Constant(v8, None)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(ng)] for _ in range(rows)]
     with cgutils.for_range(builder, steps) as loop:
         base = builder.mul(loop.index, ir.Constant(loop.index.type, ng))
         for j in range(ng):
@@ -338,7 +339,8 @@ def _vdot_typer(w, wo, ws, y, yo, steps, *out):
             and all(isinstance(v, types.Integer) for v in (wo, ws, yo, steps) + out[1:]) \
             and (not out or out[0] == types.Array(types.float32, 1, "C")):
         res = types.void if out else types.float32
-        return res(w, types.intp, types.intp, y, types.intp, types.intp, *out[:1], *(types.intp,) * len(out[1:]))
+        ip = types.intp
+        return res(w, ip, ip, y, ip, ip, *out[:1], *(ip,) * len(out[1:]))
     return None
 
 
@@ -378,7 +380,8 @@ def _vdot8xR(typingctx, w, wo, ws, y, yo, steps, out, oo):
 @njit(cache=True, nogil=True, error_model="numpy")
 def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     """Activation slices u0 .. u1-1 (u = i3 * B2 + i2), each against its weight slice, row by row.
-    skip = SKIP_KQ: mask [m3, m2, m1, M] (the soft_max's, row n of slice (i3, i2) at [i3 % m3, i2 % m2, n])."""
+    skip = SKIP_KQ: mask [m3, m2, m1, M] is the soft_max's (row n of slice (i3, i2) at
+    [i3 % m3, i2 % m2, n])."""
     A3, A2, M, K = w.shape
     B2, N = x.shape[1], x.shape[2]
     r2, r3 = B2 // A2, x.shape[0] // A3

@@ -15,8 +15,8 @@ nb = K/32 blocks per row; "lane L" = ggml's AVX2 lane, elements 4L..4L+3 of a bl
 * ``d`` uint16 [G, nb*R]: f16 bits of row r's block scale at b*R + r; ``m`` the same for Q4_1's min. The
   packed weight has exactly the file's size: decode reads every byte once, so bytes are time.
 Activations are quantized once per call (``_prep``: quants.quantize_q8_0/_q8_1's steps) into f32 and
-int8 codes. Where the CPU has AVX-512 VNNI, weights are packed in vnni.py's layout instead and read by its int8 kernels
-(same bits, 2.5-4x faster); the float kernels and their layout below are the portable path.
+int8 codes. Where the CPU has AVX-512 VNNI, weights are packed in vnni.py's layout instead and read by its
+int8 kernels (same bits, 2.5-4x faster); the float kernels and their layout below are the portable path.
 
 Numerics (ggml-numerics.md §1.5): a lane is the exact integer sum of its four products (f32 arithmetic on
 integers below 2^24 is exact, in any order). Then
@@ -55,11 +55,12 @@ _BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2)}    # block bytes, o
 # ------------------------------------------------------------------------------------------------
 # packing (numpy, once per weight)
 class PackedWeight:
-    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0 in the group layout above, or with vnni=True
+    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0 in the group layout above, or with vnni_layout=True
     (default: where the host has AVX-512 VNNI) in vnni.py's layout for its int8 kernels. ``chain`` picks
     the repacked-kernel numerics (llama.cpp repacks Q4_0 when M % 8 == 0)."""
 
-    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = (), vnni_layout: bool | None = None) -> None:
+    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = (),
+                 vnni_layout: bool | None = None) -> None:
         wtype = GGMLType(wtype)
         if wtype not in PACKABLE:
             raise ValueError(f"cannot pack {wtype.name}; packable: {sorted(t.name for t in PACKABLE)}")
@@ -99,7 +100,7 @@ class PackedWeight:
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
         tiled = N >= MIN_TOKENS and not self.vnni
-        Y, Yb, Y4, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)  # tiled kernels take 4 tokens at once
+        Y, Yb, Y4, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)     # tiled: 4 tokens at once
         if out is None:
             out = np.empty((N, self.M), F32)
         x = np.ascontiguousarray(x, F32)
@@ -129,9 +130,8 @@ _WORK = threading.local()
 
 def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
     """Activation scratch (Y, Yb, Y4, dy, sy, ys) for Np tokens of K, reused per thread (Y4: Yb's codes
-    as int32 words of 4). Rows past a call's N (the
-    padding to 4 tokens) hold zeros or an earlier call's finite codes: only the accumulators of those
-    padding tokens read them, and those are never stored."""
+    as int32 words of 4). Rows past a call's N (the padding to 4 tokens) hold zeros or an earlier call's
+    finite codes: only the accumulators of those padding tokens read them, and those are never stored."""
     cache = getattr(_WORK, "bufs", None)
     if cache is None:
         cache = _WORK.bufs = {}
@@ -180,11 +180,11 @@ def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
 # activations: quants.quantize_q8_0 / _q8_1 and the Y layout, in one pass
 @njit(cache=True, nogil=True)
 def _prep(x, q8_1, Y, Yb, dy, sy, ys):
-    """x f32 [N, K] -> Y f32 and Yb int8 [N, K] (the Q8 codes), dy, sy f32 [N, K/32] with quants.quantize_q8_0
-    (q8_1=False; sy = dy) or quantize_q8_1's float steps (qkernels.q8_block's), ys = each block's sum of
-    codes. False if x has a non-finite value. Written to vectorize: a block's amax is the integer max of
-    the |x| bit patterns (ordered like the values; an inf or NaN shows as >= 0x7F800000), f16 rounding is
-    the hardware's (fptrunc: nearest-even, as numpy's)."""
+    """x f32 [N, K] -> Y f32 and Yb int8 [N, K] (the Q8 codes), dy, sy f32 [N, K/32] with
+    quants.quantize_q8_0 (q8_1=False; sy = dy) or quantize_q8_1's float steps (qkernels.q8_block's), ys =
+    each block's sum of codes. False if x has a non-finite value. Written to vectorize: a block's amax is
+    the integer max of the |x| bit patterns (ordered like the values; an inf or NaN shows as
+    >= 0x7F800000), f16 rounding is the hardware's (fptrunc: nearest-even, as numpy's)."""
     N, K = x.shape
     for n in range(N):
         for b in range(K // 32):

@@ -171,7 +171,8 @@ class Sched:
             setattr(self, k, _shallow(v))
         nodes, leafs, use_counts, size = plan["graph_copy"]
         gc = self.graph
-        gc.nodes, gc.leafs, gc.use_counts, gc.size = list(nodes), list(leafs), dict(use_counts), max(gc.size, size)
+        gc.nodes, gc.leafs, gc.use_counts = list(nodes), list(leafs), dict(use_counts)
+        gc.size = max(gc.size, size)
         self.is_reset = False
         self.cur_copy = self.next_copy
         self.next_copy = (self.next_copy + 1) % self.n_copies

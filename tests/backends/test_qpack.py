@@ -109,7 +109,8 @@ def test_activation_quantization_matches_quants(q8_1, scale):
     x[0, :32] = 0
     x[1, 40] = 1e-45
     N, K = x.shape
-    Y, Yb, dy, sy, ys = (np.zeros((N, K), F32), np.zeros((N, K), np.int8)) + tuple(np.zeros((N, 4), F32) for _ in range(3))
+    Y, Yb = np.zeros((N, K), F32), np.zeros((N, K), np.int8)
+    dy, sy, ys = (np.zeros((N, 4), F32) for _ in range(3))
     assert qpack._prep(x, q8_1, Y, Yb, dy, sy, ys)
     if q8_1:
         codes, d, sd = Q.quantize_q8_1(x)
