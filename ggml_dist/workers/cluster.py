@@ -181,10 +181,23 @@ class Pipeline:
         return pl
 
     # -- faults ---------------------------------------------------------------------------------------
-    def kill_stage(self, k: int) -> None:
-        """Kill stage k's actor process (Ray restarts it if restarts remain): fault injection."""
+    def kill_stage(self, k: int, timeout_s: float = 60.0) -> None:
+        """Kill stage k's actor process (Ray restarts it if restarts remain): fault injection. Returns once
+        the killed process is gone: ray.kill only sends the kill, and a call made right after it could
+        still run on the old process, so the fault would land after the next step instead of in it."""
         import ray
-        ray.kill(self.actors[k], no_restart=False)
+        import ray.exceptions as rex
+        actor = self.actors[k]
+        pid = ray.get(actor.ping.remote(), timeout=timeout_s)
+        ray.kill(actor, no_restart=False)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            try:                                # a restarted actor answers with another pid
+                if ray.get(actor.ping.remote(), timeout=max(1.0, deadline - time.time())) != pid:
+                    return
+            except (rex.RayActorError, rex.GetTimeoutError):
+                return                          # dead (for good, or not yet restarted)
+            time.sleep(0.01)
 
     def recover_stages(self) -> None:
         """Wait until every stage answers again: Ray restarts a killed actor (on another node if its

@@ -39,6 +39,11 @@ class PlanMissingError(RuntimeError):
     """A call names a plan this stage never received: it was restarted and lost its plans."""
 
 
+class WeightsMissingError(PlanMissingError):
+    """The stage cannot read the GGUF and holds no weights: restarted, it needs them sent again (the
+    driver's recovery does that, as for any lost stage)."""
+
+
 @dataclass
 class StageSpec:
     """What one stage loads: a layer range (plus embeddings / head when first / last)."""
@@ -189,8 +194,8 @@ class StageWorker:
 
     def compute(self, pid: str, desc: dict | None, inputs: bytes, *upstream: bytes) -> bytearray:
         if self.needs_weights:
-            raise RuntimeError(f"stage {self.spec.stage_id} cannot read {self.spec.model_path} and was "
-                               f"sent no weights")
+            raise WeightsMissingError(f"stage {self.spec.stage_id} cannot read {self.spec.model_path} and "
+                                      f"was sent no weights")
         t0 = time.perf_counter()
         plan, galloc = self._plan(pid, desc)
         if not galloc.alloc_graph(plan.graph):       # replay: binds the recorded addresses
