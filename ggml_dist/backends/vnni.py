@@ -4,10 +4,10 @@ AVX-512 VNNI int8 dot product (vpdpbusd), written as LLVM IR intrinsics that qpa
 Why: numba vectorizes qpack's float loops well, but a float multiply-add per weight is 3-4x the work of
 ggml's int8 kernels, which add four u8 x s8 products into an int32 lane in one instruction. numba has no
 vector types, so these intrinsics build the vectors themselves: each call loads a block's 16 (Q4) or 32
-(Q8) bytes of all 64 rows (4 x 64-byte vectors per 4 codes), makes the lane sums with vpdpbusd and folds
-them into f32 accumulators with one fma per lane, all in registers.
+(Q8) bytes of all 64 rows (4 x 64-byte vectors per 4 codes), makes the lane sums with vpdpbusd in
+registers and folds them into the caller's f32 accumulators with one fma per lane.
 
-Layout ("vnni", qpack.PackedWeight(vnni=True)): a group's block b is 16*R (Q4) or 32*R (Q8) bytes, in
+Layout (qpack.PackedWeight(vnni_layout=True)): a group's block b is 16*R (Q4) or 32*R (Q8) bytes, in
 row-major chunks of 4 codes per lane: byte (b, l, r, k) at b*16R + l*4R + 4r + k is row r's qs[4l+k]
 (Q4: element 4l+k in the low nibble, lane l; element 16+4l+k in the high one, lane 4+l); Q8's (b, L, r, k)
 at b*32R + L*4R + 4r + k is row r's element 4L+k (lane L). One 32-bit lane of a 64-byte vector is then
