@@ -179,10 +179,11 @@ def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
 # ------------------------------------------------------------------------------------------------
 # activations: quants.quantize_q8_0 / _q8_1 and the Y layout, in one pass
 @njit(cache=True, nogil=True)
-def _prep(x, q8_1, Y, Yb, dy, sy, ys):
+def _prep(x, q8_1, Y, Yb, dy, sy, ys, f32_codes=True):
     """x f32 [N, K] -> Y f32 and Yb int8 [N, K] (the Q8 codes), dy, sy f32 [N, K/32] with
     quants.quantize_q8_0 (q8_1=False; sy = dy) or quantize_q8_1's float steps (qkernels.q8_block's), ys =
-    each block's sum of codes. False if x has a non-finite value. Written to vectorize: a block's amax is
+    each block's sum of codes (Y only with f32_codes: the int8 kernels read Yb). False if x has a
+    non-finite value. Written to vectorize: a block's amax is
     the integer max of the |x| bit patterns (ordered like the values; an inf or NaN shows as
     >= 0x7F800000), f16 rounding is the hardware's (fptrunc: nearest-even, as numpy's)."""
     N, K = x.shape
@@ -201,7 +202,8 @@ def _prep(x, q8_1, Y, Yb, dy, sy, ys):
             for j in range(o, o + 32):
                 qj = np.int8(np.rint(x[n, j] * idv))
                 Yb[n, j] = qj
-                Y[n, j] = qj
+                if f32_codes:                               # the float kernels' Y (not the int8 ones')
+                    Y[n, j] = qj
                 isum += qj
             d16 = _round_half(d)
             dy[n, b] = d16
@@ -377,7 +379,7 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 @njit(parallel=True, cache=True, nogil=True)
 def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
     """_prep, then the groups split across threads; False (nothing computed) on a non-finite x."""
-    if not _prep(x, q8_1, Y, Yb, dy, sy, ys):
+    if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
     G = qs.shape[0]
     n_chunks = min(G, n_chunks)
@@ -388,7 +390,7 @@ def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
 
 @njit(cache=True, nogil=True)
 def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
-    if not _prep(x, q8_1, Y, Yb, dy, sy, ys):
+    if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
     _rows_v(kind, qs, d, m, Y4, dy, sy, out, 0, qs.shape[0])
     return True
