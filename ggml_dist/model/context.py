@@ -37,6 +37,7 @@ class ContextParams:
     type_k: GGMLType = GGMLType.F16
     type_v: GGMLType = GGMLType.F16
     exact: bool = False             # keep f32 activations in MUL_MAT (not ggml's numerics)
+    kv_unified: bool = True         # one KV stream for all sequences; False: a stream per sequence
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.n_batch <= 0 or self.n_ubatch <= 0:
@@ -128,7 +129,7 @@ class LlamaContext:
         self.backends = backends
         self.pipelined = any(getattr(b, "inputs_by_value", False) for b in backends)
         self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, range(hp.n_layer),
-                          params.type_k, params.type_v, params.n_seq_max)
+                          params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
         self.kv.allocate(backends[-1].device.get_buffer_type(), layer_buft)
         self.builder = LlamaGraphBuilder(hp, weights if weights is not None else model.weights, self.kv)
         self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=n_copies)
@@ -180,23 +181,56 @@ class LlamaContext:
         if batch.n_tokens > self.params.n_batch:
             raise BatchError(f"batch of {batch.n_tokens} tokens exceeds n_batch={self.params.n_batch}; "
                              f"split it or raise n_batch")
-        free = self.kv.kv_size - self.kv.cells.used
-        if batch.n_tokens > free:
-            raise ContextFullError(f"context full: {batch.n_tokens} tokens need cells, {free} of "
-                                   f"{self.kv.kv_size} are free; use a larger --ctx")
+        self._check_room(batch)
         records = []
         splitter = BatchSplitter(batch)
-        while (ub := splitter.split_simple(self.params.n_ubatch)) is not None:
-            cells = self.kv.cells
-            slot = cells.find_slot(ub.n_tokens)
+        cells, ubatch_size = self.kv.cells, self.params.n_ubatch
+        while True:
+            # a stream per sequence takes equal groups of consecutive sequences (llama.cpp's
+            # split_equal(sequential=true)); the unified cache takes the tokens in order
+            ub = (splitter.split_simple(ubatch_size) if self.kv.unified
+                  else splitter.split_equal(ubatch_size, sequential=True))
+            if ub is None:
+                break
+            slot = cells.find_slot_ubatch(ub.seq_ids, ub.n_seqs)
             cells.apply(slot, ub.pos, ub.seq_ids)
-            rec = UbatchRecord(ub, slot, cells.n_kv())
+            rec = UbatchRecord(ub, slot, cells.n_kv(self._streams(ub)))
             if self.recoverable:
                 self.log.append(rec)
             self._submit_recovering(rec)
             if ub.n_outputs:
                 records.append(rec)
         return PendingLogits(self, records, hp.n_vocab)
+
+    def _check_room(self, batch: Batch) -> None:
+        """ContextFullError before anything is written: the batch's tokens need free cells (in the stream
+        of each sequence, without a unified cache, where a token must belong to one stream)."""
+        kv, cells = self.kv, self.kv.cells
+        if kv.unified:
+            need = {0: batch.n_tokens}
+        else:
+            need = {}
+            for i, s in enumerate(batch.seq_ids):
+                st = {cells.stream_of(q) for q in s}
+                if len(st) > 1:
+                    raise BatchError(f"token {i} belongs to sequences {sorted(s)}, which own different KV "
+                                     f"streams; a token shared by sequences needs a unified KV cache")
+                stream = st.pop()
+                need[stream] = need.get(stream, 0) + 1
+        for st, n in need.items():
+            free = kv.kv_size - cells.used_in(st)
+            if n > free:
+                where = f"sequence {st}'s {kv.kv_size} cells" if not kv.unified else f"{kv.kv_size} cells"
+                raise ContextFullError(f"context full: {n} tokens need cells, {free} of {where} are free; "
+                                       f"use a larger --ctx")
+
+    def _streams(self, ub: Ubatch) -> range:
+        """The KV streams a ubatch's token groups use: s0 .. s0 + n_seqs - 1 (split_equal(sequential)
+        takes consecutive sequences), or the one unified stream."""
+        if self.kv.unified:
+            return range(1)
+        s0 = self.kv.cells.stream_of(min(ub.seq_ids[0]))
+        return range(s0, s0 + ub.n_seqs)
 
     def synchronize(self) -> None:
         self.sched.synchronize()
@@ -256,7 +290,8 @@ class LlamaContext:
         """Build or reuse the graph of the record's shape, set its inputs, compute (asynchronously on
         a pipeline); rec.fetch then reads its logits."""
         ub, slot = rec.ub, rec.slot
-        key = GraphKey(ub.n_tokens, ub.n_outputs, rec.n_kv)
+        streams = self._streams(ub)
+        key = GraphKey(ub.n_tokens, ub.n_outputs, rec.n_kv, len(streams), streams.start)
         res = self.gf_res_prev
         if res is not None and res.key == key:
             if not self.pipelined:              # the previous compute may still read the inputs
@@ -311,7 +346,7 @@ class LlamaContext:
         inp = res.inputs
         tensor_set(inp.tokens, ub.tokens.astype(np.int32))
         tensor_set(inp.pos, ub.pos.astype(np.int32))
-        tensor_set(inp.kq_mask, self.kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids))
+        tensor_set(inp.kq_mask, self.kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs))
         tensor_set(inp.k_idxs, self.kv.k_idxs(slot))
         tensor_set(inp.v_idxs, self.kv.v_idxs(slot))
         if inp.out_ids is not None:

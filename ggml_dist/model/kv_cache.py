@@ -1,9 +1,15 @@
-"""The KV cache: per-layer K and V tensors plus the cell bookkeeping (llama_kv_cache, unified stream).
+"""The KV cache: per-layer K and V tensors plus the cell bookkeeping (llama_kv_cache).
 
 Cells carry a position and a bit set of sequence ids. A ubatch finds a slot (llama.cpp's non-contiguous
 search from the head), commits into it, and the graph writes the new K/V rows there with SET_ROWS before
 attention reads the first n_kv cells (ggml-mechanisms.md §4.6). V is stored transposed, as llama.cpp does
 without flash attention, so that P·V is a plain MUL_MAT over contiguous rows.
+
+Unified (one stream), every sequence shares the cells, and a token's attention spans the cells of all of
+them. Without a unified cache (kv_unified=False) sequence s owns stream s: kv_size cells of its own, so
+the attention of a batch of sequences is one product per stream over that stream's cells only. A cell is
+then addressed by its absolute index stream * kv_size + cell, in the bookkeeping as in the K/V tensors
+([n_embd, kv_size, n_stream]; V transposed per stream).
 """
 from __future__ import annotations
 
@@ -28,29 +34,51 @@ def pad(x: int, n: int) -> int:
 
 
 class KVCells:
-    """Positions and sequence sets of the cache's cells (llama_kv_cells)."""
+    """Positions and sequence sets of the cache's cells (llama_kv_cells), for n_stream streams of `size`
+    cells each (absolute cell = stream * size + cell); one stream is the unified cache."""
 
-    def __init__(self, size: int, n_seq_max: int) -> None:
+    def __init__(self, size: int, n_seq_max: int, n_stream: int = 1) -> None:
         if not 1 <= n_seq_max <= 64:
             raise ValueError(f"n_seq_max must be in 1..64, got {n_seq_max}")
+        if n_stream not in (1, n_seq_max):
+            raise ValueError(f"n_stream must be 1 (unified) or n_seq_max={n_seq_max}, got {n_stream}")
         self.size = size
         self.n_seq_max = n_seq_max
-        self.pos = np.full(size, -1, dtype=np.int32)
-        self.seq = np.zeros(size, dtype=np.uint64)        # bit s set: the cell holds sequence s
-        self.head = 0
+        self.n_stream = n_stream
+        self.pos = np.full(size * n_stream, -1, dtype=np.int32)
+        self.seq = np.zeros(size * n_stream, dtype=np.uint64)   # bit s set: the cell holds sequence s
+        self.heads = [0] * n_stream
+
+    @property
+    def head(self) -> int:
+        return self.heads[0]
+
+    def stream_of(self, seq_id: int) -> int:
+        """seq_to_stream: sequence s owns stream s, or all share stream 0 (unified)."""
+        return 0 if self.n_stream == 1 else seq_id
+
+    def _cells(self, stream: int) -> slice:
+        return slice(stream * self.size, (stream + 1) * self.size)
 
     @property
     def used(self) -> int:
         return int((self.pos >= 0).sum())
 
+    def used_in(self, stream: int) -> int:
+        return int((self.pos[self._cells(stream)] >= 0).sum())
+
     @property
     def used_max_p1(self) -> int:
-        nz = np.nonzero(self.pos >= 0)[0]
+        return self.used_max_p1_in(0)
+
+    def used_max_p1_in(self, stream: int) -> int:
+        nz = np.nonzero(self.pos[self._cells(stream)] >= 0)[0]
         return int(nz[-1]) + 1 if len(nz) else 0
 
-    def n_kv(self) -> int:
-        """get_n_kv: the graph-visible length, padded to 256 and capped at the cache size."""
-        return min(self.size, max(N_KV_PAD, pad(self.used_max_p1, N_KV_PAD)))
+    def n_kv(self, streams: Iterable[int] = (0,)) -> int:
+        """get_n_kv: the graph-visible length, padded to 256 and capped at the stream size; the max over
+        the ubatch's streams."""
+        return max(min(self.size, max(N_KV_PAD, pad(self.used_max_p1_in(s), N_KV_PAD))) for s in streams)
 
     def seq_pos_max(self, seq_id: int) -> int:
         m = self._seq_mask(seq_id)
@@ -60,27 +88,43 @@ class KVCells:
         return (self.seq & np.uint64(1 << seq_id)) != 0
 
     # -- slots ---------------------------------------------------------------------------------------
-    def find_slot(self, n_tokens: int) -> np.ndarray:
-        """Cells for n_tokens new tokens: empty cells scanned cyclically from the head."""
+    def find_slot(self, n_tokens: int, stream: int = 0) -> np.ndarray:
+        """Absolute cells for n_tokens new tokens of one stream: empty cells scanned cyclically from the
+        stream's head (restarting from 0 when the head is beyond used + 2 * n_tokens)."""
         if n_tokens > self.size:
-            raise ContextFullError(f"a ubatch of {n_tokens} tokens exceeds the context of {self.size}")
-        head = self.head if self.head <= self.used + 2 * n_tokens else 0
+            raise ContextFullError(f"a ubatch of {n_tokens} tokens exceeds the context of {self.size}"
+                                   + (" cells per sequence" if self.n_stream > 1 else ""))
+        pos = self.pos[self._cells(stream)]
+        used = int((pos >= 0).sum())
+        head = self.heads[stream] if self.heads[stream] <= used + 2 * n_tokens else 0
         order = np.concatenate([np.arange(head, self.size), np.arange(0, head)])
-        free = order[self.pos[order] < 0][:n_tokens]
+        free = order[pos[order] < 0][:n_tokens]
         if len(free) < n_tokens:
+            where = f"sequence {stream}'s stream" if self.n_stream > 1 else "the context"
             raise ContextFullError(
-                f"context full: {n_tokens} cells needed, {self.size - self.used} free of {self.size}; "
+                f"context full: {n_tokens} cells needed, {self.size - used} free of {self.size} in {where}; "
                 f"start a new sequence, remove old tokens, or use a larger --ctx")
-        return free.astype(np.int64)
+        return (free + stream * self.size).astype(np.int64)
+
+    def find_slot_ubatch(self, seq_ids: list[frozenset[int]], n_seqs: int) -> np.ndarray:
+        """find_slot for a whole ubatch: unified, one search; with streams, the ubatch is n_seqs groups of
+        equal length, one sequence each (split_equal), and each group searches its own stream."""
+        n = len(seq_ids)
+        if self.n_stream == 1:
+            return self.find_slot(n)
+        g = n // n_seqs
+        return np.concatenate([self.find_slot(g, self.stream_of(min(seq_ids[i * g])))
+                               for i in range(n_seqs)])
 
     def apply(self, slot: np.ndarray, pos: np.ndarray, seq_ids: list[frozenset[int]]) -> None:
-        """apply_ubatch: commit positions and sequences into the chosen cells."""
+        """apply_ubatch: commit positions and sequences into the chosen cells; each stream's head moves
+        past the last cell written to it."""
         for cell, p, s in zip(slot, pos, seq_ids):
             self.pos[cell] = p
             self.seq[cell] = np.uint64(sum(1 << q for q in s))
-        self.head = int(slot[-1]) + 1 if len(slot) else self.head
-        if self.head >= self.size:
-            self.head = 0
+        for cell in slot:
+            st, c = divmod(int(cell), self.size)
+            self.heads[st] = c + 1 if c + 1 < self.size else 0
 
     # -- sequence edits --------------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
@@ -93,10 +137,14 @@ class KVCells:
             self.seq[in_range] &= ~np.uint64(1 << seq_id)
         emptied = in_range & (self.seq == 0)
         self.pos[emptied] = -1
-        if emptied.any():
-            self.head = min(self.head, int(np.nonzero(emptied)[0][0]))
+        for cell in np.nonzero(emptied)[0]:
+            st, c = divmod(int(cell), self.size)
+            self.heads[st] = min(self.heads[st], c)
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        if self.stream_of(src) != self.stream_of(dst):
+            raise ValueError(f"seq_cp({src}, {dst}): the sequences own different KV streams; copying a "
+                             f"sequence's cells needs a unified KV cache (kv_unified=True)")
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
         m = self._seq_mask(src) & (self.pos >= p0) & (self.pos < p1)
         self.seq[m] |= np.uint64(1 << dst)
@@ -106,44 +154,60 @@ class KVCells:
         self.seq[~keep] = 0
         self.seq[keep] = np.uint64(1 << seq_id)
         self.pos[~keep] = -1
-        self.head = 0
+        self.heads = [0] * self.n_stream
 
     def clear(self) -> None:
         self.pos[:] = -1
         self.seq[:] = 0
-        self.head = 0
+        self.heads = [0] * self.n_stream
 
     # -- graph inputs ----------------------------------------------------------------------------------
-    def kq_mask(self, n_kv: int, pos: np.ndarray, seq_ids: list[frozenset[int]]) -> np.ndarray:
-        """[n_tokens, n_kv] f32 (numpy order): 0 where the cell holds the token's sequence at a position
-        <= the token's, -inf elsewhere (empty cells and padding included)."""
-        cpos, cseq = self.pos[:n_kv], self.seq[:n_kv]
+    def kq_mask(self, n_kv: int, pos: np.ndarray, seq_ids: list[frozenset[int]],
+                n_seqs: int = 1) -> np.ndarray:
+        """[n_tokens, n_kv] f32 (numpy order), or with streams [n_seqs, n_tokens / n_seqs, n_kv] (one
+        group of tokens per stream): 0 where the cell of the token's stream holds the token's sequence at a
+        position <= the token's, -inf elsewhere (empty cells and padding included)."""
         mask = np.full((len(pos), n_kv), -np.inf, dtype=np.float32)
         for i, (p, s) in enumerate(zip(pos, seq_ids)):
-            q = np.uint64(1 << min(s))
-            ok = (cpos >= 0) & ((cseq & q) != 0) & (cpos <= p)
+            q = min(s)
+            c0 = self.stream_of(q) * self.size
+            cpos, cseq = self.pos[c0:c0 + n_kv], self.seq[c0:c0 + n_kv]
+            ok = (cpos >= 0) & ((cseq & np.uint64(1 << q)) != 0) & (cpos <= p)
             mask[i, ok] = 0.0
-        return mask
+        return mask if self.n_stream == 1 else mask.reshape(n_seqs, -1, n_kv)
 
 
 class KVCache:
-    """Per-layer K [n_embd_k_gqa, kv_size] and transposed V [kv_size, n_embd_v_gqa] tensors."""
+    """Per-layer K [n_embd_k_gqa, kv_size, n_stream] and transposed V [kv_size, n_embd_v_gqa, n_stream]
+    tensors. kv_size is the context padded to 256, or without a unified cache n_ctx / n_seq_max padded to
+    256 per stream (ggml-mechanisms.md §4.7)."""
 
     def __init__(self, n_embd_k_gqa: int, n_embd_v_gqa: int, kv_size: int, layers: Iterable[int],
                  type_k: GGMLType = GGMLType.F16, type_v: GGMLType = GGMLType.F16,
-                 n_seq_max: int = 1) -> None:
-        self.kv_size = pad(kv_size, N_KV_PAD)
+                 n_seq_max: int = 1, unified: bool = True) -> None:
+        self.n_stream = 1 if unified else n_seq_max
+        self.kv_size = pad(kv_size, N_KV_PAD) if unified else pad(pad(kv_size, N_KV_PAD) // n_seq_max, N_KV_PAD)
         self.n_embd_k_gqa, self.n_embd_v_gqa = n_embd_k_gqa, n_embd_v_gqa
         self.type_k, self.type_v = type_k, type_v
-        self.cells = KVCells(self.kv_size, n_seq_max)
+        self.cells = KVCells(self.kv_size, n_seq_max, self.n_stream)
         self.layers = list(layers)
         self.ctx = Context(len(self.layers) * 2 * 400 + 1024, no_alloc=True, name="kv_cache")
         self.k_l: dict[int, Tensor] = {}
         self.v_l: dict[int, Tensor] = {}
+        ns = self.n_stream
         for il in self.layers:
-            self.k_l[il] = self.ctx.new_tensor(type_k, (n_embd_k_gqa, self.kv_size)).set_name(f"cache_k_l{il}")
-            self.v_l[il] = self.ctx.new_tensor(type_v, (self.kv_size, n_embd_v_gqa)).set_name(f"cache_v_l{il}")
+            self.k_l[il] = self.ctx.new_tensor(type_k, (n_embd_k_gqa, self.kv_size, ns)).set_name(f"cache_k_l{il}")
+            self.v_l[il] = self.ctx.new_tensor(type_v, (self.kv_size, n_embd_v_gqa, ns)).set_name(f"cache_v_l{il}")
         self.buffers: list = []
+
+    @property
+    def unified(self) -> bool:
+        return self.n_stream == 1
+
+    @property
+    def n_cells(self) -> int:
+        """Cells in all streams."""
+        return self.kv_size * self.n_stream
 
     def tensors(self) -> list[Tensor]:
         return [t for il in self.layers for t in (self.k_l[il], self.v_l[il])]
@@ -172,33 +236,44 @@ class KVCache:
             self.buffers.append(buf)
 
     # -- graph pieces (llama_kv_cache::get_k / get_v / cpy_k / cpy_v) -----------------------------------
-    def get_k(self, ctx: Context, il: int, n_kv: int, n_head_kv: int) -> Tensor:
+    # s0, ns: the ubatch's streams s0 .. s0+ns-1 (one per group of its tokens); dim 3 of the views
+    def get_k(self, ctx: Context, il: int, n_kv: int, n_head_kv: int, s0: int = 0, ns: int = 1) -> Tensor:
         k = self.k_l[il]
         d = self.n_embd_k_gqa // n_head_kv
-        # ne = (head_dim, n_kv, n_head_kv)
-        return ops.view_3d(ctx, k, d, n_kv, n_head_kv, k.nb[1], row_size(k.type, d), 0)
+        # ne = (head_dim, n_kv, n_head_kv, ns)
+        if self.n_stream == 1:
+            return ops.view_3d(ctx, k, d, n_kv, n_head_kv, k.nb[1], row_size(k.type, d), 0)
+        return ops.view_4d(ctx, k, d, n_kv, n_head_kv, ns, k.nb[1], row_size(k.type, d), k.nb[2], k.nb[2] * s0)
 
-    def get_v(self, ctx: Context, il: int, n_kv: int, n_head_kv: int) -> Tensor:
+    def get_v(self, ctx: Context, il: int, n_kv: int, n_head_kv: int, s0: int = 0, ns: int = 1) -> Tensor:
         v = self.v_l[il]
         d = self.n_embd_v_gqa // n_head_kv
-        # ne = (n_kv, head_dim, n_head_kv): transposed V, rows of kv_size cells
-        return ops.view_3d(ctx, v, n_kv, d, n_head_kv, v.nb[1], v.nb[1] * d, 0)
+        # ne = (n_kv, head_dim, n_head_kv, ns): transposed V, rows of kv_size cells
+        if self.n_stream == 1:
+            return ops.view_3d(ctx, v, n_kv, d, n_head_kv, v.nb[1], v.nb[1] * d, 0)
+        return ops.view_4d(ctx, v, n_kv, d, n_head_kv, ns, v.nb[1], v.nb[1] * d, v.nb[2], v.nb[2] * s0)
 
     def cpy_k(self, ctx: Context, il: int, k_cur: Tensor, k_idxs: Tensor) -> Tensor:
+        """Row stream * kv_size + cell receives the token's K."""
         k = self.k_l[il]
         n_tokens = k_cur.nelements // self.n_embd_k_gqa
+        if self.n_stream > 1:
+            k = ops.reshape(ctx, k, self.n_embd_k_gqa, self.n_cells)
         return ops.set_rows(ctx, k, ops.reshape(ctx, k_cur, self.n_embd_k_gqa, n_tokens), k_idxs)
 
     def cpy_v(self, ctx: Context, il: int, v_cur: Tensor, v_idxs: Tensor) -> Tensor:
-        """One row of one element per value: row j*kv_size + cell receives dim j of the token."""
+        """One row of one element per value: row (stream * n_embd_v_gqa + j) * kv_size + cell receives
+        dim j of the token."""
         v = self.v_l[il]
-        v_flat = ops.reshape(ctx, v, 1, self.kv_size * self.n_embd_v_gqa)
+        v_flat = ops.reshape(ctx, v, 1, self.n_cells * self.n_embd_v_gqa)
         return ops.set_rows(ctx, v_flat, ops.reshape(ctx, v_cur, 1, v_cur.nelements), v_idxs)
 
     def k_idxs(self, slot: np.ndarray) -> np.ndarray:
         return slot.astype(np.int64)
 
     def v_idxs(self, slot: np.ndarray) -> np.ndarray:
-        """Element e = j + n_embd_v_gqa * i (token i, dim j) goes to row j * kv_size + slot[i]."""
+        """Element e = j + n_embd_v_gqa * i (token i, dim j) goes to row (stream * n_embd_v_gqa + j) *
+        kv_size + cell of its absolute cell slot[i] = stream * kv_size + cell."""
+        st, cell = np.divmod(slot.astype(np.int64), self.kv_size)
         j = np.arange(self.n_embd_v_gqa, dtype=np.int64)
-        return (slot.astype(np.int64)[:, None] + j[None, :] * self.kv_size).reshape(-1)
+        return ((st[:, None] * self.n_embd_v_gqa + j[None, :]) * self.kv_size + cell[:, None]).reshape(-1)

@@ -27,10 +27,14 @@ from .kv_cache import KVCache
 
 @dataclass(frozen=True, slots=True)
 class GraphKey:
-    """The topology-determining parameters (llm_graph_params::allow_reuse plus the input shapes)."""
+    """The topology-determining parameters (llm_graph_params::allow_reuse plus the input shapes). Without
+    a unified KV cache the ubatch's tokens are n_stream equal groups, one per stream s0 .. s0+n_stream-1,
+    and the stream range is baked into the K/V views."""
     n_tokens: int
     n_outputs: int
     n_kv: int
+    n_stream: int = 1
+    s0: int = 0
 
 
 @dataclass
@@ -94,7 +98,9 @@ class LlamaGraphBuilder:
         n = key.n_tokens
         tokens = ctx.new_tensor(GGMLType.I32, (n,)).set_name("inp_tokens").set_input()
         pos = ctx.new_tensor(GGMLType.I32, (n,)).set_name("inp_pos").set_input()
-        mask = ctx.new_tensor(GGMLType.F32, (key.n_kv, n)).set_name("kq_mask").set_input()
+        ns = key.n_stream
+        mask_ne = (key.n_kv, n) if ns == 1 else (key.n_kv, n // ns, 1, ns)
+        mask = ctx.new_tensor(GGMLType.F32, mask_ne).set_name("kq_mask").set_input()
         k_idxs = ctx.new_tensor(GGMLType.I64, (n,)).set_name("k_idxs").set_input()
         v_idxs = ctx.new_tensor(GGMLType.I64, (n * self.kv.n_embd_v_gqa,)).set_name("v_idxs").set_input()
         out_ids = None
@@ -146,12 +152,15 @@ class LlamaGraphBuilder:
         # K/V rows go into the cache first; attention then reads them back from the (f16) cache
         gf.build_forward_expand(self.kv.cpy_k(ctx, il, k_cur, inp.k_idxs))
         gf.build_forward_expand(self.kv.cpy_v(ctx, il, v_cur, inp.v_idxs))
-        k = self.kv.get_k(ctx, il, key.n_kv, hp.n_head_kv)          # ne = (head_dim, n_kv, n_head_kv)
-        v = self.kv.get_v(ctx, il, key.n_kv, hp.n_head_kv)          # ne = (n_kv, head_dim, n_head_kv)
-        q = ops.permute(ctx, q, 0, 2, 1, 3)                         # ne = (head_dim, n_tokens, n_head)
-        kq = ops.mul_mat(ctx, k, q).set_name(f"kq-{il}")            # ne = (n_kv, n_tokens, n_head)
+        ns, s0, n = key.n_stream, key.s0, key.n_tokens
+        k = self.kv.get_k(ctx, il, key.n_kv, hp.n_head_kv, s0, ns)  # ne = (head_dim, n_kv, n_head_kv, ns)
+        v = self.kv.get_v(ctx, il, key.n_kv, hp.n_head_kv, s0, ns)  # ne = (n_kv, head_dim, n_head_kv, ns)
+        if ns > 1:                                                  # one group of tokens per stream
+            q = ops.reshape(ctx, q, hp.n_embd_head_k, hp.n_head, n // ns, ns)
+        q = ops.permute(ctx, q, 0, 2, 1, 3)                         # ne = (head_dim, n_tokens/ns, n_head, ns)
+        kq = ops.mul_mat(ctx, k, q).set_name(f"kq-{il}")            # ne = (n_kv, n_tokens/ns, n_head, ns)
         kq_scale = float(1.0 / math.sqrt(float(hp.n_embd_head_k)))
         kq = ops.soft_max_ext(ctx, kq, inp.kq_mask, kq_scale, 0.0).set_name(f"kq_soft_max-{il}")
-        kqv = ops.mul_mat(ctx, v, kq)                               # ne = (head_dim, n_tokens, n_head)
-        cur = ops.permute(ctx, kqv, 0, 2, 1, 3)                     # ne = (head_dim, n_head, n_tokens)
-        return ops.cont(ctx, cur, (hp.n_embd_head_v * hp.n_head, key.n_tokens)).set_name(f"kqv_out-{il}")
+        kqv = ops.mul_mat(ctx, v, kq)                               # ne = (head_dim, n_tokens/ns, n_head, ns)
+        cur = ops.permute(ctx, kqv, 0, 2, 1, 3)                     # ne = (head_dim, n_head, n_tokens/ns, ns)
+        return ops.cont(ctx, cur, (hp.n_embd_head_v * hp.n_head, n)).set_name(f"kqv_out-{il}")

@@ -12,7 +12,10 @@ On a pipeline of K stages `depth` is K: the active sequences fall into K groups,
 again as soon as its logits are back, so stage k works on one group while stage k+1 works on another
 (vLLM's max_concurrent_batches). In one process depth is 1 and every idle sequence shares one batch.
 A sequence is in at most one micro-batch at a time, so its positions in a batch are consecutive and its
-KV writes happen in order. Every slot owns n_ctx / n_parallel cells of the cache, as in llama-server.
+KV writes happen in order. Every slot owns n_ctx / n_parallel cells of the cache, as in llama-server:
+by default a KV stream of its own (kv_unified=False, llama-server's default with an explicit --parallel),
+so a step's attention is one product per sequence over that sequence's cells; a micro-batch lists its
+sequences in slot order, so that consecutive slots form one ubatch (split_equal(sequential)).
 """
 from __future__ import annotations
 
@@ -106,6 +109,7 @@ class EngineConfig:
     threads_per_stage: int = 1
     n_copies: int | None = None             # micro-batches in flight on a pipeline (default: stages)
     chat_template: str | None = None        # Jinja source overriding the GGUF's tokenizer.chat_template
+    kv_unified: bool = False                # one KV stream shared by the slots (else one per slot)
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_parallel <= 64:
@@ -200,7 +204,7 @@ class Engine:
     def _load(self) -> None:
         cfg = self.cfg
         params = ContextParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
-                               n_seq_max=cfg.n_parallel)
+                               n_seq_max=cfg.n_parallel, kv_unified=cfg.kv_unified)
         if cfg.n_stages <= 1 and not cfg.address:
             self.model = LlamaModel.load(cfg.model_path)
             self.ctx = LlamaContext(self.model, params)
@@ -279,21 +283,24 @@ class Engine:
                     and not s.in_flight and not s.req.cancelled]
             if not idle:
                 return
-            # decoding sequences first (one token each), then prompt chunks in what is left of n_batch
+            # decoding sequences first (one token each), then prompt chunks in what is left of n_batch;
+            # the batch lists them in slot order
             idle.sort(key=lambda s: s.prefilling)
+            chosen: list[tuple[Sequence, list[int]]] = []
+            n_tokens = 0
+            for s in idle[:per_batch]:
+                budget = self.cfg.n_batch - n_tokens
+                if budget <= 0:
+                    break
+                chunk = s.req.prompt[s.n_past:s.n_past + budget] if s.prefilling else [s.history[-1]]
+                chosen.append((s, chunk))
+                n_tokens += len(chunk)
             tokens: list[int] = []
             pos: list[int] = []
             seq_ids: list[frozenset[int]] = []
             output: list[bool] = []
             parts: list[tuple[Sequence, int, bool]] = []
-            for s in idle[:per_batch]:
-                budget = self.cfg.n_batch - len(tokens)
-                if budget <= 0:
-                    break
-                if s.prefilling:
-                    chunk = s.req.prompt[s.n_past:s.n_past + budget]
-                else:
-                    chunk = [s.history[-1]]
+            for s, chunk in sorted(chosen, key=lambda sc: sc[0].slot):
                 last = s.n_past + len(chunk) == len(s.history)
                 tokens += chunk
                 pos += range(s.n_past, s.n_past + len(chunk))
@@ -301,7 +308,7 @@ class Engine:
                 output += [False] * (len(chunk) - 1) + [last]
                 parts.append((s, len(chunk), last))
                 s.in_flight = True
-            self._next_slot = (parts[-1][0].slot + 1) % n
+            self._next_slot = (chosen[-1][0].slot + 1) % n
             batch = Batch(np.asarray(tokens, np.int32), np.asarray(pos, np.int32), seq_ids,
                           np.asarray(output, bool))
             t0 = time.perf_counter()

@@ -155,7 +155,8 @@ class Pipeline:
         for sp in placement.stages:
             spec = StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
                              sp.stage == n_stages - 1, params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa,
-                             int(params.type_k), params.n_seq_max, params.exact, threads_per_stage)
+                             int(params.type_k), params.n_seq_max, params.exact, threads_per_stage,
+                             params.kv_unified)
             specs.append(spec)
             actor = actor_cls.options(scheduling_strategy=_strategy(node_ids, sp.stage)).remote(spec)
             actors.append(actor)

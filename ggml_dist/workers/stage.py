@@ -59,6 +59,7 @@ class StageSpec:
     n_seq_max: int = 1
     exact: bool = False
     n_threads: int = 0
+    kv_unified: bool = True
 
     def weight_names(self, all_names: list[str], tied: bool) -> list[str]:
         lo, hi = self.layers
@@ -116,7 +117,7 @@ class StageWorker:
         self.device = CPUDevice(f"stage{spec.stage_id}")
         self.buft = self.device.get_buffer_type()
         self.kv = KVCache(spec.n_embd_k_gqa, spec.n_embd_v_gqa, spec.n_ctx, range(*spec.layers),
-                          GGMLType(spec.type_kv), GGMLType(spec.type_kv), spec.n_seq_max)
+                          GGMLType(spec.type_kv), GGMLType(spec.type_kv), spec.n_seq_max, spec.kv_unified)
         self.kv.allocate(self.buft)
         self.kv_tensors = {t.name: t for t in self.kv.tensors()}
         self.opts = ComputeOptions(exact=spec.exact)

@@ -8,6 +8,8 @@ llama-cpp-python must be built for AVX2 without AVX-512/AMX, the numerics ggml-n
 Writes:
 - synthetic_refs.npz: for every spec in SYNTHETIC_SPECS, top-k logits of each position of TOKENS, evaluated
   (a) as one batch and (b) one token at a time. The GGUF files are rebuilt from their specs by the tests.
+- streams_refs.npz: for every spec in STREAM_SPECS and SmolLM2, the top-k logits of every output of
+  refs.stream_batches(), decoded with a KV stream per sequence (kv_unified=False), in batch order.
 - smollm2_refs.json: for each prompt, llama.cpp's free-running greedy continuation (prompt as one batch,
   then one token at a time) with top-k logits per step, and the teacher-forced batch (prompt plus
   continuation in one ubatch) with per-position argmax, top-1/top-2 gap and top-k logits.
@@ -23,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.model.refs import (SMOLLM2_PROMPTS, SYNTHETIC_SPECS, TOKENS, N_GEN, TOP_K,  # noqa: E402
-                              kv_type_of)
+from tests.model.refs import (N_STREAMS, SMOLLM2_PROMPTS, STREAM_SPECS, SYNTHETIC_SPECS,  # noqa: E402
+                              TOKENS, N_GEN, TOP_K, kv_type_of, stream_batches)
 from ggml_dist.model.synthetic import write_synthetic  # noqa: E402
 
 
@@ -64,6 +66,49 @@ def synthetic_refs(out: Path) -> None:
     np.savez_compressed(out / "synthetic_refs.npz", **arrays)
 
 
+def stream_refs(smollm2: Path, out: Path) -> None:
+    """llama.cpp's C API (the Llama class has no kv_unified): one context per model, n_seq_max streams."""
+    arrays: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [(s.name, write_synthetic(Path(tmp) / f"{s.name}.gguf", s)) for s in STREAM_SPECS]
+        for name, path in models + [("smollm2", smollm2)]:
+            rows = _stream_logits(path)
+            tk = [_topk(row, TOP_K) for row in rows]
+            arrays[f"{name}/ids"] = np.stack([t[0] for t in tk])
+            arrays[f"{name}/vals"] = np.stack([t[1] for t in tk])
+            print(f"{name}: {len(rows)} output rows over {len(stream_batches())} batches")
+    np.savez_compressed(out / "streams_refs.npz", **arrays)
+
+
+def _stream_logits(path: Path) -> list[np.ndarray]:
+    import llama_cpp
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = N_STREAMS * 256, 512, 512, N_STREAMS
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.kv_unified, cp.flash_attn_type = False, 0                # LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    batch = llama_cpp.llama_batch_init(512, 0, N_STREAMS)
+    rows = []
+    try:
+        for items in stream_batches():
+            batch.n_tokens = len(items)
+            for i, (tok, pos, seq, o) in enumerate(items):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, o
+                batch.seq_id[i][0] = seq
+            assert llama_cpp.llama_decode(ctx, batch) == 0, "llama_decode failed"
+            for i, (_, _, _, o) in enumerate(items):
+                if o:
+                    ptr = llama_cpp.llama_get_logits_ith(ctx, i)
+                    rows.append(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).astype(np.float32))
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return rows
+
+
 def smollm2_refs(model: Path, out: Path) -> None:
     import llama_cpp
     llm = _llama(model, 512, False)
@@ -100,14 +145,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
-    ap.add_argument("--only", choices=["synthetic", "smollm2"], default=None)
+    ap.add_argument("--only", choices=["synthetic", "streams", "smollm2"], default=None)
     a = ap.parse_args()
     if a.only in (None, "synthetic"):
         synthetic_refs(a.out)
+    if a.only in (None, "streams", "smollm2") and a.smollm2 is None:
+        from ggml_dist.model.pull import pull
+        a.smollm2 = pull("smollm2-135m")
+    if a.only in (None, "streams"):
+        stream_refs(a.smollm2, a.out)
     if a.only in (None, "smollm2"):
-        if a.smollm2 is None:
-            from ggml_dist.model.pull import pull
-            a.smollm2 = pull("smollm2-135m")
         smollm2_refs(a.smollm2, a.out)
 
 

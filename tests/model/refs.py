@@ -22,6 +22,26 @@ SYNTHETIC_SPECS = [
 ]
 
 
+# several sequences, each in its own KV stream (kv_unified=False, n_seq_max=3): the batches, in order,
+# each a list of (token, pos, seq, output). The prompts differ in length (split_equal leaves ubatches of
+# fewer sequences), and two steps skip a sequence (non-consecutive streams: two ubatches)
+STREAM_SPECS = [SYNTHETIC_SPECS[3], SYNTHETIC_SPECS[4], SYNTHETIC_SPECS[7]]
+N_STREAMS = 3
+
+
+def stream_batches() -> list[list[tuple[int, int, int, bool]]]:
+    prompts = [TOKENS[:5], TOKENS[3:9], TOKENS[1:8]]
+    batches = [[(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)]]
+    n_past = [len(p) for p in prompts]
+    for step, seqs in enumerate([(0, 1, 2), (0, 1, 2), (0, 2), (1, 2), (0, 1, 2)]):
+        batch = []
+        for s in seqs:
+            batch.append((TOKENS[(3 * step + s) % len(TOKENS)], n_past[s], s, True))
+            n_past[s] += 1
+        batches.append(batch)
+    return batches
+
+
 def kv_type_of(spec: SyntheticSpec) -> str:
     """The f32 model is checked with an f32 KV cache (to see ~1e-6 agreement), the rest with f16."""
     return "f32" if spec.wtype == "F32" else "f16"

@@ -92,3 +92,38 @@ def test_graph_cache_recalls_shapes(model, monkeypatch):
     assert fresh_ctx.n_recalled == 0
     for a, b in zip(cached, fresh):
         np.testing.assert_array_equal(a, b)
+
+
+# a KV stream per sequence: each sequence's decode steps give the bits of decoding it alone (its
+# attention runs over its own cells, one query row per stream), whatever the other sequences do
+def test_streams_match_solo_runs(model):
+    prompts = [[1, 20, 30, 40], [1, 50], [1, 60, 70]]
+    ctx = LlamaContext(model, ContextParams(n_ctx=768, n_seq_max=3, kv_unified=False))
+    toks = sum(prompts, [])
+    pos = sum((list(range(len(p))) for p in prompts), [])
+    seqs = sum(([frozenset({s})] * len(p) for s, p in enumerate(prompts)), [])
+    ctx.decode(Batch(np.array(toks, np.int32), np.array(pos, np.int32), seqs, np.ones(len(toks), bool)))
+    steps = [ctx.decode(Batch(np.array([9 + k, 10 + k, 11 + k], np.int32),
+                              np.array([len(p) + k for p in prompts], np.int32),
+                              [frozenset({s}) for s in range(3)], np.ones(3, bool))) for k in range(4)]
+    for s, p in enumerate(prompts):
+        solo = LlamaContext(model, ContextParams(n_ctx=256))
+        solo.decode(Batch.from_tokens(p))
+        for k in range(4):
+            assert np.array_equal(solo.decode(Batch.from_tokens([9 + k + s], pos0=len(p) + k))[0], steps[k][s])
+    # the prompts take 3 ubatches (2 tokens of each, then seq 0 and seq 2 apart: not consecutive), then
+    # every step is one ubatch of one shape
+    assert ctx.n_rebuilt == 4 and ctx.n_reused == 3
+
+
+# with streams, each sequence has n_ctx / n_seq_max cells, and a token cannot belong to two streams
+def test_streams_room_and_shared_tokens(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=512, n_seq_max=2, kv_unified=False))
+    ctx.decode(Batch.from_tokens(list(range(1, 201)), seq_id=1))
+    with pytest.raises(ContextFullError, match="sequence 1's 256 cells"):
+        ctx.decode(Batch.from_tokens(list(range(1, 101)), pos0=200, seq_id=1))
+    ctx.decode(Batch.from_tokens(list(range(1, 201)), seq_id=0))          # stream 0 is still free
+    with pytest.raises(BatchError, match="unified KV cache"):
+        ctx.decode(Batch(np.array([3], np.int32), np.array([200], np.int32), [frozenset({0, 1})],
+                         np.ones(1, bool)))
+    assert ctx.kv.cells.used == 400

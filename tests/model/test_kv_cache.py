@@ -58,3 +58,48 @@ def test_v_idxs_layout():
     assert list(idx[:4]) == [5, 256 + 5, 512 + 5, 768 + 5]
     assert list(idx[4:]) == [9, 256 + 9, 512 + 9, 768 + 9]
     assert kv.kv_size == 256 and kv.k_l[0].ne[:2] == (8, 256) and kv.v_l[0].ne[:2] == (256, 4)
+
+
+# a stream per sequence: slots are absolute cells (stream * size + cell) found in the sequence's own
+# stream from its own head; n_kv is the max over the ubatch's streams
+def test_streams_slots_heads_n_kv():
+    c = KVCells(256, 3, n_stream=3)
+    assert c.stream_of(2) == 2 and KVCells(256, 3).stream_of(2) == 0
+    s = c.find_slot_ubatch([frozenset({1})] * 2 + [frozenset({2})] * 2, n_seqs=2)
+    assert list(s) == [256, 257, 512, 513]
+    c.apply(s, np.array([0, 1, 0, 1]), [frozenset({1})] * 2 + [frozenset({2})] * 2)
+    assert c.heads == [0, 2, 2] and c.used_in(0) == 0 and c.used_in(1) == 2
+    c.apply(c.find_slot(254, 2), np.arange(2, 256), [frozenset({2})] * 254)
+    assert c.n_kv([1]) == 256 and c.n_kv([0, 1, 2]) == 256
+    with pytest.raises(ContextFullError, match="sequence 2's stream"):
+        c.find_slot(2, 2)
+    c.seq_rm(2, 10, -1)                         # frees cells in stream 2 only
+    assert c.used_in(2) == 10 and c.used_in(1) == 2 and c.find_slot(1, 2)[0] == 512 + 10
+
+
+# the mask of a multi-stream ubatch is [n_seqs, n_tokens / n_seqs, n_kv], over each group's stream
+def test_streams_kq_mask():
+    c = KVCells(256, 2, n_stream=2)
+    c.apply(np.array([0, 1, 256]), np.array([0, 1, 0]), [frozenset({0})] * 2 + [frozenset({1})])
+    m = c.kq_mask(256, np.array([1, 0]), [frozenset({0}), frozenset({1})], n_seqs=2)
+    assert m.shape == (2, 1, 256)
+    assert list(m[0, 0, :3]) == [0, 0, -np.inf] and list(m[1, 0, :2]) == [0, -np.inf]
+
+
+# sharing cells between sequences needs one stream
+def test_streams_seq_cp_refused():
+    c = KVCells(256, 2, n_stream=2)
+    with pytest.raises(ValueError, match="kv_unified"):
+        c.seq_cp(0, 1)
+    with pytest.raises(ValueError, match="n_stream"):
+        KVCells(256, 4, n_stream=2)
+
+
+# per stream, V is transposed in its own block of n_embd_v_gqa rows of kv_size cells; K and V are 3-d
+def test_streams_tensors_and_v_idxs():
+    kv = KVCache(8, 4, 1024, range(1), n_seq_max=4, unified=False)
+    assert kv.kv_size == 256 and kv.n_stream == 4 and kv.n_cells == 1024
+    assert kv.k_l[0].ne[:3] == (8, 256, 4) and kv.v_l[0].ne[:3] == (256, 4, 4)
+    idx = kv.v_idxs(np.array([2 * 256 + 5]))
+    assert list(idx) == [(2 * 4 + j) * 256 + 5 for j in range(4)]
+    assert KVCache(8, 4, 1000, range(1), n_seq_max=3, unified=False).kv_size == 512   # 1024 / 3 -> 512

@@ -14,10 +14,11 @@ from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import write_synthetic
 from ggml_dist.model.ubatch import Batch
 
-from .refs import SYNTHETIC_SPECS, TOKENS, kv_type_of
+from .refs import N_STREAMS, STREAM_SPECS, SYNTHETIC_SPECS, TOKENS, kv_type_of, stream_batches
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SYN = np.load(DATA / "synthetic_refs.npz")
+STREAMS = np.load(DATA / "streams_refs.npz")
 SMOL = json.loads((DATA / "smollm2_refs.json").read_text())
 
 # measured: every quantized and f16 model is bit-exact; f32 weights differ at 1 ulp in batched
@@ -59,6 +60,38 @@ def test_synthetic_one_token(spec, synthetic_models):
     ctx = _ctx(synthetic_models[spec.name], spec)
     rows = [ctx.decode(Batch.from_tokens([t], pos0=i))[0] for i, t in enumerate(TOKENS)]
     _check(spec, "single", np.stack(rows))
+
+
+# a KV stream per sequence (kv_unified=False): llama.cpp's logits for every output of batches that mix
+# prompts of different lengths (split_equal leaves ubatches of fewer streams) and skip a sequence
+def _stream_logits(path: Path, unified: bool = False) -> np.ndarray:
+    ctx = LlamaContext(LlamaModel.load(path),
+                       ContextParams(n_ctx=N_STREAMS * 256, n_seq_max=N_STREAMS, kv_unified=unified))
+    assert ctx.kv.n_stream == (1 if unified else N_STREAMS)
+    rows = []
+    for items in stream_batches():
+        tok, pos, seq, out = zip(*items)
+        rows.append(ctx.decode(Batch(np.array(tok, np.int32), np.array(pos, np.int32),
+                                     [frozenset({s}) for s in seq], np.array(out, bool))))
+    return np.concatenate(rows)
+
+
+def _stream_diff(name: str, logits: np.ndarray, argmax: bool = True) -> float:
+    ids, vals = STREAMS[f"{name}/ids"].astype(np.int64), STREAMS[f"{name}/vals"]
+    assert not argmax or np.array_equal(logits.argmax(1), ids[:, 0])
+    return float(np.abs(np.take_along_axis(logits, ids, 1) - vals).max())
+
+
+@pytest.mark.parametrize("spec", STREAM_SPECS, ids=lambda s: s.name)
+def test_synthetic_streams(spec, synthetic_models):
+    assert _stream_diff(spec.name, _stream_logits(synthetic_models[spec.name])) <= 1e-6
+
+
+# on SmolLM2 (head_dim 64) a shared cache gives other numerics (tinyBLAS over the batch's rows), so
+# the streams' agreement is not a coincidence of the layouts
+def test_smollm2_streams(smollm2_path):
+    assert _stream_diff("smollm2", _stream_logits(smollm2_path)) <= 1e-6
+    assert _stream_diff("smollm2", _stream_logits(smollm2_path, unified=True), argmax=False) > 1e-3
 
 
 # ubatch size does not change n>=2 results (llama.cpp: ubatch 2, 16, 512 bit-identical)

@@ -67,6 +67,29 @@ def test_pipeline_microbatches_in_flight(local_ray, model_path):
         pl.shutdown()
 
 
+# a KV stream per sequence: the stage actors hold the streams, the driver's views pick them; several
+# sequences per step (and a step that skips one) give the single-process logits
+def test_pipeline_streams(local_ray, model_path):
+    params = ContextParams(n_ctx=3 * 256, n_seq_max=3, kv_unified=False)
+    steps = [Batch(np.array(TOKENS[:9], np.int32), np.array([0, 1, 2] * 3, np.int32),
+                   [frozenset({s}) for s in (0, 0, 0, 1, 1, 1, 2, 2, 2)], np.ones(9, bool))]
+    n_past = [3, 3, 3]
+    for k, seqs in enumerate([(0, 1, 2), (0, 2), (0, 1, 2)]):
+        steps.append(Batch(np.array([5 + k] * len(seqs), np.int32), np.array([n_past[s] for s in seqs], np.int32),
+                           [frozenset({s}) for s in seqs], np.ones(len(seqs), bool)))
+        for s in seqs:
+            n_past[s] += 1
+    ref = LlamaContext(LlamaModel.load(model_path), params)
+    want = [ref.decode(b) for b in steps]
+    pl = Pipeline.launch(str(model_path), 2, params, n_copies=2)
+    try:
+        for b, w in zip(steps, want):
+            assert np.array_equal(pl.ctx.decode(b), w)
+        assert pl.ctx.kv.n_stream == 3
+    finally:
+        pl.shutdown()
+
+
 # greedy generation through the pipeline gives the single-process tokens
 def test_pipeline_generate(local_ray, model_path):
     m = LlamaModel.load(model_path)
