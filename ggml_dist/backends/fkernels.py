@@ -9,9 +9,10 @@ element pair) before writing it, so dst may alias src0 as gallocr's in-place reu
 Kernels release the GIL (nogil=True): a server's event loop keeps streaming while a step computes.
 
 Float steps follow ggml-numerics.md exactly as the numpy paths emulate them: ``fma(a, b, c)`` is
-``f32(f64(a) * f64(b) + f64(c))`` (numerics.fma32), sums ggml keeps in double (ggml_float) are sequential
-float64 sums. fastmath stays off (LLVM then neither contracts nor reorders), and error_model="numpy" gives
-IEEE division (1/0 = inf) instead of Python's ZeroDivisionError.
+``f32(f64(a) * f64(b) + f64(c))`` (numerics.fma32), or a true fma (_fma) where that gives the same bits
+(vexp's, checked on all 2^32 inputs); sums ggml keeps in double (ggml_float) are sequential float64 sums.
+fastmath stays off (LLVM then neither contracts nor reorders), and error_model="numpy" gives IEEE division
+(1/0 = inf) instead of Python's ZeroDivisionError.
 
 Kernels, each mirroring a ggml CPU function:
 * ``mul_mat``: ggml_compute_forward_mul_mat for F16/F32 weights (attention KQ and KQV), every slice and
@@ -40,7 +41,6 @@ from .numerics import (_C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P
 F32 = np.float32
 F64 = np.float64
 _U64 = np.uint64
-_MASK32 = np.uint64(0xFFFFFFFF)
 _TWO112 = F64(2.0 ** 112)
 
 
@@ -146,24 +146,30 @@ def f16_round(v):
 
 @njit(cache=True, inline="always")
 def vexp(x):
-    """ggml_v_expf for one float32 lane: numerics.vexp_numpy's steps (fma emulated in float64)."""
-    z = F32(F64(x) * F64(_C_LOG2E) + F64(_C_SHIFT))
-    n = F32(z - _C_SHIFT)
-    b = F32(F64(-n) * F64(_C_LN2_LO) + F64(F32(F64(-n) * F64(_C_LN2_HI) + F64(x))))
-    e = (_U64(_bits(z)) << _U64(23)) & _MASK32
-    k = _float(np.uint32((e + _U64(0x3F800000)) & _MASK32))
-    u = F32(b * b)
-    q = F32(F64(F32(F64(_C_P0) * F64(b) + F64(_C_P1))) * F64(u) + F64(F32(F64(_C_P2) * F64(b) + F64(_C_P3))))
-    j = F32(F64(q) * F64(u) + F64(F32(_C_P4 * b)))
+    """ggml_v_expf for one float32 lane with ggml's true fmas (_fma: llvm.fma.f32, one rounding): these
+    give numerics.vexp_numpy's bits (fma emulated in float64) on every non-NaN float32 (all 2^32 checked,
+    each fma alone and all together). A NaN x gives x quieted with its sign flipped, as vexp_numpy's
+    steps do (-n carries it); set explicitly, as the NaN an fma passes on depends on the instruction
+    form LLVM picks. Branch-free, so loops calling it vectorise: both outcomes of |n| > 126 are computed
+    and one is selected. The lanes that are not selected must not make subnormals or underflow (each
+    costs a microcode assist): s1*s1 (+0 for n <= 0, else +inf) is selected, not multiplied, and the
+    |n| > 126 path takes s2 = 1 in the other lanes."""
+    z = _fma(x, _C_LOG2E, _C_SHIFT)
+    n = z - _C_SHIFT
+    b = _fma(-n, _C_LN2_LO, _fma(-n, _C_LN2_HI, x))
+    e = np.uint32(_bits(z) << np.uint32(23))
+    k = _float(np.uint32(e + np.uint32(0x3F800000)))
+    u = b * b
+    j = _fma(_fma(_fma(_C_P0, b, _C_P1), u, _fma(_C_P2, b, _C_P3)), u, _C_P4 * b)
     an = abs(n)
-    if an > 126:
-        g = _U64(0x82000000) if n <= 0 else _U64(0)
-        s1 = _float(np.uint32((g + _U64(0x7F000000)) & _MASK32))
-        if an > 192:
-            return F32(s1 * s1)
-        s2 = _float(np.uint32((e - g) & _MASK32))
-        return F32(F32(F64(s2) * F64(j) + F64(s2)) * s1)
-    return F32(F64(j) * F64(k) + F64(k))
+    neg = n <= 0
+    g = np.uint32(0x82000000) * np.uint32(neg)          # |n| > 126: 2^n applied in two factors
+    s1 = _float(np.uint32(g + np.uint32(0x7F000000)))
+    s2 = _float(np.uint32(e - g)) if an > 126 else F32(1)
+    big = (F32(0) if neg else F32(np.inf)) if an > 192 else _fma(s2, j, s2) * s1
+    r = big if an > 126 else _fma(j, k, k)
+    nan = _float(np.uint32((_bits(x) | np.uint32(0x00400000)) ^ np.uint32(0x80000000)))
+    return r if x == x else nan
 
 
 @njit(cache=True, inline="always")
@@ -609,12 +615,12 @@ def rms_norm(x, eps, wgt, fused, dst):
 @njit(cache=True, nogil=True, error_model="numpy")
 def soft_max(x, scale, mask, slopes, has_mask, dst):
     """ggml_compute_forward_soft_max_f32 (rows of a multiple of 8): w = f32(x*scale) [+ f32(slope*mask)];
-    max by a scalar loop; e = vexp(w - max) (masked -inf stays -inf, vexp(-inf) = +0); S = sequential
-    double sum of the chunks' HA sums; p = f32(e * f32(1/S)). mask [m3, m2, m1, ne0] is read at
-    (i3 % m3, i2 % m2, i1); slopes[i2] is the ALiBi slope of head i2 (1 without ALiBi).
+    max as ggml's scalar loop finds it (_row_max); e = vexp(w - max) (masked -inf stays -inf, vexp(-inf)
+    = +0); S = sequential double sum of the chunks' HA sums; p = f32(e * f32(1/S)). mask [m3, m2, m1, ne0]
+    is read at (i3 % m3, i2 % m2, i1); slopes[i2] is the ALiBi slope of head i2 (1 without ALiBi).
     Rows whose mask hides most cells (a server's interleaved sequences) take _soft_max_sparse: when x is
     finite and the slope positive, a -inf mask entry makes w = -inf and e = 0 whatever x is, so only the
-    other cells need w, the max and vexp (same bits)."""
+    other cells need w, the max and vexp (same bits). Every pass over a row but the sum vectorises."""
     ne3, ne2, ne1, ne0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
     w = np.empty(ne0, F32)
@@ -633,46 +639,75 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
                 if has_mask:
                     for i in range(ne0):
                         w[i] = w[i] + sl * mr[i]
-                mx = F32(-np.inf)
-                for i in range(ne0):
-                    v = w[i]
-                    if v > mx or np.isnan(v):
-                        mx = v
-                        if np.isnan(v):
-                            break
-                for i in range(ne0):
-                    v = w[i]
-                    w[i] = F32(0) if v == -np.inf else vexp(F32(v - mx))     # vexp(-inf) = +0: masked
+                _exp_shifted(w, _row_max(w))
                 _normalize(w, dr)
+
+
+@njit(cache=True, inline="always")
+def _row_max(w):
+    """ggml's max loop (max = -inf; v > max or isnan(v): max = v, stopping at the first NaN). Without
+    a NaN in w, as an integer max of order keys (vectorises; exact: a max does not round, and which of
+    +0, -0 it keeps changes no vexp(v - max)); with one, that loop itself."""
+    mk = _key(np.int32(_bits(F32(-np.inf))))
+    nan = False
+    for i in range(w.shape[0]):
+        v = w[i]
+        mk = max(mk, _key(np.int32(_bits(v))))
+        nan |= v != v
+    if not nan:
+        return _float(np.uint32(_key(mk)))
+    mx = F32(-np.inf)
+    for i in range(w.shape[0]):
+        v = w[i]
+        if v > mx or np.isnan(v):
+            mx = v
+            if np.isnan(v):
+                break
+    return mx
+
+
+@njit(cache=True, inline="always")
+def _key(b):
+    """A float32's bits as int32 <-> its order key (the map is its own inverse): the keys of non-NaN
+    floats order as the floats do, -0 just below +0."""
+    return np.int32(b ^ ((b >> 31) & 0x7FFFFFFF))
+
+
+@njit(cache=True, inline="always")
+def _exp_shifted(w, mx):
+    """w = vexp(w - mx) in place, 0 where w = -inf (masked; also when mx = -inf, where w - mx is NaN)."""
+    for i in range(w.shape[0]):
+        v = w[i]
+        e = vexp(F32(v - mx))
+        w[i] = F32(0) if v == -np.inf else e
 
 
 @njit(cache=True, inline="always")
 def _soft_max_sparse(xr, scale, mr, sl, dr, w, wc, idx):
     """soft_max of one row over its unmasked cells only; False (nothing written) when that does not pay
-    (a quarter or more of the cells unmasked) or is not exact (a non-finite x)."""
+    (an eighth or more of the cells unmasked: the dense passes vectorise) or is not exact (a non-finite
+    x). The check is one vectorised pass; the unmasked cells' indices are then compacted (branch-free),
+    in order, so the max is the same, and w, max and vexp run on the contiguous wc before the scatter
+    into the zeroed row."""
     ne0 = xr.shape[0]
     k = 0
-    bad = 0
-    for i in range(ne0):                                # branch-free: compacts and checks in one pass
-        idx[k] = i
+    bad = False
+    for i in range(ne0):
         k += mr[i] != -np.inf
         bad |= (_bits(xr[i]) & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
-    if bad or 4 * k >= ne0:
+    if bad or 8 * k >= ne0:
         return False
-    mx = F32(-np.inf)
-    for j in range(k):                                  # the unmasked cells in order: the same max
-        i = idx[j]
-        v = F32(xr[i] * scale) + F32(sl * mr[i])
-        wc[j] = v
-        if v > mx or np.isnan(v):
-            mx = v
-            if np.isnan(v):
-                break
+    k = 0
+    for i in range(ne0):
+        idx[k] = i
+        k += mr[i] != -np.inf
+    for j in range(k):
+        wc[j] = F32(xr[idx[j]] * scale) + F32(sl * mr[idx[j]])
+    wk = wc[:k]
+    _exp_shifted(wk, _row_max(wk))
     w[:] = 0
     for j in range(k):
-        v = wc[j]
-        if v != -np.inf:
-            w[idx[j]] = vexp(F32(v - mx))
+        w[idx[j]] = wk[j]
     _normalize(w, dr)
     return True
 
@@ -690,15 +725,19 @@ def _normalize(e, dr):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def swiglu(g, u, dst):
-    """ggml_vec_swiglu_f32 on rows of a multiple of 8: f32(f32(g / f32(1 + vexp(-g))) * u)."""
+    """ggml_vec_swiglu_f32 on rows of a multiple of 8: f32(f32(g / f32(1 + vexp(-g))) * u). A row goes
+    through the scratch s, so the loop vectorises even when dst aliases g or u (in place)."""
     ne3, ne2, ne1, ne0 = dst.shape
+    s = np.empty(ne0, F32)
     for i3 in range(ne3):
         for i2 in range(ne2):
             for i1 in range(ne1):
+                gr, ur, dr = g[i3, i2, i1], u[i3, i2, i1], dst[i3, i2, i1]
                 for i in range(ne0):
-                    gv = g[i3, i2, i1, i]
-                    s = gv / (F32(1) + vexp(-gv))
-                    dst[i3, i2, i1, i] = s * u[i3, i2, i1, i]
+                    gv = gr[i]
+                    s[i] = gv / (F32(1) + vexp(-gv)) * ur[i]
+                for i in range(ne0):
+                    dr[i] = s[i]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
