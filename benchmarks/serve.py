@@ -10,8 +10,8 @@ count), and reports requests completed, errors, aggregate generated tok/s and p5
 token and inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process,
 without the server, for comparison (the median of three runs of --max-tokens tokens). `batched_decode`
 gives the decode rate of steps taking one token from each of 1 and N sequences, without a server, here
-and (with llama-cpp-python installed) in llama.cpp on the same file: what batching itself can give on
-this machine. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad requests
+and (with llama-cpp-python installed) in llama.cpp on the same file, with a KV stream per sequence (the
+server's default) and with one unified cache: what batching itself can give on this machine. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad requests
 from N clients and counts every unexpected answer as an error. Prints one JSON object.
 """
 from __future__ import annotations
@@ -127,13 +127,14 @@ _PREFIX = 40                                    # tokens each sequence holds bef
 _STEPS = 20
 
 
-def batched_decode(path: str, n_seqs: int) -> float:
-    """tok/s of decode steps taking one token from each of n_seqs sequences (ctx.decode, no server)."""
+def batched_decode(path: str, n_seqs: int, unified: bool = False) -> float:
+    """tok/s of decode steps taking one token from each of n_seqs sequences (ctx.decode, no server),
+    with a KV stream per sequence (the server's default) or one unified cache."""
     from ggml_dist.model.context import ContextParams, LlamaContext
     from ggml_dist.model.model import LlamaModel
     from ggml_dist.model.ubatch import Batch
     m = LlamaModel.load(path)
-    ctx = LlamaContext(m, ContextParams(n_ctx=n_seqs * 256, n_seq_max=n_seqs))
+    ctx = LlamaContext(m, ContextParams(n_ctx=n_seqs * 256, n_seq_max=n_seqs, kv_unified=unified))
     P = _PREFIX
     for s in range(n_seqs):
         ctx.decode(Batch(np.arange(100, 100 + P, dtype=np.int32), np.arange(P, dtype=np.int32),
@@ -148,9 +149,9 @@ def batched_decode(path: str, n_seqs: int) -> float:
     return round(n_seqs / float(np.median(times[2:])), 2)
 
 
-def llamacpp_batched_decode(path: str, n_seqs: int, threads: int) -> float | None:
-    """The same steps through llama.cpp (llama-cpp-python's C API, unified KV cache as in
-    ggml_dist; flash attention left to llama.cpp's default); None without llama-cpp-python."""
+def llamacpp_batched_decode(path: str, n_seqs: int, threads: int, unified: bool = False) -> float | None:
+    """The same steps through llama.cpp (llama-cpp-python's C API, the same KV layout; flash attention
+    left to llama.cpp's default); None without llama-cpp-python."""
     try:
         import llama_cpp
     except ImportError:
@@ -159,7 +160,7 @@ def llamacpp_batched_decode(path: str, n_seqs: int, threads: int) -> float | Non
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_seqs * 256, 512, 512, n_seqs
     cp.n_threads = cp.n_threads_batch = threads
-    cp.kv_unified = True
+    cp.kv_unified = unified
     ctx = llama_cpp.llama_init_from_model(llm.model, cp)
     batch = llama_cpp.llama_batch_init(512, 0, n_seqs)
 
@@ -190,8 +191,10 @@ def batched_decode_table(path: str, n_max: int) -> dict:
     threads = qkernels.get_threads()
     table: dict = {"threads": threads}
     for n in sorted({1, n_max}):
-        table[str(n)] = {"ggml_dist_tok_s": batched_decode(path, n),
-                         "llamacpp_tok_s": llamacpp_batched_decode(path, n, threads)}
+        for unified in ((False,) if n == 1 else (False, True)):
+            key = str(n) if n == 1 else f"{n}_{'unified' if unified else 'streams'}"
+            table[key] = {"ggml_dist_tok_s": batched_decode(path, n, unified),
+                          "llamacpp_tok_s": llamacpp_batched_decode(path, n, threads, unified)}
     return table
 
 
