@@ -202,14 +202,15 @@ class ServerProcess:
     """`ggml-dist serve` in a child process on a free loopback port, ready (GET /health) on entry,
     stopped with SIGINT (uvicorn's graceful shutdown; a Ray cluster it started goes with it) on exit."""
 
-    def __init__(self, path: str, stages: int, parallel: int, ctx: int, timeout_s: float = 600.0) -> None:
+    def __init__(self, path: str, stages: int, parallel: int, ctx: int, timeout_s: float = 600.0,
+                 kv_unified: bool = False) -> None:
         from ggml_dist.serve.server import free_port
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ggml-dist-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-c", "import sys; from ggml_dist.cli import main; sys.exit(main())", "serve",
                "--model", path, "--port", str(self.port), "--stages", str(stages), "--parallel", str(parallel),
-               "--ctx", str(ctx)]
+               "--ctx", str(ctx)] + (["--kv-unified"] if kv_unified else [])
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         t0 = time.monotonic()
         while True:
@@ -253,10 +254,11 @@ def bench(args: argparse.Namespace) -> dict:
     clients = [int(x) for x in args.clients.split(",")]
     stages = [int(x) for x in args.stages.split(",")]
     out: dict = {"model": Path(path).name, "duration_s": args.duration, "max_tokens": args.max_tokens,
+                 "kv_unified": args.kv_unified,
                  "single_stream_decode_tok_s": single_stream_decode(path, args.max_tokens),
                  "batched_decode": batched_decode_table(path, max(clients)), "runs": []}
     for k in stages:
-        with ServerProcess(path, k, max(clients), max(clients) * 256) as srv:
+        with ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified) as srv:
             for n in clients:
                 r = run_clients(srv.url, n, args.duration, args.max_tokens)
                 r["stages"] = k
@@ -348,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--max-tokens", type=int, default=64,
                     help="tokens per request (with few, each request's prefill dominates the steps)")
+    ap.add_argument("--kv-unified", action="store_true", help="serve with one KV cache shared by the slots")
     ap.add_argument("--soak", type=int, default=0, help="run the soak with this many clients instead")
     ap.add_argument("--soak-model", default=None, help="GGUF for the soak (default: a synthetic one)")
     ap.add_argument("--parallel", type=int, default=4, help="server slots in the soak")
