@@ -203,14 +203,14 @@ class ServerProcess:
     stopped with SIGINT (uvicorn's graceful shutdown; a Ray cluster it started goes with it) on exit."""
 
     def __init__(self, path: str, stages: int, parallel: int, ctx: int, timeout_s: float = 600.0,
-                 kv_unified: bool = False) -> None:
+                 kv_unified: str = "auto") -> None:
         from ggml_dist.serve.server import free_port
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="ggml-dist-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-c", "import sys; from ggml_dist.cli import main; sys.exit(main())", "serve",
                "--model", path, "--port", str(self.port), "--stages", str(stages), "--parallel", str(parallel),
-               "--ctx", str(ctx)] + (["--kv-unified"] if kv_unified else [])
+               "--ctx", str(ctx), "--kv-unified", kv_unified]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         t0 = time.monotonic()
         while True:
@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--max-tokens", type=int, default=64,
                     help="tokens per request (with few, each request's prefill dominates the steps)")
-    ap.add_argument("--kv-unified", action="store_true", help="serve with one KV cache shared by the slots")
+    ap.add_argument("--kv-unified", choices=["auto", "on", "off"], default="auto",
+                    help="the server's --kv-unified (auto: a stream per slot in one process)")
     ap.add_argument("--soak", type=int, default=0, help="run the soak with this many clients instead")
     ap.add_argument("--soak-model", default=None, help="GGUF for the soak (default: a synthetic one)")
     ap.add_argument("--parallel", type=int, default=4, help="server slots in the soak")

@@ -83,8 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before "
                    "new ones get 429")
     p.add_argument("--threads", type=int, default=1, help="threads per stage actor")
-    p.add_argument("--kv-unified", action="store_true", help="one KV cache stream shared by the slots "
-                   "(default: a stream per slot, whose attention spans only its own cells)")
+    p.add_argument("--kv-unified", choices=["auto", "on", "off"], default="auto",
+                   help="one KV cache stream shared by the slots (on), or a stream per slot whose attention "
+                   "spans only its own cells (off); auto: off in one process, on over a pipeline")
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for models "
                    "whose GGUF has none")
@@ -309,7 +310,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = EngineConfig(str(resolve_model(args.model)), n_stages=args.stages, address=args.address,
                        n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
                        max_queue=args.max_queue, threads_per_stage=args.threads,
-                       kv_unified=args.kv_unified,
+                       kv_unified={"auto": None, "on": True, "off": False}[args.kv_unified],
                        chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
     name = args.alias or Path(args.model).stem
     print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "

@@ -25,7 +25,7 @@ from .llama import GraphKey, GraphResult, LlamaGraphBuilder
 from .model import LlamaModel
 from .ubatch import Batch, BatchError, BatchSplitter, Ubatch
 
-MAX_GRAPHS = 32         # graphs kept by shape (GraphKey; ~2 MB each for SmolLM2) for continuous batching
+MAX_GRAPHS = 64         # graphs kept by shape (GraphKey; ~2 MB each for SmolLM2) for continuous batching
 
 
 @dataclass

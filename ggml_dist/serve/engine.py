@@ -13,9 +13,11 @@ again as soon as its logits are back, so stage k works on one group while stage 
 (vLLM's max_concurrent_batches). In one process depth is 1 and every idle sequence shares one batch.
 A sequence is in at most one micro-batch at a time, so its positions in a batch are consecutive and its
 KV writes happen in order. Every slot owns n_ctx / n_parallel cells of the cache, as in llama-server:
-by default a KV stream of its own (kv_unified=False, llama-server's default with an explicit --parallel),
-so a step's attention is one product per sequence over that sequence's cells; a micro-batch lists its
-sequences in slot order, so that consecutive slots form one ubatch (split_equal(sequential)).
+in one process a KV stream of its own (kv_unified=False, llama-server's default with an explicit
+--parallel), so a step's attention is one product per sequence over that sequence's cells; a micro-batch
+lists its sequences in slot order, so that consecutive slots form one ubatch (split_equal(sequential)).
+On a pipeline the slots share one stream by default: a graph bakes in its stream range, the pipeline's
+micro-batches hold different slot groups, and a pipelined context re-plans on every shape change.
 """
 from __future__ import annotations
 
@@ -109,7 +111,8 @@ class EngineConfig:
     threads_per_stage: int = 1
     n_copies: int | None = None             # micro-batches in flight on a pipeline (default: stages)
     chat_template: str | None = None        # Jinja source overriding the GGUF's tokenizer.chat_template
-    kv_unified: bool = False                # one KV stream shared by the slots (else one per slot)
+    kv_unified: bool | None = None          # one KV stream shared by the slots, or one per slot
+                                            # (None: per slot in one process, shared on a pipeline)
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_parallel <= 64:
@@ -117,6 +120,8 @@ class EngineConfig:
         if self.n_ctx // self.n_parallel < 8:
             raise ValueError(f"--ctx {self.n_ctx} over --parallel {self.n_parallel} leaves "
                              f"{self.n_ctx // self.n_parallel} cells per slot; raise --ctx")
+        if self.kv_unified is None:
+            self.kv_unified = self.n_stages > 1 or self.address is not None
         if self.n_stages < 1 or self.max_queue < 0:
             raise ValueError(f"--stages must be >= 1 and the queue bound >= 0 "
                              f"({self.n_stages}, {self.max_queue})")

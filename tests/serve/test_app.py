@@ -253,3 +253,17 @@ def test_health_before_ready(tmp_path):
         engine.ready.wait(10)
         h = tc.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "error" and "missing.gguf" in h.json()["error"]
+
+
+# in one process each slot gets a KV stream; over a pipeline the slots share one cache unless asked
+def test_kv_layout_per_engine(serve_model):
+    from ggml_dist.serve import Engine, EngineConfig
+    assert EngineConfig("m.gguf").kv_unified is False
+    assert EngineConfig("m.gguf", n_stages=2).kv_unified is True
+    assert EngineConfig("m.gguf", n_stages=2, kv_unified=False).kv_unified is False
+    engine = Engine(EngineConfig(serve_model, n_parallel=4, n_ctx=1024)).start()
+    try:
+        engine.wait_ready(120)
+        assert engine.ctx.kv.n_stream == 4 and engine.ctx.kv.kv_size == 256
+    finally:
+        engine.shutdown()
