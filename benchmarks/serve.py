@@ -11,7 +11,8 @@ token and inter-token latency. `single_stream_decode_tok_s` is generate()'s deco
 without the server, for comparison (the median of three runs of --max-tokens tokens). `batched_decode`
 gives the decode rate of steps taking one token from each of 1 and N sequences, without a server, here
 and (with llama-cpp-python installed) in llama.cpp on the same file, with a KV stream per sequence (the
-server's default) and with one unified cache: what batching itself can give on this machine. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad requests
+server's default) and with one unified cache: what batching itself can give on this machine. The soak
+mode mixes streaming, non-streaming, chat, early disconnects and bad requests
 from N clients and counts every unexpected answer as an error. Prints one JSON object.
 """
 from __future__ import annotations

@@ -25,6 +25,13 @@ from ..core.types import GGMLType, row_size
 N_KV_PAD = 256          # n_kv granularity: keeps graph shapes stable for 256 decode steps
 
 
+def kv_cells(n_ctx: int, n_seq_max: int = 1, unified: bool = True) -> tuple[int, int]:
+    """(cells per stream, streams): the context padded to 256 in one stream, or without a unified cache
+    n_ctx / n_seq_max padded to 256 in each of n_seq_max streams (ggml-mechanisms.md §4.7)."""
+    n_ctx = pad(n_ctx, N_KV_PAD)
+    return (n_ctx, 1) if unified else (pad(n_ctx // n_seq_max, N_KV_PAD), n_seq_max)
+
+
 class ContextFullError(RuntimeError):
     """No free cells for a ubatch: the context (KV cache) is full."""
 
@@ -185,8 +192,7 @@ class KVCache:
     def __init__(self, n_embd_k_gqa: int, n_embd_v_gqa: int, kv_size: int, layers: Iterable[int],
                  type_k: GGMLType = GGMLType.F16, type_v: GGMLType = GGMLType.F16,
                  n_seq_max: int = 1, unified: bool = True) -> None:
-        self.n_stream = 1 if unified else n_seq_max
-        self.kv_size = pad(kv_size, N_KV_PAD) if unified else pad(pad(kv_size, N_KV_PAD) // n_seq_max, N_KV_PAD)
+        self.kv_size, self.n_stream = kv_cells(kv_size, n_seq_max, unified)
         self.n_embd_k_gqa, self.n_embd_v_gqa = n_embd_k_gqa, n_embd_v_gqa
         self.type_k, self.type_v = type_k, type_v
         self.cells = KVCells(self.kv_size, n_seq_max, self.n_stream)
@@ -196,8 +202,9 @@ class KVCache:
         self.v_l: dict[int, Tensor] = {}
         ns = self.n_stream
         for il in self.layers:
-            self.k_l[il] = self.ctx.new_tensor(type_k, (n_embd_k_gqa, self.kv_size, ns)).set_name(f"cache_k_l{il}")
-            self.v_l[il] = self.ctx.new_tensor(type_v, (self.kv_size, n_embd_v_gqa, ns)).set_name(f"cache_v_l{il}")
+            k = self.ctx.new_tensor(type_k, (n_embd_k_gqa, self.kv_size, ns))
+            v = self.ctx.new_tensor(type_v, (self.kv_size, n_embd_v_gqa, ns))
+            self.k_l[il], self.v_l[il] = k.set_name(f"cache_k_l{il}"), v.set_name(f"cache_v_l{il}")
         self.buffers: list = []
 
     @property
@@ -243,7 +250,8 @@ class KVCache:
         # ne = (head_dim, n_kv, n_head_kv, ns)
         if self.n_stream == 1:
             return ops.view_3d(ctx, k, d, n_kv, n_head_kv, k.nb[1], row_size(k.type, d), 0)
-        return ops.view_4d(ctx, k, d, n_kv, n_head_kv, ns, k.nb[1], row_size(k.type, d), k.nb[2], k.nb[2] * s0)
+        return ops.view_4d(ctx, k, d, n_kv, n_head_kv, ns, k.nb[1], row_size(k.type, d), k.nb[2],
+                           k.nb[2] * s0)
 
     def get_v(self, ctx: Context, il: int, n_kv: int, n_head_kv: int, s0: int = 0, ns: int = 1) -> Tensor:
         v = self.v_l[il]

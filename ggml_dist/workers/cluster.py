@@ -27,6 +27,7 @@ from ..core.graph import Graph
 from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..model.context import ContextParams, LlamaContext, StageLostError
+from ..model.kv_cache import kv_cells
 from ..model.model import LlamaModel
 from .placement import Placement, place
 from .proxy import Call, Exports, RemoteBuffer, StageDevice, StageProxy
@@ -148,7 +149,8 @@ class Pipeline:
         model = LlamaModel.load(model_path)
         hp = model.hp
         kv_size = 2 if params.type_k == GGMLType.F16 else 4
-        placement = place(model.file, hp, n_stages, params.n_ctx, kv_size, 0, 1, budgets, layers)
+        cells, n_stream = kv_cells(params.n_ctx, params.n_seq_max, params.kv_unified)
+        placement = place(model.file, hp, n_stages, cells * n_stream, kv_size, 0, 1, budgets, layers)
         actor_cls = ray.remote(num_cpus=threads_per_stage, max_restarts=max_restarts,
                                max_task_retries=0)(StageActor)
         actors, proxies, specs = [], [], []

@@ -110,7 +110,8 @@ def test_streams_match_solo_runs(model):
         solo = LlamaContext(model, ContextParams(n_ctx=256))
         solo.decode(Batch.from_tokens(p))
         for k in range(4):
-            assert np.array_equal(solo.decode(Batch.from_tokens([9 + k + s], pos0=len(p) + k))[0], steps[k][s])
+            lg = solo.decode(Batch.from_tokens([9 + k + s], pos0=len(p) + k))[0]
+            assert np.array_equal(lg, steps[k][s])
     # the prompts take 3 ubatches (2 tokens of each, then seq 0 and seq 2 apart: not consecutive), then
     # every step is one ubatch of one shape
     assert ctx.n_rebuilt == 4 and ctx.n_reused == 3

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ggml_dist.model.kv_cache import ContextFullError, KVCache, KVCells
+from ggml_dist.model.kv_cache import ContextFullError, KVCache, KVCells, kv_cells
 
 
 # slots are taken from the head onwards and n_kv is padded to 256
@@ -103,3 +103,9 @@ def test_streams_tensors_and_v_idxs():
     idx = kv.v_idxs(np.array([2 * 256 + 5]))
     assert list(idx) == [(2 * 4 + j) * 256 + 5 for j in range(4)]
     assert KVCache(8, 4, 1000, range(1), n_seq_max=3, unified=False).kv_size == 512   # 1024 / 3 -> 512
+
+
+# cells per stream and streams, as KVCache and a pipeline's placement count them
+def test_kv_cells():
+    assert kv_cells(1000) == (1024, 1) and kv_cells(2048, 8, unified=False) == (256, 8)
+    assert kv_cells(1000, 3, unified=False) == (512, 3)

@@ -75,7 +75,8 @@ def test_pipeline_streams(local_ray, model_path):
                    [frozenset({s}) for s in (0, 0, 0, 1, 1, 1, 2, 2, 2)], np.ones(9, bool))]
     n_past = [3, 3, 3]
     for k, seqs in enumerate([(0, 1, 2), (0, 2), (0, 1, 2)]):
-        steps.append(Batch(np.array([5 + k] * len(seqs), np.int32), np.array([n_past[s] for s in seqs], np.int32),
+        steps.append(Batch(np.array([5 + k] * len(seqs), np.int32),
+                           np.array([n_past[s] for s in seqs], np.int32),
                            [frozenset({s}) for s in seqs], np.ones(len(seqs), bool)))
         for s in seqs:
             n_past[s] += 1
