@@ -3,8 +3,9 @@
     decode(batch):  for each ubatch:  find slot -> apply -> reuse or (reset, build, alloc) -> set inputs
                                       -> compute -> collect the output rows' logits
 
-A graph is rebuilt only when its GraphKey (n_tokens, n_outputs, n_kv padded to 256) changes; a reused
-graph keeps the scheduler's splits and the allocator's plan, and only its input tensors are rewritten.
+A graph is rebuilt only when its GraphKey (n_tokens, n_outputs, n_kv padded to 256, and without a
+unified KV cache the ubatch's stream range) changes; a reused graph keeps the scheduler's splits and the
+allocator's plan, and only its input tensors are rewritten.
 """
 from __future__ import annotations
 

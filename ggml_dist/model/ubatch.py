@@ -1,8 +1,9 @@
 """Batches and their split into ubatches (llama_batch_allocr; ggml-mechanisms.md §4.5).
 
 A Batch is what a caller submits (tokens with positions, sequence ids and output flags). The splitter
-hands out ubatches of at most n_ubatch tokens in one of llama.cpp's three modes; the unified KV cache
-used here takes split_simple, and split_equal / split_seq exist for multi-stream layouts and tests.
+hands out ubatches of at most n_ubatch tokens in one of llama.cpp's three modes: the unified KV cache
+takes split_simple, a cache with a stream per sequence split_equal(sequential=True) (one group of equal
+length per stream); split_seq is there for the other memory kinds and tests.
 """
 from __future__ import annotations
 
