@@ -182,6 +182,7 @@ class LlamaContext:
         if batch.n_tokens > self.params.n_batch:
             raise BatchError(f"batch of {batch.n_tokens} tokens exceeds n_batch={self.params.n_batch}; "
                              f"split it or raise n_batch")
+        batch.check_positions(self.kv.cells.seq_pos_min, self.kv.cells.seq_pos_max)
         self._check_room(batch)
         records = []
         splitter = BatchSplitter(batch)

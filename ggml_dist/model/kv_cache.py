@@ -91,6 +91,10 @@ class KVCells:
         m = self._seq_mask(seq_id)
         return int(self.pos[m].max()) if m.any() else -1
 
+    def seq_pos_min(self, seq_id: int) -> int:
+        m = self._seq_mask(seq_id)
+        return int(self.pos[m].min()) if m.any() else -1
+
     def _seq_mask(self, seq_id: int) -> np.ndarray:
         return (self.seq & np.uint64(1 << seq_id)) != 0
 

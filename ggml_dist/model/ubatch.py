@@ -8,6 +8,7 @@ length per stream); split_seq is there for the other memory kinds and tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -50,6 +51,40 @@ class Batch:
         for i, s in enumerate(self.seq_ids):
             if not s or min(s) < 0 or max(s) >= n_seq_max:
                 raise BatchError(f"token {i}: sequence ids {sorted(s)} outside 0..{n_seq_max - 1}")
+
+    def check_positions(self, seq_pos_min: Callable[[int], int], seq_pos_max: Callable[[int], int]) -> None:
+        """llama_batch_allocr::init's consistency checks against the memory (the KV cache's first and
+        last position of each sequence, -1 if it holds none): a sequence continues at its last position
+        + 1, its positions in the batch have no gaps and do not decrease, a token shared by sequences
+        keeps them in the same sets, and sequences shared this way have not diverged in the cache."""
+        seq_pos: dict[int, set[int]] = {}
+        for p, ss in zip(self.pos.tolist(), self.seq_ids):
+            for q in ss:
+                seq_pos.setdefault(q, set()).add(p)
+        for q, ps in seq_pos.items():
+            p0, lo, hi = seq_pos_max(q), min(ps), max(ps)
+            if p0 >= 0 and lo != p0 + 1:
+                raise BatchError(f"the tokens of sequence {q} have inconsistent positions: the KV cache holds "
+                                 f"it up to position {p0}, the batch starts it at {lo}; positions must stay "
+                                 f"consecutive ({p0 + 1})")
+            if hi - lo + 1 > len(ps):
+                raise BatchError(f"sequence {q}: positions {lo}..{hi} in the batch are not continuous")
+        cur_set: dict[int, frozenset[int]] = {}
+        cur_pos: dict[int, int] = {}
+        for p, ss in zip(self.pos.tolist(), self.seq_ids):
+            for q in ss:
+                cur_set[q] = cur_set.get(q, ss) & ss
+                if not cur_set[q]:
+                    raise BatchError(f"sequence {q} belongs to incompatible sequence sets in the batch")
+                if p < cur_pos.get(q, -1):
+                    raise BatchError(f"sequence {q}: positions decrease within the batch")
+                cur_pos[q] = p
+        for ss in {ss for ss in self.seq_ids if len(ss) > 1}:
+            q0 = min(ss)
+            for q in ss:
+                if (seq_pos_min(q), seq_pos_max(q)) != (seq_pos_min(q0), seq_pos_max(q0)):
+                    raise BatchError(f"sequence {q} shares tokens with sequence {q0} in the batch, but their "
+                                     f"cached positions have diverged")
 
 
 @dataclass

@@ -128,3 +128,22 @@ def test_streams_room_and_shared_tokens(model):
         ctx.decode(Batch(np.array([3], np.int32), np.array([200], np.int32), [frozenset({0, 1})],
                          np.ones(1, bool)))
     assert ctx.kv.cells.used == 400
+
+
+# positions that do not continue a sequence, gaps, decreasing positions and diverged shared sequences are
+# refused before anything is written (llama_batch_allocr's consistency checks)
+def test_inconsistent_positions(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=256, n_seq_max=3))
+    ctx.decode(Batch.from_tokens([1, 5, 6]))
+    bad = [(Batch.from_tokens([7], pos0=5), "inconsistent positions"),
+           (Batch(np.array([7, 8], np.int32), np.array([3, 5], np.int32), [frozenset({0})] * 2,
+                  np.ones(2, bool)), "not continuous"),
+           (Batch(np.array([7, 8], np.int32), np.array([1, 0], np.int32), [frozenset({1})] * 2,
+                  np.ones(2, bool)), "decrease"),
+           (Batch(np.array([7], np.int32), np.array([3], np.int32), [frozenset({0, 1})],
+                  np.ones(1, bool)), "diverged")]
+    for batch, msg in bad:
+        with pytest.raises(BatchError, match=msg):
+            ctx.decode(batch)
+    assert ctx.kv.cells.used == 3 and ctx.seq_pos_max(0) == 2
+    ctx.decode(Batch.from_tokens([7], pos0=3))                    # the next position is fine
