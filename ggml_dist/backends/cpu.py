@@ -149,8 +149,7 @@ class BoundGraph:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self.steps: list[tuple] = []
-        self.calls: list = []           # the steps as bound calls (cpu_ops.bind): what run() replays
+        self.calls: list = []           # one bound call per computed node (cpu_ops.bind): what run() replays
         tensors: dict[Tensor, None] = {}
         consumers: dict[Tensor, list[Tensor]] = {}
         for t in graph.nodes:
@@ -160,12 +159,10 @@ class BoundGraph:
         for t in graph.nodes:
             if t.op in _NO_COMPUTE or not t.flags & TensorFlag.COMPUTE:
                 continue
-            kernel = KERNELS.get(t.op)
-            if kernel is None:
+            if t.op not in KERNELS:
                 raise UnsupportedOpError(f"CPU backend has no kernel for {t.op.name} ('{t.name}')")
             srcs = [tensor_array(x) if x is not None else None for x in t.src]
-            self.steps.append((kernel, t, tensor_array(t), srcs))
-            self.calls.append(bind(t, self.steps[-1][2], srcs, consumers, tensor_array))
+            self.calls.append(bind(t, tensor_array(t), srcs, consumers, tensor_array))
             tensors[t] = None
             tensors.update((x, None) for x in t.src if x is not None)
         self.sig = [(t, t.buffer, t.data) for t in tensors]
