@@ -224,35 +224,12 @@ def _fma(typingctx, a, b, c):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-def _widen(v):
-    """A weight element as float32: f16 bits decoded (uint16), float32 as is (typed by overload)."""
-
-
-@overload(_widen, inline="always")
-def _widen_impl(v):
-    if v == types.uint16:
-        return lambda v: _half(v)
-    if v == types.float32:
-        return lambda v: v
-    return None
-
-
+@njit(cache=True, inline="always")
 def _mac(w, y, acc):
-    """One lane update fma(w, y, acc) with the numpy reference's bits (typed by overload on w)."""
-
-
-@overload(_mac, inline="always")
-def _mac_impl(w, y, acc):
-    if w == types.float32:
-        # f16 weights and activations: f32 operands w, y of <= 11 significant bits. The reference's
-        # f32(f64(w*y) + f64(acc)) equals the one-rounding fma: w*y is exact in f64 and the f64 sum is
-        # inexact only when one addend is below 2^-28 of the other, far below half an f32 ulp of the
-        # result, where both roundings return the larger addend.
-        return lambda w, y, acc: _fma(w, y, acc)
-    if w == types.float64:
-        # f32 weights: 48-bit products, where f64 double rounding can differ from fma: emulate it
-        return lambda w, y, acc: F32(w * y + F64(acc))
-    return None
+    """One lane update fma(w, y, acc) of the F32-weight kernel with the numpy reference's bits: w, y are
+    float64 lanes holding f32 values, whose 48-bit product is exact; f32(f64 sum) as the reference rounds
+    (f64 double rounding can differ from a one-rounding fma here)."""
+    return F32(w * y + F64(acc))
 
 
 # Attention products skip what cannot change the result, as ggml's flash attention does (it skips cells
@@ -296,7 +273,7 @@ def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
     else:
         rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
         K = w.shape[3]
-        _mm(w, x, dst, tiny, False, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
+        _mm(w, x, dst, tiny, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
 
 
 # F16 weights (the KV cache): one dot product per (activation row, weight row), each a _vdot32/_vdot8
@@ -460,8 +437,8 @@ def _mm_h_rows_par(w, x, dst, tiny, n_chunks, mask, skip):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _mm(w, x, dst, tiny, half, wt, yr):
-    """mul_mat with scratch wt [K * _RB] and yr [r3 * r2 * _NB, K * _RB] of the lane type."""
+def _mm(w, x, dst, tiny, wt, yr):
+    """mul_mat of F32 weights with float64 scratch wt [K * _RB] and yr [r3 * r2 * _NB, K * _RB]."""
     A3, A2, M, K = w.shape
     B3, B2, N = x.shape[0], x.shape[1], x.shape[2]
     r2, r3 = B2 // A2, B3 // A3
@@ -480,7 +457,7 @@ def _mm(w, x, dst, tiny, half, wt, yr):
                     for i2 in range(a2 * r2, a2 * r2 + r2):
                         for n in range(n0, n0 + nn):
                             o = i3 * x3 + i2 * x2 + n * x1
-                            _load_row(xf[o:o + K], half, nl, yr[j])
+                            _load_row(xf[o:o + K], nl, yr[j])
                             j += 1
                 for m0 in range(0, M, _RB):
                     nr = min(_RB, M - m0)
@@ -499,15 +476,15 @@ def _mm(w, x, dst, tiny, half, wt, yr):
                                 else:
                                     _fold_hb(acc, res)
                                     if ks < K:
-                                        _tail(wt, yj, res, ks, K, half)
+                                        _tail(wt, yj, res, ks, K)
                                 for r in range(nr):
                                     dst[i3, i2, n, m0 + r] = res[r]
 
 
 @njit(cache=True, inline="always")
-def _load_row(xr, half, nl, yj):
-    """yj = the activation row xr (f16-rounded if half) in the lane layout: each step's nl elements once
-    per weight row; the vec_dot tail element k at k * _RB."""
+def _load_row(xr, nl, yj):
+    """yj = the activation row xr in the lane layout: each step's nl elements once per weight row; the
+    vec_dot tail element k at k * _RB."""
     K = xr.shape[0]
     ks = K - K % nl
     for k0 in range(0, ks, nl):
@@ -515,9 +492,9 @@ def _load_row(xr, half, nl, yj):
         for r in range(_RB):
             ys = yj[k0 * _RB + r * nl:k0 * _RB + (r + 1) * nl]
             for l in range(nl):
-                ys[l] = _round_half(xs[l]) if half else xs[l]
+                ys[l] = xs[l]
     for k in range(ks, K):
-        yj[k * _RB] = _round_half(xr[k]) if half else xr[k]
+        yj[k * _RB] = xr[k]
 
 
 @njit(cache=True, inline="always")
@@ -533,9 +510,9 @@ def _widen_row(src, nl, r, wt):
         else:
             ss = src[k0:k0 + nl]
             for l in range(nl):
-                ws[l] = _widen(ss[l])
+                ws[l] = ss[l]
     for k in range(ks, K):
-        wt[k * _RB + r] = 0 if src is None else _widen(src[k])
+        wt[k * _RB + r] = 0 if src is None else src[k]
 
 
 @njit(cache=True, inline="always")
@@ -570,19 +547,13 @@ def _fold_hb(acc, res):
 
 
 @njit(cache=True, inline="always")
-def _tail(wt, yj, res, ks, K, half):
-    """The leftover K % 32 products, each rounded to f32: summed in double (f16) or in float (f32)."""
+def _tail(wt, yj, res, ks, K):
+    """The leftover K % 32 products (ggml_vec_dot_f32's), each rounded to f32 and summed in float."""
     for r in range(_RB):
-        if half:
-            sd = F64(res[r])
-            for k in range(ks, K):
-                sd += F64(F32(wt[k * _RB + r] * yj[k * _RB]))
-            res[r] = F32(sd)
-        else:
-            sf = res[r]
-            for k in range(ks, K):
-                sf = F32(sf + F32(wt[k * _RB + r] * yj[k * _RB]))
-            res[r] = sf
+        sf = res[r]
+        for k in range(ks, K):
+            sf = F32(sf + F32(wt[k * _RB + r] * yj[k * _RB]))
+        res[r] = sf
 
 
 # ------------------------------------------------------------------------------------------------
