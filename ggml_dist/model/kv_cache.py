@@ -179,12 +179,13 @@ class KVCells:
         group of tokens per stream): 0 where the cell of the token's stream holds the token's sequence at a
         position <= the token's, -inf elsewhere (empty cells and padding included)."""
         mask = np.full((len(pos), n_kv), -np.inf, dtype=np.float32)
-        for i, (p, s) in enumerate(zip(pos, seq_ids)):
-            q = min(s)
-            c0 = self.stream_of(q) * self.size
+        seq_of = np.array([min(s) for s in seq_ids])
+        for q in np.unique(seq_of):                     # all the rows of one sequence at once
+            rows = np.flatnonzero(seq_of == q)
+            c0 = self.stream_of(int(q)) * self.size
             cpos, cseq = self.pos[c0:c0 + n_kv], self.seq[c0:c0 + n_kv]
-            ok = (cpos >= 0) & ((cseq & np.uint64(1 << q)) != 0) & (cpos <= p)
-            mask[i, ok] = 0.0
+            held = (cpos >= 0) & ((cseq & np.uint64(1 << int(q))) != 0)
+            mask[rows] = np.where(held[None, :] & (cpos[None, :] <= np.asarray(pos)[rows, None]), 0.0, -np.inf)
         return mask if self.n_stream == 1 else mask.reshape(n_seqs, -1, n_kv)
 
 
