@@ -242,7 +242,7 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
     x = srcs[1]
     xm = x.reshape(-1, x.shape[-1]) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     direct = dst.flags.c_contiguous
-    r = pw.mul_mat(xm, dst.reshape(xm.shape[0], -1) if direct else None)
+    r = pw.mul_mat(xm, dst.reshape(xm.shape[0], dst.shape[-1]) if direct else None)
     if r is None:                       # a non-finite activation: the generic path gives ggml's values
         return False
     if not direct:
@@ -262,7 +262,7 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
             or not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous)):
         return None
     w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
-    out = dst.reshape(xm.shape[0], -1)
+    out = dst.reshape(xm.shape[0], dst.shape[-1])          # N may be 0: a ubatch without outputs
     bound: list = [None]
 
     def run(opts: ComputeOptions) -> None:

@@ -117,6 +117,24 @@ def test_streams_match_solo_runs(model):
     assert ctx.n_rebuilt == 4 and ctx.n_reused == 3
 
 
+# a ubatch without output rows (here seq 2's prompt token, split off from seq 0 since streams 0 and 2 are
+# not consecutive) runs its graph with an empty output product; later steps match solo runs
+def test_ubatch_without_outputs(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=768, n_seq_max=3, kv_unified=False))
+    two = [frozenset({0}), frozenset({2})]
+    ctx.decode(Batch(np.array([1, 1], np.int32), np.array([0, 0], np.int32), two, np.ones(2, bool)))
+    first = ctx.decode(Batch(np.array([20, 60], np.int32), np.array([1, 1], np.int32), two,
+                             np.array([True, False])))
+    last = ctx.decode(Batch(np.array([21, 61], np.int32), np.array([2, 2], np.int32), two, np.ones(2, bool)))
+    assert first.shape == (1, model.hp.n_vocab)
+    for row, (a, b) in enumerate(((20, 21), (60, 61))):
+        solo = LlamaContext(model, ContextParams(n_ctx=256))
+        lg = solo.decode(Batch.from_tokens([1, a]))
+        if row == 0:
+            assert np.array_equal(lg[-1], first[0])
+        assert np.array_equal(solo.decode(Batch.from_tokens([b], pos0=2))[0], last[row])
+
+
 # with streams, each sequence has n_ctx / n_seq_max cells, and a token cannot belong to two streams
 def test_streams_room_and_shared_tokens(model):
     ctx = LlamaContext(model, ContextParams(n_ctx=512, n_seq_max=2, kv_unified=False))
