@@ -5,7 +5,8 @@
         1. reap     sequences that are cancelled and not in flight free their slot (seq_rm)
         2. admit    queued requests take free slots; the slot index is the KV sequence id
         3. fill     while fewer than `depth` micro-batches are in flight and some sequences are idle,
-                    submit a micro-batch: one token per decoding sequence, then prompt chunks
+                    submit a micro-batch: one token per decoding sequence, then prompt chunks (with a
+                    KV stream per slot, short prompts one token per step beside decodes: _short_chunk)
         4. collect  wait for the oldest micro-batch; sample each output row, stream the text
 
 On a pipeline of K stages `depth` is K: the active sequences fall into K groups, and a group is sent
@@ -39,6 +40,10 @@ from ..model.tokenizer import Tokenizer
 from ..model.ubatch import Batch
 from .metrics import Metrics
 from .stop import StopMatcher
+
+
+TRICKLE = 16        # with a KV stream per slot, prompts with at most this many tokens left trickle in
+                    # beside decoding sequences (Engine._short_chunk)
 
 
 class QueueFull(RuntimeError):
@@ -291,13 +296,19 @@ class Engine:
             # decoding sequences first (one token each), then prompt chunks in what is left of n_batch;
             # the batch lists them in slot order
             idle.sort(key=lambda s: s.prefilling)
+            idle = idle[:per_batch]
+            short = self._short_chunk(idle)
             chosen: list[tuple[Sequence, list[int]]] = []
             n_tokens = 0
-            for s in idle[:per_batch]:
+            for s in idle:
                 budget = self.cfg.n_batch - n_tokens
                 if budget <= 0:
                     break
-                chunk = s.req.prompt[s.n_past:s.n_past + budget] if s.prefilling else [s.history[-1]]
+                if not s.prefilling:
+                    chunk = [s.history[-1]]
+                else:
+                    left = len(s.req.prompt) - s.n_past
+                    chunk = s.req.prompt[s.n_past:s.n_past + min(budget, short if left <= TRICKLE else left)]
                 chosen.append((s, chunk))
                 n_tokens += len(chunk)
             tokens: list[int] = []
@@ -320,6 +331,23 @@ class Engine:
             pending = self.ctx.submit(batch)
             self.busy_s += time.perf_counter() - t0
             self._in_flight.append(MicroBatch(pending, parts))
+
+    def _short_chunk(self, batch: list[Sequence]) -> int:
+        """Tokens that a short prompt (at most TRICKLE left) puts in this batch.
+
+        With a KV stream per slot, a ubatch takes the same number of tokens from each of a run of
+        consecutive sequences (split_equal(sequential)): a prompt chunk beside one-token decodes is
+        split off into ubatches of its own, each a graph run with its fixed cost (about a one-token
+        step) plus a build and plan when its shape is new (~70 ms). So beside decoding sequences a
+        short prompt goes in one token per step, and short prompts starting together take equal
+        chunks (the shortest one's length), which keeps each step one ubatch. A prompt longer than
+        TRICKLE takes its chunk as before: its own ubatch is cheaper than that many steps."""
+        if self.cfg.kv_unified:
+            return self.cfg.n_batch                 # split_simple: any mix of chunks is one ubatch
+        if any(not s.prefilling for s in batch):
+            return 1
+        lefts = [len(s.req.prompt) - s.n_past for s in batch]
+        return min([n for n in lefts if n <= TRICKLE], default=1)
 
     def _collect(self, mb: MicroBatch) -> None:
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ for _mod in ("fastapi", "uvicorn", "httpx", "openai"):     # the serve extras
 
 import asyncio  # noqa: E402
 import re  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import httpx  # noqa: E402
@@ -267,3 +268,52 @@ def test_kv_layout_per_engine(serve_model):
         assert engine.ctx.kv.n_stream == 4 and engine.ctx.kv.kv_size == 256
     finally:
         engine.shutdown()
+
+
+# with a KV stream per slot, a short prompt joining decoding sequences goes in one token per step (each
+# step stays one ubatch); a prompt longer than TRICKLE still takes one chunk; the text is unchanged
+def test_short_prompts_trickle_in(serve_model, model):
+    from ggml_dist.model.sampling import SamplingParams
+    from ggml_dist.serve import Engine, EngineConfig
+    from ggml_dist.serve.engine import TRICKLE, Request
+    engine = Engine(EngineConfig(serve_model, n_parallel=3, n_ctx=768)).start()
+    engine.wait_ready(120)
+    batches: list[list[tuple[int, int]]] = []             # per batch: (slot, tokens) in slot order
+    submit = engine.ctx.submit
+
+    def spy(batch):
+        slots = [min(s) for s in batch.seq_ids]
+        batches.append([(s, slots.count(s)) for s in sorted(set(slots))])
+        return submit(batch)
+    engine.ctx.submit = spy
+    tok = model.tokenizer
+    long_prompt = " ".join(["word"] * (TRICKLE + 8))
+    prompts = [PROMPTS[4], PROMPTS[1], long_prompt]
+    ids = [tok.encode(p, add_special=True, parse_special=True) for p in prompts]
+    assert len(ids[1]) <= TRICKLE < len(ids[2])
+    texts = ["", "", ""]
+    done = [threading.Event() for _ in prompts]
+
+    def on_event(k):
+        def f(ev):
+            texts[k] += ev.text
+            if ev.finish_reason:
+                done[k].set()
+        return f
+    try:
+        engine.submit(Request(ids[0], 24, SamplingParams(), (), on_event(0)))
+        t0 = time.monotonic()
+        while len(batches) < 3:                            # the first sequence is decoding
+            assert time.monotonic() - t0 < 60
+            time.sleep(0.005)
+        for k in (1, 2):
+            engine.submit(Request(ids[k], 8, SamplingParams(), (), on_event(k)))
+        while not all(d.is_set() for d in done):
+            assert time.monotonic() - t0 < 60
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    assert texts == [reference(model, p, n) for p, n in zip(prompts, (24, 8, 8))]
+    joined = [b for b in batches if (1, 1) in b or any(s == 1 and n > 1 for s, n in b)]
+    assert joined and all(dict(b)[1] == 1 for b in joined if 0 in dict(b))   # beside a decode: 1 token
+    assert any(n == len(ids[2]) for b in batches for s, n in b if s == 2)   # the long prompt: one chunk
