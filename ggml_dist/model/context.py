@@ -361,7 +361,17 @@ class LlamaContext:
             self._prune_log()
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        self.kv.cells.seq_cp(src, dst, p0, p1)
+        """dst joins src's cells; between KV streams, src's whole stream is copied into dst's (once
+        the work in flight has written its cells)."""
+        cells = self.kv.cells
+        ss, sd = cells.stream_of(src), cells.stream_of(dst)
+        if ss != sd and self.recoverable:
+            raise ValueError(f"seq_cp({src}, {dst}): a copy between KV streams is not replayed after a "
+                             f"stage loss; this pipeline needs a unified KV cache for it")
+        cells.seq_cp(src, dst, p0, p1)
+        if ss != sd:
+            self.sched.synchronize()
+            self.kv.copy_stream(ss, sd)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.kv.cells.seq_pos_max(seq_id)

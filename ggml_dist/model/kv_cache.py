@@ -17,6 +17,7 @@ from typing import Iterable
 
 import numpy as np
 
+from ..backends.base import tensor_array, tensor_get, tensor_set
 from ..core import ops
 from ..core.context import Context
 from ..core.tensor import Tensor
@@ -153,9 +154,21 @@ class KVCells:
             self.heads[st] = min(self.heads[st], c)
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        if self.stream_of(src) != self.stream_of(dst):
-            raise ValueError(f"seq_cp({src}, {dst}): the sequences own different KV streams; copying a "
-                             f"sequence's cells needs a unified KV cache (kv_unified=True)")
+        """dst joins src's cells with p0 <= pos < p1. Across streams (llama_kv_cache::seq_cp), the
+        whole sequence only: dst's stream is reset to src's cells, cell for cell, and its head to src's;
+        the caller copies the stream's K and V (KVCache.copy_stream)."""
+        ss, sd = self.stream_of(src), self.stream_of(dst)
+        if ss != sd:
+            if p0 > 0 or p1 >= 0:
+                raise ValueError(f"seq_cp({src}, {dst}, {p0}, {p1}): the sequences own different KV "
+                                 f"streams, and a copy between streams takes the whole sequence "
+                                 f"(p0=0, p1=-1), as llama.cpp's")
+            src_cells, dst_cells = self._cells(ss), self._cells(sd)
+            has = (self.seq[src_cells] & np.uint64(1 << src)) != 0
+            self.pos[dst_cells] = np.where(has, self.pos[src_cells], -1)
+            self.seq[dst_cells] = np.where(has, np.uint64(1 << dst), np.uint64(0))
+            self.heads[sd] = self.heads[ss]
+            return
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
         m = self._seq_mask(src) & (self.pos >= p0) & (self.pos < p1)
         self.seq[m] |= np.uint64(1 << dst)
@@ -246,6 +259,18 @@ class KVCache:
             for t, o in zip(ts, offs):
                 t.buffer, t.data = buf, o
             self.buffers.append(buf)
+
+    def copy_stream(self, src: int, dst: int) -> None:
+        """Stream src's K and V into stream dst, in every layer (the buffer half of a cross-stream
+        seq_cp): in place on host buffers, through get/set_tensor on others."""
+        for t in self.tensors():
+            if getattr(t.buffer, "base", None) is not None:
+                a = tensor_array(t)                     # [1, n_stream, ...]: dim 1 is the stream
+                a[0, dst] = a[0, src]
+            else:
+                a = tensor_get(t)
+                a[0, dst] = a[0, src]
+                tensor_set(t, a)
 
     # -- graph pieces (llama_kv_cache::get_k / get_v / cpy_k / cpy_v) -----------------------------------
     # s0, ns: the ubatch's streams s0 .. s0+ns-1 (one per group of its tokens); dim 3 of the views

@@ -3,7 +3,8 @@
     submit(request)   -> the admission queue (bounded: QueueFull past max_queue)
     engine thread, each turn:
         1. reap     sequences that are cancelled and not in flight free their slot (seq_rm)
-        2. admit    queued requests take free slots; the slot index is the KV sequence id
+        2. admit    queued requests take free slots; the slot index is the KV sequence id (with a KV
+                    stream per slot, busy slots are first packed at the bottom: _compact)
         3. fill     while fewer than `depth` micro-batches are in flight and some sequences are idle,
                     submit a micro-batch: one token per decoding sequence, then prompt chunks (with a
                     KV stream per slot, short prompts one token per step beside decodes: _short_chunk)
@@ -248,6 +249,7 @@ class Engine:
                 if self._stopping:
                     break
                 self._reap()
+                self._compact()
                 self._admit()
             try:
                 self._fill()
@@ -268,6 +270,30 @@ class Engine:
         for s in self._slots:
             if s is not None and s.req.cancelled and not s.in_flight:
                 self._finish(s, "cancelled")
+
+    def _compact(self) -> None:
+        """Keep the busy slots at the bottom: the sequence in the highest busy slot moves into the
+        lowest free one (seq_cp between KV streams, then seq_rm), before new requests take slots.
+
+        With a KV stream per slot, a ubatch spans consecutive streams (split_equal(sequential)), so
+        busy slots 0,1,2 and 4..7 decode as two ubatches, each a graph run with its fixed cost, and
+        every such pattern has graph shapes of its own (its stream ranges) to build and plan. Moving a
+        sequence copies its stream's K and V (30 layers x 2 x 256 cells x 192 dims f16 for SmolLM2:
+        ~6 MB, about a millisecond), once per finished request. One process only: a pipeline's stages
+        hold the cache, and its slots share one stream by default."""
+        if self.cfg.kv_unified or self.pipeline is not None:
+            return
+        assert self.ctx is not None
+        while True:
+            busy = [k for k, s in enumerate(self._slots) if s is not None]
+            free = [k for k, s in enumerate(self._slots) if s is None]
+            if not busy or not free or free[0] > busy[-1] or self._slots[busy[-1]].in_flight:
+                return
+            src, dst = busy[-1], free[0]
+            s = self._slots[src]
+            self.ctx.seq_cp(src, dst)
+            self.ctx.seq_rm(src)
+            s.slot, self._slots[dst], self._slots[src] = dst, s, None
 
     def _admit(self) -> None:
         while self._queue and None in self._slots:

@@ -135,6 +135,21 @@ def test_ubatch_without_outputs(model):
         assert np.array_equal(solo.decode(Batch.from_tokens([b], pos0=2))[0], last[row])
 
 
+# a sequence moved to another stream (seq_cp across streams, then seq_rm) decodes on with the same bits
+def test_sequence_moved_between_streams(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=768, n_seq_max=3, kv_unified=False))
+    ctx.decode(Batch.from_tokens([1, 20, 30], seq_id=0))
+    ctx.decode(Batch.from_tokens([1, 60, 70, 80], seq_id=2))
+    ctx.seq_cp(2, 1)
+    ctx.seq_rm(2)
+    assert ctx.seq_pos_max(1) == 3 and ctx.seq_pos_max(2) == -1
+    moved = ctx.decode(Batch(np.array([9, 90], np.int32), np.array([3, 4], np.int32),
+                             [frozenset({0}), frozenset({1})], np.ones(2, bool)))
+    solo = LlamaContext(model, ContextParams(n_ctx=256))
+    solo.decode(Batch.from_tokens([1, 60, 70, 80]))
+    assert np.array_equal(solo.decode(Batch.from_tokens([90], pos0=4))[0], moved[1])
+
+
 # with streams, each sequence has n_ctx / n_seq_max cells, and a token cannot belong to two streams
 def test_streams_room_and_shared_tokens(model):
     ctx = LlamaContext(model, ContextParams(n_ctx=512, n_seq_max=2, kv_unified=False))

@@ -86,11 +86,17 @@ def test_streams_kq_mask():
     assert list(m[0, 0, :3]) == [0, 0, -np.inf] and list(m[1, 0, :2]) == [0, -np.inf]
 
 
-# sharing cells between sequences needs one stream
-def test_streams_seq_cp_refused():
-    c = KVCells(256, 2, n_stream=2)
-    with pytest.raises(ValueError, match="kv_unified"):
-        c.seq_cp(0, 1)
+# between streams, seq_cp copies the whole sequence: dst's stream becomes src's cells, cell for cell, with
+# src's head; a part of a sequence is refused (llama.cpp asserts the same)
+def test_streams_seq_cp_whole_stream():
+    c = KVCells(256, 3, n_stream=3)
+    c.apply(np.array([0, 1, 2, 256 + 5]), np.array([0, 1, 2, 0]), [frozenset({0})] * 3 + [frozenset({1})])
+    c.seq_rm(0, 1, 2)                                   # a hole at cell 1
+    with pytest.raises(ValueError, match="whole sequence"):
+        c.seq_cp(0, 1, 0, 2)
+    c.seq_cp(0, 1)
+    assert list(c.pos[256:259]) == [0, -1, 2] and c.used_in(1) == 2 and c.heads[1] == c.heads[0] == 1
+    assert c.seq_pos_max(1) == 2 and c.seq_pos_max(0) == 2 and c.used_in(0) == 2
     with pytest.raises(ValueError, match="n_stream"):
         KVCells(256, 4, n_stream=2)
 

@@ -271,7 +271,8 @@ def test_kv_layout_per_engine(serve_model):
 
 
 # with a KV stream per slot, a short prompt joining decoding sequences goes in one token per step (each
-# step stays one ubatch); a prompt longer than TRICKLE still takes one chunk; the text is unchanged
+# step stays one ubatch), a prompt longer than TRICKLE still takes one chunk, and a sequence moves down
+# into a slot freed below it; the text is unchanged
 def test_short_prompts_trickle_in(serve_model, model):
     from ggml_dist.model.sampling import SamplingParams
     from ggml_dist.serve import Engine, EngineConfig
@@ -286,6 +287,9 @@ def test_short_prompts_trickle_in(serve_model, model):
         batches.append([(s, slots.count(s)) for s in sorted(set(slots))])
         return submit(batch)
     engine.ctx.submit = spy
+    moves: list[tuple[int, int]] = []
+    seq_cp = engine.ctx.seq_cp
+    engine.ctx.seq_cp = lambda src, dst: (moves.append((src, dst)), seq_cp(src, dst))
     tok = model.tokenizer
     long_prompt = " ".join(["word"] * (TRICKLE + 8))
     prompts = [PROMPTS[4], PROMPTS[1], long_prompt]
@@ -314,6 +318,10 @@ def test_short_prompts_trickle_in(serve_model, model):
     finally:
         engine.shutdown()
     assert texts == [reference(model, p, n) for p, n in zip(prompts, (24, 8, 8))]
+    # the busy slots stay packed at the bottom: every step is one run of consecutive streams, and a
+    # sequence moved down when the one below it finished (the long prompt's ends first, from the top slot)
+    assert all([s for s, _ in b] == list(range(len(b))) for b in batches)
+    assert moves and all(dst < src for src, dst in moves)
     joined = [b for b in batches if (1, 1) in b or any(s == 1 and n > 1 for s, n in b)]
     assert joined and all(dict(b)[1] == 1 for b in joined if 0 in dict(b))   # beside a decode: 1 token
     assert any(n == len(ids[2]) for b in batches for s, n in b if s == 2)   # the long prompt: one chunk
