@@ -276,10 +276,11 @@ def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
         _mm(w, x, dst, tiny, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
 
 
-# F16 weights (the KV cache): one dot product per (activation row, weight row), each a _vdot32/_vdot8
+# F16 weights (the KV cache): one dot product per (activation row, weight row), each in a _vdot32xG/_vdot8
 # intrinsic that keeps ggml's lane chains in LLVM vector registers (numba would neither vectorise nor keep
 # in registers chains this short), so no weight block is widened or transposed first; tinyBLAS rows go 8
-# at a time (_vdot8xR) to hide the fma latency of one chain.
+# at a time (_vdot8xR), and vec_dot rows against the query heads of their KV head (_vdot32xG), to hide
+# the fma latency of one chain.
 def _lane_chains(context, builder, sig, args, nl, rows):
     """LLVM IR: the lane chains of `rows` weight rows against one activation row over `steps` whole
     steps of nl lanes (lane = element mod nl, in nl // 8 groups of 8 f32), as <8 x float> values.
@@ -339,8 +340,54 @@ def _vdot_intrinsic(nl: int, name: str, doc: str):
     return intrinsic(vdot)
 
 
-_vdot32 = _vdot_intrinsic(32, "_vdot32", "ggml_vec_dot_f16's 4 x 8 lanes, fold and HB")
 _vdot8 = _vdot_intrinsic(8, "_vdot8", "tinyBLAS's 8 lanes and HA")
+
+
+def _vdot32xG_intrinsic(G: int):
+    """ggml_vec_dot_f16 (4 x 8 lanes, fold, HB) of one weight row w[wo:] against G activation rows
+    y[yo + j*ys:], into out[oo + j*os]: the row's f16 codes are widened once for all G (the query heads
+    of one KV head under GQA), and the G chains are independent."""
+    def vdot(typingctx, w, wo, ys, y, yo, steps, out, oo, os_):
+        def codegen(context, builder, sig, args):
+            v8, h8 = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.HalfType(), 8)
+            w_, wo_, ys_, y_, yo_, steps_, out_, oo_, os__ = args
+            i64 = ir.IntType(64)
+            c = lambda i: ir.Constant(i64, i)
+            wp = builder.bitcast(builder.gep(context.make_array(sig.args[0])(context, builder, w_).data,
+                                             [wo_]), h8.as_pointer())
+            ybase = context.make_array(sig.args[3])(context, builder, y_).data
+            yps = [builder.bitcast(builder.gep(ybase, [builder.add(yo_, builder.mul(ys_, c(j)))]),
+                                   v8.as_pointer()) for j in range(G)]
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                                 "llvm.fma.v8f32")
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8, None)) for _ in range(4)]
+                    for _ in range(G)]
+            with cgutils.for_range(builder, steps_) as loop:
+                base = builder.mul(loop.index, c(4))
+                for k in range(4):
+                    o = builder.add(base, c(k))
+                    wv = builder.fpext(builder.load(builder.gep(wp, [o]), align=2), v8)
+                    for yp, acc in zip(yps, accs):
+                        yv = builder.load(builder.gep(yp, [o]), align=4)
+                        builder.store(builder.call(fma, [wv, yv, builder.load(acc[k])]), acc[k])
+            op = context.make_array(sig.args[6])(context, builder, out_).data
+            for j, acc in enumerate(accs):
+                r = _reduce_lanes(builder, [builder.load(a) for a in acc])
+                builder.store(r, builder.gep(op, [builder.add(oo_, builder.mul(os__, c(j)))]))
+            return context.get_dummy_value()
+        ints = (wo, ys, yo, steps, oo, os_)
+        if not (w == types.Array(types.uint16, 1, "C") and y == types.Array(types.float32, 1, "C")
+                and out == types.Array(types.float32, 1, "C")
+                and all(isinstance(v, types.Integer) for v in ints)):
+            return None
+        ip = types.intp
+        return types.void(w, ip, ip, y, ip, ip, out, ip, ip), codegen
+    vdot.__name__ = f"_vdot32x{G}"
+    return intrinsic(vdot)
+
+
+_vdot32x1, _vdot32x2, _vdot32x3, _vdot32x4 = (_vdot32xG_intrinsic(g) for g in (1, 2, 3, 4))
+_HEADS = 4           # most query heads per _vdot32xG call
 
 
 _ROWS8 = 8           # weight rows per _vdot8xR call
@@ -364,12 +411,78 @@ def _vdot8xR(typingctx, w, wo, ws, y, yo, steps, out, oo):
 def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     """Activation slices u0 .. u1-1 (u = i3 * B2 + i2), each against its weight slice, row by row.
     skip = SKIP_KQ: mask [m3, m2, m1, M] is the soft_max's (row n of slice (i3, i2) at
-    [i3 % m3, i2 % m2, n])."""
+    [i3 % m3, i2 % m2, n]). Without tinyBLAS, up to _HEADS consecutive slices that share a weight slice
+    (GQA's query heads of one KV head) go together when the mask is the same for all heads."""
+    if tiny:
+        _h_rows_tiny(w, x, dst, u0, u1, mask, skip)
+        return
+    A2, M, K = w.shape[1], w.shape[2], w.shape[3]
+    B2, N = x.shape[1], x.shape[2]
+    r2, r3 = B2 // A2, x.shape[0] // w.shape[0]
+    ks = K - K % 32
+    Y = np.empty(_HEADS * K, F32)
+    res = np.empty(_HEADS * M, F32)
+    wf, w3, w2, w1 = _rows_view(w)
+    u = u0
+    while u < u1:
+        i3, i2 = u // B2, u % B2
+        g = 1
+        if mask.shape[1] == 1:
+            while g < _HEADS and u + g < u1 and i2 + g < B2 and (i2 + g) // r2 == i2 // r2:
+                g += 1
+        o = (i3 // r3) * w3 + (i2 // r2) * w2
+        for n in range(N):
+            for j in range(g):
+                xr = x[i3, i2 + j, n]
+                for k in range(K):
+                    Y[j * K + k] = _round_half(xr[k])
+            s0, s1 = 0, ks // 32                                # the lane steps to run
+            if skip == SKIP_KQV:                                # zero in every row of the group
+                while s1 > s0 and _zero_steps(Y, g, K, s1 - 1):
+                    s1 -= 1
+                while s0 < s1 and _zero_steps(Y, g, K, s0):
+                    s0 += 1
+            mrow = mask[i3 % mask.shape[0], i2 % mask.shape[1], n % mask.shape[2]]
+            for m in range(M):
+                if skip == SKIP_KQ and mrow[m] == -np.inf:
+                    for j in range(g):
+                        res[j * M + m] = 0
+                    continue
+                wo, yo = o + m * w1 + 32 * s0, 32 * s0
+                if g == 1:
+                    _vdot32x1(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+                elif g == 2:
+                    _vdot32x2(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+                elif g == 3:
+                    _vdot32x3(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+                else:
+                    _vdot32x4(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+                if ks < K:                                      # the leftover products, summed in double
+                    for j in range(g):
+                        sd = F64(res[j * M + m])
+                        for k in range(ks, K):
+                            sd += F64(F32(_half(wf[o + m * w1 + k]) * Y[j * K + k]))
+                        res[j * M + m] = F32(sd)
+            for j in range(g):
+                dst[i3, i2 + j, n] = res[j * M:(j + 1) * M]
+        u += g
+
+
+@njit(cache=True, inline="always")
+def _zero_steps(Y, g, K, s):
+    for j in range(g):
+        if not _zero_step(Y[j * K:(j + 1) * K], s, 32):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _h_rows_tiny(w, x, dst, u0, u1, mask, skip):
+    """_mm_h_rows with tinyBLAS (8 lanes, HA): _ROWS8 weight rows per call, then the rest."""
     A3, A2, M, K = w.shape
     B2, N = x.shape[1], x.shape[2]
     r2, r3 = B2 // A2, x.shape[0] // A3
-    nl = 8 if tiny else 32
-    ks = K - K % nl
+    ks = K - K % 8
     y = np.empty(K, F32)
     res = np.empty(M, F32)
     wf, w3, w2, w1 = _rows_view(w)
@@ -380,34 +493,21 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
             for k in range(K):
                 y[k] = _round_half(xr[k])
             o = (i3 // r3) * w3 + (i2 // r2) * w2
-            s0, s1 = 0, ks // nl                                # the lane steps to run
+            s0, s1 = 0, ks // 8                                 # the lane steps to run
             if skip == SKIP_KQV:
-                while s1 > s0 and _zero_step(y, s1 - 1, nl):
+                while s1 > s0 and _zero_step(y, s1 - 1, 8):
                     s1 -= 1
-                while s0 < s1 and _zero_step(y, s0, nl):
+                while s0 < s1 and _zero_step(y, s0, 8):
                     s0 += 1
             mrow = mask[i3 % mask.shape[0], i2 % mask.shape[1], n % mask.shape[2]]
-            if tiny:                                            # _ROWS8 weight rows per call, then the rest
-                mr = M - M % _ROWS8
-                for m in range(0, mr, _ROWS8):
-                    if skip == SKIP_KQ and _all_masked(mrow, m, m + _ROWS8):
-                        res[m:m + _ROWS8] = 0
-                    else:
-                        _vdot8xR(wf, o + m * w1 + 8 * s0, w1, y, 8 * s0, s1 - s0, res, m)
-                for m in range(mr, M):
-                    res[m] = _vdot8(wf, o + m * w1 + 8 * s0, 0, y, 8 * s0, s1 - s0)
-            else:
-                for m in range(M):
-                    if skip == SKIP_KQ and mrow[m] == -np.inf:
-                        res[m] = 0
-                        continue
-                    r = _vdot32(wf, o + m * w1 + 32 * s0, 0, y, 32 * s0, s1 - s0)
-                    if ks < K:                                  # the leftover products, summed in double
-                        sd = F64(r)
-                        for k in range(ks, K):
-                            sd += F64(F32(_half(wf[o + m * w1 + k]) * y[k]))
-                        r = F32(sd)
-                    res[m] = r
+            mr = M - M % _ROWS8
+            for m in range(0, mr, _ROWS8):
+                if skip == SKIP_KQ and _all_masked(mrow, m, m + _ROWS8):
+                    res[m:m + _ROWS8] = 0
+                else:
+                    _vdot8xR(wf, o + m * w1 + 8 * s0, w1, y, 8 * s0, s1 - s0, res, m)
+            for m in range(mr, M):
+                res[m] = _vdot8(wf, o + m * w1 + 8 * s0, 0, y, 8 * s0, s1 - s0)
             dst[i3, i2, n] = res
 
 

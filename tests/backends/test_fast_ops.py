@@ -286,6 +286,17 @@ def test_mul_mat_float_bits(rng, monkeypatch, wtype, K, M, n11):
         assert_same_bits(dst, _mm_per_slice(wtype, wv, x, n11, use, monkeypatch))
 
 
+@pytest.mark.parametrize("r2,K", [(2, 64), (4, 64), (5, 96), (8, 40)])
+def test_mul_mat_f16_query_head_groups(rng, monkeypatch, r2, K):
+    """One query row per head: the heads of one KV head go through _vdot32xG in groups of up to 4
+    (r2 = 5: 4 + 1; 8: 4 + 4); same bits as quants.mul_mat per slice."""
+    w = randn(rng, 1, 2, 37, K, scale=0.5).astype(np.float16)
+    x = randn(rng, 2, 2 * r2, 1, K)
+    dst = np.empty((2, 2 * r2, 1, 37), np.float32)
+    fk.mul_mat(w.view(np.uint16), x, dst, False, True)
+    assert_same_bits(dst, _mm_per_slice(F16, w, x, 1, True, monkeypatch))
+
+
 @pytest.mark.parametrize("n11", [1, 3, 20])
 def test_mul_mat_float_threads_same_bits(rng, n11):
     """mul_mat_threads splits F16 products by query head (few rows) or KV head (many): same bits as one
