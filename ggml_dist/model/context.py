@@ -5,7 +5,9 @@
 
 A graph is rebuilt only when its GraphKey (n_tokens, n_outputs, n_kv padded to 256, and without a
 unified KV cache the ubatch's stream range) changes; a reused graph keeps the scheduler's splits and the
-allocator's plan, and only its input tensors are rewritten.
+allocator's plan, and only its input tensors are rewritten. The last MAX_GRAPHS graphs are kept with
+their scheduler plans and recalled when their key comes back (a server's batch shapes alternate); on a
+pipeline one per key and input copy slot.
 """
 from __future__ import annotations
 
@@ -148,7 +150,7 @@ class LlamaContext:
         # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
         # a few) reuses its graph instead of building one, and its scheduler plan (splits, addresses)
         # while the compute buffer has not grown since, instead of splitting and planning again
-        self._graphs: OrderedDict[GraphKey, GraphResult] = OrderedDict()
+        self._graphs: OrderedDict[tuple[GraphKey, int], GraphResult] = OrderedDict()   # (key, copy slot)
         self.n_reused = 0
         self.n_rebuilt = 0
         self.n_recalled = 0
@@ -301,24 +303,24 @@ class LlamaContext:
             self.n_reused += 1
         else:
             self.sched.reset()
-            # (not on a pipeline: its stages hold exports bound to the graph copy of the last allocation)
-            res = None if self.pipelined else self._graphs.get(key)
+            # on a pipeline a graph is split for one input copy slot (split_graph points its nodes at
+            # that slot's copies), and alloc_graph / restore_plan take the next slot: keep one per slot
+            gkey = (key, self.sched.next_copy)
+            res = self._graphs.get(gkey)
             if res is None:
                 res = self.builder.build(key)
                 self.n_rebuilt += 1
-                if not self.pipelined:
-                    self._graphs[key] = res
-                    if len(self._graphs) > MAX_GRAPHS:
-                        self._graphs.popitem(last=False)
+                self._graphs[gkey] = res
+                if len(self._graphs) > MAX_GRAPHS:
+                    self._graphs.popitem(last=False)
             else:
-                self._graphs.move_to_end(key)
+                self._graphs.move_to_end(gkey)
                 self.n_recalled += 1
             if res.plan is not None and self.sched.restore_plan(res.plan):
                 self.n_plans_restored += 1
             else:
                 self.sched.alloc_graph(res.graph)
-                if not self.pipelined:
-                    res.plan = self.sched.save_plan()
+                res.plan = self.sched.save_plan()
             if self.after_alloc is not None:
                 self.after_alloc(self.sched, res.graph)
             self.gf_res_prev = res

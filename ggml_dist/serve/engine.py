@@ -18,8 +18,10 @@ KV writes happen in order. Every slot owns n_ctx / n_parallel cells of the cache
 in one process a KV stream of its own (kv_unified=False, llama-server's default with an explicit
 --parallel), so a step's attention is one product per sequence over that sequence's cells; a micro-batch
 lists its sequences in slot order, so that consecutive slots form one ubatch (split_equal(sequential)).
-On a pipeline the slots share one stream by default: a graph bakes in its stream range, the pipeline's
-micro-batches hold different slot groups, and a pipelined context re-plans on every shape change.
+On a pipeline the slots share one stream by default: its micro-batches hold different slot groups, so
+different stream ranges and graph shapes, and a finished slot leaves a gap (the stages hold the cache:
+sequences are not moved). 8 clients over 2 stages measured 65-69 tok/s with a stream per slot against
+84-105 with one shared stream.
 """
 from __future__ import annotations
 

@@ -91,6 +91,32 @@ def test_pipeline_streams(local_ray, model_path):
         pl.shutdown()
 
 
+# batch shapes that come back (a server's: all its sequences, then one finished) recall their graph and
+# plan, one per input copy slot, instead of splitting and planning again; same logits as one process
+def test_pipeline_recalls_graphs(local_ray, model_path):
+    params = ContextParams(n_ctx=512, n_seq_max=2)
+    steps = [Batch(np.array(TOKENS[:6], np.int32), np.array([0, 1, 2] * 2, np.int32),
+                   [frozenset({s}) for s in (0, 0, 0, 1, 1, 1)], np.ones(6, bool))]
+    n_past = [3, 3]
+    for k in range(8):
+        seqs = (0, 1) if k % 3 else (0,)
+        steps.append(Batch(np.array([5 + k] * len(seqs), np.int32),
+                           np.array([n_past[s] for s in seqs], np.int32),
+                           [frozenset({s}) for s in seqs], np.ones(len(seqs), bool)))
+        for s in seqs:
+            n_past[s] += 1
+    ref = LlamaContext(LlamaModel.load(model_path), params)
+    want = [ref.decode(b) for b in steps]
+    pl = Pipeline.launch(str(model_path), 2, params, n_copies=2)
+    try:
+        for b, w in zip(steps, want):
+            assert np.array_equal(pl.ctx.decode(b), w)
+        # 3 shapes, each built once (here each keeps to one copy slot); a shape change recalls
+        assert (pl.ctx.n_rebuilt, pl.ctx.n_recalled, pl.ctx.n_reused) == (3, 4, 2)
+    finally:
+        pl.shutdown()
+
+
 # greedy generation through the pipeline gives the single-process tokens
 def test_pipeline_generate(local_ray, model_path):
     m = LlamaModel.load(model_path)
