@@ -8,8 +8,10 @@ Each (stages, clients) point starts `ggml-dist serve` as its own process on a fr
 server's GIL), runs the clients for --duration seconds (requests in flight at the deadline finish and
 count), and reports requests completed, errors, aggregate generated tok/s and p50/p99 time to first
 token and inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process,
-without the server, for comparison (the median of three runs of --max-tokens tokens). `batched_decode`
-gives the decode rate of steps taking one token from each of 1 and N sequences, without a server, here
+without the server, for comparison: each sample is the median of three runs of --max-tokens tokens,
+sampled before the first server and after each one (`single_stream_decode_samples`), and the ratios
+`x_single_stream` use the median of the samples. `batched_decode` gives the decode rate of steps taking
+one token from each of 1 and N sequences, without a server, here
 and (with llama-cpp-python installed) in llama.cpp on the same file, with a KV stream per sequence (the
 server's default) and with one unified cache: what batching itself can give on this machine. The soak
 mode mixes streaming, non-streaming, chat, early disconnects and bad requests
@@ -255,17 +257,23 @@ def bench(args: argparse.Namespace) -> dict:
     clients = [int(x) for x in args.clients.split(",")]
     stages = [int(x) for x in args.stages.split(",")]
     out: dict = {"model": Path(path).name, "duration_s": args.duration, "max_tokens": args.max_tokens,
-                 "kv_unified": args.kv_unified,
-                 "single_stream_decode_tok_s": single_stream_decode(path, args.max_tokens),
-                 "batched_decode": batched_decode_table(path, max(clients)), "runs": []}
+                 "kv_unified": args.kv_unified, "batched_decode": batched_decode_table(path, max(clients)),
+                 "runs": []}
+    # the single-stream rate is measured before and after each server's runs: this machine's speed
+    # drifts by tens of percent within minutes, and the ratios use the median of all those samples
+    singles = [single_stream_decode(path, args.max_tokens)]
     for k in stages:
         with ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified) as srv:
             for n in clients:
                 r = run_clients(srv.url, n, args.duration, args.max_tokens)
                 r["stages"] = k
-                r["x_single_stream"] = round(r["aggregate_tok_s"] / out["single_stream_decode_tok_s"], 2)
                 print(json.dumps(r), file=sys.stderr)
                 out["runs"].append(r)
+        singles.append(single_stream_decode(path, args.max_tokens))
+    out["single_stream_decode_samples"] = singles
+    out["single_stream_decode_tok_s"] = round(float(np.median(singles)), 3)
+    for r in out["runs"]:
+        r["x_single_stream"] = round(r["aggregate_tok_s"] / out["single_stream_decode_tok_s"], 2)
     return out
 
 
