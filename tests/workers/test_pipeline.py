@@ -69,12 +69,14 @@ def test_pipeline_microbatches_in_flight(local_ray, model_path):
 
 # a KV stream per sequence: the stage actors hold the streams, the driver's views pick them; several
 # sequences per step (and a step that skips one) give the single-process logits
-def test_pipeline_streams(local_ray, model_path):
-    params = ContextParams(n_ctx=3 * 256, n_seq_max=3, kv_unified=False)
-    steps = [Batch(np.array(TOKENS[:9], np.int32), np.array([0, 1, 2] * 3, np.int32),
-                   [frozenset({s}) for s in (0, 0, 0, 1, 1, 1, 2, 2, 2)], np.ones(9, bool))]
-    n_past = [3, 3, 3]
-    for k, seqs in enumerate([(0, 1, 2), (0, 2), (0, 1, 2)]):
+def _decode_steps(model_path, params: ContextParams, n_seqs: int, schedule: list[tuple[int, ...]]):
+    """A 2-stage pipeline decoding n_seqs 3-token prompts in one batch, then one token for each sequence
+    of each schedule entry, checked against one process's logits step by step; returns the pipeline's
+    context (the pipeline is shut down)."""
+    steps = [Batch(np.array(TOKENS[:3 * n_seqs], np.int32), np.array([0, 1, 2] * n_seqs, np.int32),
+                   [frozenset({s}) for s in range(n_seqs) for _ in range(3)], np.ones(3 * n_seqs, bool))]
+    n_past = [3] * n_seqs
+    for k, seqs in enumerate(schedule):
         steps.append(Batch(np.array([5 + k] * len(seqs), np.int32),
                            np.array([n_past[s] for s in seqs], np.int32),
                            [frozenset({s}) for s in seqs], np.ones(len(seqs), bool)))
@@ -86,35 +88,24 @@ def test_pipeline_streams(local_ray, model_path):
     try:
         for b, w in zip(steps, want):
             assert np.array_equal(pl.ctx.decode(b), w)
-        assert pl.ctx.kv.n_stream == 3
     finally:
         pl.shutdown()
+    return pl.ctx
+
+
+def test_pipeline_streams(local_ray, model_path):
+    ctx = _decode_steps(model_path, ContextParams(n_ctx=3 * 256, n_seq_max=3, kv_unified=False), 3,
+                        [(0, 1, 2), (0, 2), (0, 1, 2)])
+    assert ctx.kv.n_stream == 3
 
 
 # batch shapes that come back (a server's: all its sequences, then one finished) recall their graph and
 # plan, one per input copy slot, instead of splitting and planning again; same logits as one process
 def test_pipeline_recalls_graphs(local_ray, model_path):
-    params = ContextParams(n_ctx=512, n_seq_max=2)
-    steps = [Batch(np.array(TOKENS[:6], np.int32), np.array([0, 1, 2] * 2, np.int32),
-                   [frozenset({s}) for s in (0, 0, 0, 1, 1, 1)], np.ones(6, bool))]
-    n_past = [3, 3]
-    for k in range(8):
-        seqs = (0, 1) if k % 3 else (0,)
-        steps.append(Batch(np.array([5 + k] * len(seqs), np.int32),
-                           np.array([n_past[s] for s in seqs], np.int32),
-                           [frozenset({s}) for s in seqs], np.ones(len(seqs), bool)))
-        for s in seqs:
-            n_past[s] += 1
-    ref = LlamaContext(LlamaModel.load(model_path), params)
-    want = [ref.decode(b) for b in steps]
-    pl = Pipeline.launch(str(model_path), 2, params, n_copies=2)
-    try:
-        for b, w in zip(steps, want):
-            assert np.array_equal(pl.ctx.decode(b), w)
-        # 3 shapes, each built once (here each keeps to one copy slot); a shape change recalls
-        assert (pl.ctx.n_rebuilt, pl.ctx.n_recalled, pl.ctx.n_reused) == (3, 4, 2)
-    finally:
-        pl.shutdown()
+    ctx = _decode_steps(model_path, ContextParams(n_ctx=512, n_seq_max=2), 2,
+                        [(0, 1) if k % 3 else (0,) for k in range(8)])
+    # 3 shapes, each built once (here each keeps to one copy slot); a shape change recalls
+    assert (ctx.n_rebuilt, ctx.n_recalled, ctx.n_reused) == (3, 4, 2)
 
 
 # greedy generation through the pipeline gives the single-process tokens
