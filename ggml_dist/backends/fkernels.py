@@ -413,13 +413,19 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     skip = SKIP_KQ: mask [m3, m2, m1, M] is the soft_max's (row n of slice (i3, i2) at
     [i3 % m3, i2 % m2, n]). Without tinyBLAS, up to _HEADS consecutive slices that share a weight slice
     (GQA's query heads of one KV head) go together when the mask is the same for all heads."""
-    if tiny:
-        _h_rows_tiny(w, x, dst, u0, u1, mask, skip)
-        return
+    if tiny:                                                    # one loop nest specialized per path
+        _h_rows(w, x, dst, True, u0, u1, mask, skip)
+    else:
+        _h_rows(w, x, dst, False, u0, u1, mask, skip)
+
+
+@njit(cache=True, inline="always")
+def _h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     A2, M, K = w.shape[1], w.shape[2], w.shape[3]
     B2, N = x.shape[1], x.shape[2]
     r2, r3 = B2 // A2, x.shape[0] // w.shape[0]
-    ks = K - K % 32
+    nl = 8 if tiny else 32
+    ks = K - K % nl
     Y = np.empty(_HEADS * K, F32)
     res = np.empty(_HEADS * M, F32)
     wf, w3, w2, w1 = _rows_view(w)
@@ -427,7 +433,7 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     while u < u1:
         i3, i2 = u // B2, u % B2
         g = 1
-        if mask.shape[1] == 1:
+        if not tiny and mask.shape[1] == 1:
             while g < _HEADS and u + g < u1 and i2 + g < B2 and (i2 + g) // r2 == i2 // r2:
                 g += 1
         o = (i3 // r3) * w3 + (i2 // r2) * w2
@@ -436,79 +442,76 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
                 xr = x[i3, i2 + j, n]
                 for k in range(K):
                     Y[j * K + k] = _round_half(xr[k])
-            s0, s1 = 0, ks // 32                                # the lane steps to run
-            if skip == SKIP_KQV:                                # zero in every row of the group
-                while s1 > s0 and _zero_steps(Y, g, K, s1 - 1):
-                    s1 -= 1
-                while s0 < s1 and _zero_steps(Y, g, K, s0):
-                    s0 += 1
+            s0, s1 = 0, ks // nl                                # the lane steps to run
+            if skip == SKIP_KQV:                                # all-zero steps at either end skipped
+                s0, s1 = _live_steps(Y, 1, K, s1, 8) if tiny else _live_steps(Y, g, K, s1, 32)
             mrow = mask[i3 % mask.shape[0], i2 % mask.shape[1], n % mask.shape[2]]
-            for m in range(M):
-                if skip == SKIP_KQ and mrow[m] == -np.inf:
-                    for j in range(g):
-                        res[j * M + m] = 0
-                    continue
-                wo, yo = o + m * w1 + 32 * s0, 32 * s0
-                if g == 1:
-                    _vdot32x1(wf, wo, K, Y, yo, s1 - s0, res, m, M)
-                elif g == 2:
-                    _vdot32x2(wf, wo, K, Y, yo, s1 - s0, res, m, M)
-                elif g == 3:
-                    _vdot32x3(wf, wo, K, Y, yo, s1 - s0, res, m, M)
-                else:
-                    _vdot32x4(wf, wo, K, Y, yo, s1 - s0, res, m, M)
-                if ks < K:                                      # the leftover products, summed in double
-                    for j in range(g):
-                        sd = F64(res[j * M + m])
-                        for k in range(ks, K):
-                            sd += F64(F32(_half(wf[o + m * w1 + k]) * Y[j * K + k]))
-                        res[j * M + m] = F32(sd)
+            if tiny:
+                _rows_tiny(wf, o, w1, Y, s0, s1, mrow, skip, res, M)
+            else:
+                _rows_vec(wf, o, w1, Y, s0, s1, mrow, skip, res, M, K, ks, g)
             for j in range(g):
                 dst[i3, i2 + j, n] = res[j * M:(j + 1) * M]
         u += g
 
 
 @njit(cache=True, inline="always")
-def _zero_steps(Y, g, K, s):
+def _rows_tiny(wf, o, w1, y, s0, s1, mrow, skip, res, M):
+    """tinyBLAS (8 lanes, HA) of the M weight rows against y: _ROWS8 rows per call, then the rest."""
+    mr = M - M % _ROWS8
+    for m in range(0, mr, _ROWS8):
+        if skip == SKIP_KQ and _all_masked(mrow, m, m + _ROWS8):
+            res[m:m + _ROWS8] = 0
+        else:
+            _vdot8xR(wf, o + m * w1 + 8 * s0, w1, y, 8 * s0, s1 - s0, res, m)
+    for m in range(mr, M):
+        res[m] = _vdot8(wf, o + m * w1 + 8 * s0, 0, y, 8 * s0, s1 - s0)
+
+
+@njit(cache=True, inline="always")
+def _rows_vec(wf, o, w1, Y, s0, s1, mrow, skip, res, M, K, ks, g):
+    """ggml_vec_dot_f16 of the M weight rows against the g activation rows Y[j*K:] (res[j*M + m]), each
+    weight row widened once for all g; the products past the last whole 32-lane step summed in double."""
+    for m in range(M):
+        if skip == SKIP_KQ and mrow[m] == -np.inf:
+            for j in range(g):
+                res[j * M + m] = 0
+            continue
+        wo, yo = o + m * w1 + 32 * s0, 32 * s0
+        if g == 1:
+            _vdot32x1(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+        elif g == 2:
+            _vdot32x2(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+        elif g == 3:
+            _vdot32x3(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+        else:
+            _vdot32x4(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+        if ks < K:
+            for j in range(g):
+                sd = F64(res[j * M + m])
+                for k in range(ks, K):
+                    sd += F64(F32(_half(wf[o + m * w1 + k]) * Y[j * K + k]))
+                res[j * M + m] = F32(sd)
+
+
+@njit(cache=True, inline="always")
+def _live_steps(Y, g, K, s1, nl):
+    """(s0, s1): lane steps 0 .. s1-1 without the leading and trailing ones that are zero in all g rows
+    Y[j*K:] (SKIP_KQV)."""
+    s0 = 0
+    while s1 > s0 and _zero_steps(Y, g, K, s1 - 1, nl):
+        s1 -= 1
+    while s0 < s1 and _zero_steps(Y, g, K, s0, nl):
+        s0 += 1
+    return s0, s1
+
+
+@njit(cache=True, inline="always")
+def _zero_steps(Y, g, K, s, nl):
     for j in range(g):
-        if not _zero_step(Y[j * K:(j + 1) * K], s, 32):
+        if not _zero_step(Y[j * K:(j + 1) * K], s, nl):
             return False
     return True
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _h_rows_tiny(w, x, dst, u0, u1, mask, skip):
-    """_mm_h_rows with tinyBLAS (8 lanes, HA): _ROWS8 weight rows per call, then the rest."""
-    A3, A2, M, K = w.shape
-    B2, N = x.shape[1], x.shape[2]
-    r2, r3 = B2 // A2, x.shape[0] // A3
-    ks = K - K % 8
-    y = np.empty(K, F32)
-    res = np.empty(M, F32)
-    wf, w3, w2, w1 = _rows_view(w)
-    for u in range(u0, u1):
-        i3, i2 = u // B2, u % B2
-        for n in range(N):
-            xr = x[i3, i2, n]
-            for k in range(K):
-                y[k] = _round_half(xr[k])
-            o = (i3 // r3) * w3 + (i2 // r2) * w2
-            s0, s1 = 0, ks // 8                                 # the lane steps to run
-            if skip == SKIP_KQV:
-                while s1 > s0 and _zero_step(y, s1 - 1, 8):
-                    s1 -= 1
-                while s0 < s1 and _zero_step(y, s0, 8):
-                    s0 += 1
-            mrow = mask[i3 % mask.shape[0], i2 % mask.shape[1], n % mask.shape[2]]
-            mr = M - M % _ROWS8
-            for m in range(0, mr, _ROWS8):
-                if skip == SKIP_KQ and _all_masked(mrow, m, m + _ROWS8):
-                    res[m:m + _ROWS8] = 0
-                else:
-                    _vdot8xR(wf, o + m * w1 + 8 * s0, w1, y, 8 * s0, s1 - s0, res, m)
-            for m in range(mr, M):
-                res[m] = _vdot8(wf, o + m * w1 + 8 * s0, 0, y, 8 * s0, s1 - s0)
-            dst[i3, i2, n] = res
 
 
 @njit(cache=True, inline="always")
