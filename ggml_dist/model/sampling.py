@@ -40,8 +40,9 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.params
-        x = np.asarray(logits, dtype=np.float32).copy()
+        x = np.asarray(logits, dtype=np.float32)
         if p.repeat_penalty != 1.0 and history:
+            x = x.copy()                            # the caller's logits stay as they were
             recent = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
             vals = x[recent]
             x[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
