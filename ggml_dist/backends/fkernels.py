@@ -249,7 +249,7 @@ def mul_mat_threads(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SK
     if half and B3 * B2 > 1 and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
         with qkernels._launch_lock:
             qkernels.apply_threads()
-            _mm_h_rows_par(w, x, dst, tiny, B3 * B2, mask, skip)
+            _mm_h_rows_par(w, x, dst, tiny, qkernels.get_threads(), mask, skip)
         return
     mul_mat(w, x, dst, tiny, half, mask, skip)
 
@@ -344,9 +344,11 @@ _vdot8 = _vdot_intrinsic(8, "_vdot8", "tinyBLAS's 8 lanes and HA")
 
 
 def _vdot32xG_intrinsic(G: int):
-    """ggml_vec_dot_f16 (4 x 8 lanes, fold, HB) of one weight row w[wo:] against G activation rows
-    y[yo + j*ys:], into out[oo + j*os]: the row's f16 codes are widened once for all G (the query heads
-    of one KV head under GQA), and the G chains are independent."""
+    """ggml_vec_dot_f16's lane chains (4 x 8 lanes) and fold (a0 + a2) + (a1 + a3) of one weight row
+    w[wo:] against G activation rows y[yo + j*ys:], the folded 8 lanes stored at out[8 * (oo + j*os):]:
+    the row's f16 codes are widened once for all G (the query heads of one KV head under GQA), and the
+    G chains are independent. The last step, HB over the 8 lanes, is left to _hb_rows, which does it
+    for many rows at once (per row, in scalars, it cost more than a short row's chains)."""
     def vdot(typingctx, w, wo, ys, y, yo, steps, out, oo, os_):
         def codegen(context, builder, sig, args):
             v8, h8 = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.HalfType(), 8)
@@ -370,10 +372,11 @@ def _vdot32xG_intrinsic(G: int):
                     for yp, acc in zip(yps, accs):
                         yv = builder.load(builder.gep(yp, [o]), align=4)
                         builder.store(builder.call(fma, [wv, yv, builder.load(acc[k])]), acc[k])
-            op = context.make_array(sig.args[6])(context, builder, out_).data
+            op = builder.bitcast(context.make_array(sig.args[6])(context, builder, out_).data, v8.as_pointer())
             for j, acc in enumerate(accs):
-                r = _reduce_lanes(builder, [builder.load(a) for a in acc])
-                builder.store(r, builder.gep(op, [builder.add(oo_, builder.mul(os__, c(j)))]))
+                a = [builder.load(x) for x in acc]
+                folded = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
+                builder.store(folded, builder.gep(op, [builder.add(oo_, builder.mul(os__, c(j)))]), align=4)
             return context.get_dummy_value()
         ints = (wo, ys, yo, steps, oo, os_)
         if not (w == types.Array(types.uint16, 1, "C") and y == types.Array(types.float32, 1, "C")
@@ -384,6 +387,16 @@ def _vdot32xG_intrinsic(G: int):
         return types.void(w, ip, ip, y, ip, ip, out, ip, ip), codegen
     vdot.__name__ = f"_vdot32x{G}"
     return intrinsic(vdot)
+
+
+@njit(cache=True, inline="always")
+def _hb_rows(lanes, res, n):
+    """res[r] = HB of the folded lanes[8r:8r+8] for r < n: ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)),
+    as _reduce_lanes does for one row; a loop over rows, so it vectorises across them."""
+    for r in range(n):
+        o = 8 * r
+        res[r] = (((lanes[o] + lanes[o + 4]) + (lanes[o + 1] + lanes[o + 5]))
+                  + ((lanes[o + 2] + lanes[o + 6]) + (lanes[o + 3] + lanes[o + 7])))
 
 
 _vdot32x1, _vdot32x2, _vdot32x3, _vdot32x4 = (_vdot32xG_intrinsic(g) for g in (1, 2, 3, 4))
@@ -428,6 +441,9 @@ def _h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     ks = K - K % nl
     Y = np.empty(_HEADS * K, F32)
     res = np.empty(_HEADS * M, F32)
+    lanes = np.empty(8 * _HEADS * M, F32)
+    live = np.empty(M, np.int64)
+    full = np.empty(_HEADS * M, F32)
     wf, w3, w2, w1 = _rows_view(w)
     u = u0
     while u < u1:
@@ -446,12 +462,13 @@ def _h_rows(w, x, dst, tiny, u0, u1, mask, skip):
             if skip == SKIP_KQV:                                # all-zero steps at either end skipped
                 s0, s1 = _live_steps(Y, 1, K, s1, 8) if tiny else _live_steps(Y, g, K, s1, 32)
             mrow = mask[i3 % mask.shape[0], i2 % mask.shape[1], n % mask.shape[2]]
+            out = res
             if tiny:
                 _rows_tiny(wf, o, w1, Y, s0, s1, mrow, skip, res, M)
             else:
-                _rows_vec(wf, o, w1, Y, s0, s1, mrow, skip, res, M, K, ks, g)
+                out = _rows_vec(wf, o, w1, Y, s0, s1, mrow, skip, res, lanes, live, full, M, K, ks, g)
             for j in range(g):
-                dst[i3, i2 + j, n] = res[j * M:(j + 1) * M]
+                dst[i3, i2 + j, n] = out[j * M:(j + 1) * M]
         u += g
 
 
@@ -469,57 +486,62 @@ def _rows_tiny(wf, o, w1, y, s0, s1, mrow, skip, res, M):
 
 
 @njit(cache=True, inline="always")
-def _rows_vec(wf, o, w1, Y, s0, s1, mrow, skip, res, M, K, ks, g):
-    """ggml_vec_dot_f16 of the M weight rows against the g activation rows Y[j*K:] (res[j*M + m]), each
-    weight row widened once for all g; the products past the last whole 32-lane step summed in double."""
-    for m in range(M):
-        if skip == SKIP_KQ and mrow[m] == -np.inf:
-            for j in range(g):
-                res[j * M + m] = 0
-            continue
+def _rows_vec(wf, o, w1, Y, s0, s1, mrow, skip, res, lanes, live, full, M, K, ks, g):
+    """ggml_vec_dot_f16 of the M weight rows against the g activation rows Y[j*K:], each weight row
+    widened once for all g; the products past the last whole 32-lane step summed in double. Returns the
+    array holding row j's results at [j*M:(j+1)*M]: res, or with SKIP_KQ `full`, where the cells the
+    mask hides are 0 and only the others (live, compacted first) were computed. lanes: scratch of
+    8 * g * M floats for the folded lanes, which _hb_rows reduces all at once."""
+    nl = M
+    if skip == SKIP_KQ:
+        nl = 0
+        for m in range(M):                                      # branch-free compaction
+            live[nl] = m
+            nl += mrow[m] != -np.inf
+    for k in range(nl):
+        m = live[k] if skip == SKIP_KQ else k
         wo, yo = o + m * w1 + 32 * s0, 32 * s0
         if g == 1:
-            _vdot32x1(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+            _vdot32x1(wf, wo, K, Y, yo, s1 - s0, lanes, k, nl)
         elif g == 2:
-            _vdot32x2(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+            _vdot32x2(wf, wo, K, Y, yo, s1 - s0, lanes, k, nl)
         elif g == 3:
-            _vdot32x3(wf, wo, K, Y, yo, s1 - s0, res, m, M)
+            _vdot32x3(wf, wo, K, Y, yo, s1 - s0, lanes, k, nl)
         else:
-            _vdot32x4(wf, wo, K, Y, yo, s1 - s0, res, m, M)
-        if ks < K:
+            _vdot32x4(wf, wo, K, Y, yo, s1 - s0, lanes, k, nl)
+    _hb_rows(lanes, res, g * nl)                                # res[j*nl + k]
+    if ks < K:
+        for k in range(nl):
+            m = live[k] if skip == SKIP_KQ else k
             for j in range(g):
-                sd = F64(res[j * M + m])
-                for k in range(ks, K):
-                    sd += F64(F32(_half(wf[o + m * w1 + k]) * Y[j * K + k]))
-                res[j * M + m] = F32(sd)
+                sd = F64(res[j * nl + k])
+                for i in range(ks, K):
+                    sd += F64(F32(_half(wf[o + m * w1 + i]) * Y[j * K + i]))
+                res[j * nl + k] = F32(sd)
+    if skip != SKIP_KQ:
+        return res
+    full[:g * M] = 0
+    for j in range(g):
+        for k in range(nl):
+            full[j * M + live[k]] = res[j * nl + k]
+    return full
 
 
 @njit(cache=True, inline="always")
 def _live_steps(Y, g, K, s1, nl):
-    """(s0, s1): lane steps 0 .. s1-1 without the leading and trailing ones that are zero in all g rows
-    Y[j*K:] (SKIP_KQV)."""
-    s0 = 0
-    while s1 > s0 and _zero_steps(Y, g, K, s1 - 1, nl):
-        s1 -= 1
-    while s0 < s1 and _zero_steps(Y, g, K, s0, nl):
-        s0 += 1
-    return s0, s1
-
-
-@njit(cache=True, inline="always")
-def _zero_steps(Y, g, K, s, nl):
+    """(s0, s1): lane steps 0 .. s1-1 without the leading and trailing ones that are zero (+0 or -0) in
+    all g rows Y[j*K:] (SKIP_KQV). One branch-free pass (it vectorises): the first and last nonzero
+    element of the rows, over the steps' ks = s1 * nl elements."""
+    ks = s1 * nl
+    first, last = ks, 0
     for j in range(g):
-        if not _zero_step(Y[j * K:(j + 1) * K], s, nl):
-            return False
-    return True
-
-
-@njit(cache=True, inline="always")
-def _zero_step(y, s, nl):
-    for k in range(s * nl, (s + 1) * nl):
-        if y[k] != 0:
-            return False
-    return True
+        for k in range(ks):
+            nz = (_bits(Y[j * K + k]) << np.uint32(1)) != np.uint32(0)
+            first = min(first, k if nz else ks)
+            last = max(last, k + 1 if nz else 0)
+    if last == 0:
+        return 0, 0
+    return first // nl, -(-last // nl)
 
 
 @njit(cache=True, inline="always")
@@ -532,11 +554,14 @@ def _all_masked(mrow, m0, m1):
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _mm_h_rows_par(w, x, dst, tiny, n_chunks, mask, skip):
-    """_mm_h_rows with the activation slices (query heads) split across threads."""
-    n = x.shape[0] * x.shape[1]
+    """_mm_h_rows with the activation slices (query heads) split across threads in n_chunks runs of
+    whole KV heads, so each keeps its GQA groups and its scratch (a run per slice cost more than the
+    second thread gave)."""
+    r2 = x.shape[1] // w.shape[1]
+    n = x.shape[0] * x.shape[1] // r2                           # KV-head units of r2 slices
     n_chunks = min(n, n_chunks)
     for c in prange(n_chunks):
-        _mm_h_rows(w, x, dst, tiny, c * n // n_chunks, (c + 1) * n // n_chunks, mask, skip)
+        _mm_h_rows(w, x, dst, tiny, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks), mask, skip)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -360,12 +360,13 @@ def _bound_run(g, out, inputs):
     return tensor_array(out).copy()
 
 
-@pytest.mark.parametrize("n_tok", [1, 3, 8])
-def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok):
+@pytest.mark.parametrize("n_tok,d", [(1, 64), (3, 64), (8, 64), (1, 80)])
+def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok, d):
     """Bound into a graph, KQ skips the cells the soft_max masks and KQV the all-zero probability steps
     (fkernels.SKIP_KQ/KQV); the chain's bits equal the numpy kernels'. Two sequences' cells interleave,
-    as in a server's shared cache, and the cache is zero past the used cells."""
-    d, n_head, n_head_kv, kv_size, n_kv, used = 64, 6, 2, 512, 512, 301
+    as in a server's shared cache, and the cache is zero past the used cells. d = 80: K's rows end
+    in a partial 32-lane step (summed in double) after the compacted live cells."""
+    n_head, n_head_kv, kv_size, n_kv, used = 6, 2, 512, 512, 301
     kc = ctx.new_tensor(F16, (d * n_head_kv, kv_size))
     vc = ctx.new_tensor(F16, (kv_size, d * n_head_kv))
     q = ctx.new_tensor(F32, (d, n_head, n_tok))
