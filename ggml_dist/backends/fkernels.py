@@ -717,9 +717,11 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
     max as ggml's scalar loop finds it (_row_max); e = vexp(w - max) (masked -inf stays -inf, vexp(-inf)
     = +0); S = sequential double sum of the chunks' HA sums; p = f32(e * f32(1/S)). mask [m3, m2, m1, ne0]
     is read at (i3 % m3, i2 % m2, i1); slopes[i2] is the ALiBi slope of head i2 (1 without ALiBi).
-    Rows whose mask hides most cells (a server's interleaved sequences) take _soft_max_sparse: when x is
-    finite and the slope positive, a -inf mask entry makes w = -inf and e = 0 whatever x is, so only the
-    other cells need w, the max and vexp (same bits). Every pass over a row but the sum vectorises."""
+    When x is finite and the slope positive, a -inf mask entry makes w = -inf and e = +0 whatever x is:
+    such cells change neither the max nor the sum (+0 chunks), and their p is +0. So rows whose mask
+    hides most cells (a server's interleaved sequences) take _soft_max_sparse, and the others run only
+    up to their last whole 8-cell chunk holding an unmasked cell (_live_cells: a KV stream's cells past
+    its sequence's end, up to n_kv's padding to 256). Same bits. Every pass but the sum vectorises."""
     ne3, ne2, ne1, ne0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
     w = np.empty(ne0, F32)
@@ -731,15 +733,25 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
             for i1 in range(ne1):
                 xr, dr = x[i3, i2, i1], dst[i3, i2, i1]
                 mr = mask[i3 % m3, i2 % m2, i1 % mask.shape[2]]        # (a dummy without a mask)
-                if has_mask and sl > 0 and _soft_max_sparse(xr, scale, mr, sl, dr, w, wc, idx):
-                    continue
-                for i in range(ne0):
-                    w[i] = xr[i] * scale
+                n = ne0
+                if has_mask and sl > 0:
+                    n, k = _live_cells(xr, mr)
+                    if n < 0:                                   # a non-finite x: the whole row
+                        n = ne0
+                    elif 8 * k < ne0:                           # (all masked included)
+                        _soft_max_sparse(xr, scale, mr, sl, dr, wc, idx, k)
+                        continue
+                    else:
+                        dr[n:] = 0
+                        xr, mr, dr = xr[:n], mr[:n], dr[:n]
+                wn = w[:n]
+                for i in range(n):
+                    wn[i] = xr[i] * scale
                 if has_mask:
-                    for i in range(ne0):
-                        w[i] = w[i] + sl * mr[i]
-                _exp_shifted(w, _row_max(w))
-                _normalize(w, dr)
+                    for i in range(n):
+                        wn[i] = wn[i] + sl * mr[i]
+                _exp_shifted(wn, _row_max(wn))
+                _normalize(wn, dr)
 
 
 @njit(cache=True, inline="always")
@@ -782,33 +794,38 @@ def _exp_shifted(w, mx):
 
 
 @njit(cache=True, inline="always")
-def _soft_max_sparse(xr, scale, mr, sl, dr, w, wc, idx):
-    """soft_max of one row over its unmasked cells only; False (nothing written) when that does not pay
-    (an eighth or more of the cells unmasked: the dense passes vectorise) or is not exact (a non-finite
-    x). The check is one vectorised pass; the unmasked cells' indices are then compacted (branch-free),
-    in order, so the max is the same, and w, max and vexp run on the contiguous wc before the scatter
-    into the zeroed row."""
-    ne0 = xr.shape[0]
-    k = 0
+def _live_cells(xr, mr):
+    """(n, k) of a row in one vectorised pass: n = its cells up to the last 8-cell chunk with an
+    unmasked cell, k = its unmasked cells; n = -1 when some x is not finite (-inf masking then does
+    not decide a cell's value: the whole row is computed)."""
+    last, k = 0, 0
     bad = False
-    for i in range(ne0):
-        k += mr[i] != -np.inf
+    for i in range(xr.shape[0]):
+        live = mr[i] != -np.inf
+        k += live
+        last = max(last, i + 1 if live else 0)
         bad |= (_bits(xr[i]) & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
-    if bad or 8 * k >= ne0:
-        return False
+    return (-1 if bad else -(-last // 8) * 8), k
+
+
+@njit(cache=True, inline="always")
+def _soft_max_sparse(xr, scale, mr, sl, dr, wc, idx, k):
+    """soft_max of one row (finite x) over its k unmasked cells only (fewer than an eighth: below that
+    the dense passes, which vectorise, cost more). Their indices are compacted (branch-free), in order,
+    so the max is the same; w, max and vexp run on the contiguous wc, which is scattered into the
+    zeroed row before the normalisation."""
     k = 0
-    for i in range(ne0):
+    for i in range(xr.shape[0]):
         idx[k] = i
         k += mr[i] != -np.inf
     for j in range(k):
         wc[j] = F32(xr[idx[j]] * scale) + F32(sl * mr[idx[j]])
     wk = wc[:k]
     _exp_shifted(wk, _row_max(wk))
-    w[:] = 0
+    dr[:] = 0
     for j in range(k):
-        w[idx[j]] = wk[j]
-    _normalize(w, dr)
-    return True
+        dr[idx[j]] = wk[j]
+    _normalize(dr, dr)
 
 
 @njit(cache=True, inline="always")

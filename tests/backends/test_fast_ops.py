@@ -179,6 +179,7 @@ def test_soft_max_bits(ctx, rng, monkeypatch, n_kv, max_bias):
     for i in range(n_q + 3):
         mask[i, n_kv // 2 + i:] = -np.inf                      # causal-ish, padded cells masked
     mask[1, :] = -np.inf                                      # a fully masked row (NaN output)
+    x[0, 3, -1] = np.inf                      # past row 3's last unmasked chunk: the whole row is run
     if max_bias:
         mask[2, :3] = -np.abs(randn(rng, 3))
     with np.errstate(all="ignore"):
