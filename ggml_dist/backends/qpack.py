@@ -112,7 +112,7 @@ class PackedWeight:
                 return out if _prep_mm_v_serial(*args) else None
             with qkernels._launch_lock:
                 qkernels.apply_threads()
-                return out if _prep_mm_v(*args, 4 * qkernels.get_threads()) else None
+                return out if _prep_mm_v(*args, qkernels.get_threads()) else None
         if not _prep(x, self.type == T.Q4_1, Y, Yb, dy, sy, ys):
             return None
         args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
@@ -377,14 +377,19 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 # count (a group's bytes stay in L1/L2 while its tokens pass, and the int8 lane sums are cheap enough
 # that decoding codes once per tile, as the float kernels below do, would not pay).
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
-    """_prep, then the groups split across threads; False (nothing computed) on a non-finite x."""
+def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_threads):
+    """_prep, then the work split across n_threads; False (nothing computed) on a non-finite x.
+    Work units are (group, token slice) pairs. A product has few groups (192 rows: 3), so with one
+    slice per group the threads' shares would be unequal (2 groups against 1) whenever G is not a
+    multiple of n_threads; then the tokens are split too, n_threads slices per group."""
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
-    G = qs.shape[0]
-    n_chunks = min(G, n_chunks)
+    G, N = qs.shape[0], Y4.shape[0]
+    ts = 1 if G % n_threads == 0 else max(1, min(N, n_threads))
+    n_units = G * ts
+    n_chunks = min(n_units, 4 * n_threads)
     for c in prange(n_chunks):
-        _rows_v(kind, qs, d, m, Y4, dy, sy, out, c * G // n_chunks, (c + 1) * G // n_chunks)
+        _rows_v(kind, qs, d, m, Y4, dy, sy, out, c * n_units // n_chunks, (c + 1) * n_units // n_chunks, ts)
     return True
 
 
@@ -392,33 +397,35 @@ def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_chunks):
 def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
-    _rows_v(kind, qs, d, m, Y4, dy, sy, out, 0, qs.shape[0])
+    _rows_v(kind, qs, d, m, Y4, dy, sy, out, 0, qs.shape[0], 1)
     return True
 
 
 @njit(cache=True, nogil=True)
-def _rows_v(kind, qs, d, m, Y4, dy, sy, out, g0, g1):
-    """Groups g0 .. g1-1 of a vnni-layout weight; Y4 [N, K/4] int32 = the tokens' Q8 codes, 4 per word."""
+def _rows_v(kind, qs, d, m, Y4, dy, sy, out, u0, u1, ts):
+    """Work units u0 .. u1-1 of a vnni-layout weight: unit u = group u // ts against token slice u % ts
+    of ts; Y4 [N, K/4] int32 = the tokens' Q8 codes, 4 per word."""
     if kind == _KIND_Q4_0:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, g0, g1, _KIND_Q4_0)
+        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q4_0)
     elif kind == _KIND_Q4_1:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, g0, g1, _KIND_Q4_1)
+        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q4_1)
     elif kind == _KIND_Q4_0_CHAIN:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, g0, g1, _KIND_Q4_0_CHAIN)
+        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q4_0_CHAIN)
     else:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, g0, g1, _KIND_Q8_0)
+        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q8_0)
 
 
 @njit(cache=True, inline="always")
-def _rows_v_kind(qs, d, m, Y4, dy, sy, out, g0, g1, kind):
+def _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, kind):
     N = Y4.shape[0]
     nb = dy.shape[1]
     bb = 32 * R if kind == _KIND_Q8_0 else 16 * R               # bytes per block of a group
     acc = np.empty(8 * R, F32)
     sm = np.zeros(R, F32)
-    for g in range(g0, g1):
+    for u in range(u0, u1):
+        g, sl = u // ts, u % ts
         qg, dg, mg = qs[g], d[g], m[g]
-        for n in range(N):
+        for n in range(sl * N // ts, (sl + 1) * N // ts):
             acc[:] = 0
             y = Y4[n]
             for b in range(nb):

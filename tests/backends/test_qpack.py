@@ -81,19 +81,21 @@ def test_bit_identical_random_shapes(t, M, nb, N, seed, scale, vnni_layout):
     assert np.array_equal(qpack.PackedWeight(t, w, vnni_layout=vnni_layout).mul_mat(x), ref)
 
 
+@pytest.mark.parametrize("M", [96, 192])
 @pytest.mark.parametrize("vnni_layout", LAYOUTS)
 @pytest.mark.parametrize("t", TYPES)
-def test_threads_do_not_change_bits(t, vnni_layout):
-    M, K = 96, 512
+def test_threads_do_not_change_bits(t, vnni_layout, M):
+    """M = 192: 3 groups of 64 rows over 2 threads, so the vnni kernels split the tokens too."""
+    K = 512
     w = random_rows(t, M, K, seed=7)
     pw = qpack.PackedWeight(t, w, vnni_layout=vnni_layout)
     x = activations(40, K, seed=8)
     before = qk.get_threads()
     try:
         qk.set_threads(1)
-        one = [pw.mul_mat(x[:n]) for n in (1, 40)]
+        one = [pw.mul_mat(x[:n]) for n in (1, 8, 40)]
         qk.set_threads(min(2, qk.numba.config.NUMBA_NUM_THREADS))
-        two = [pw.mul_mat(x[:n]) for n in (1, 40)]
+        two = [pw.mul_mat(x[:n]) for n in (1, 8, 40)]
     finally:
         qk.set_threads(before)
     for a, b in zip(one, two):
