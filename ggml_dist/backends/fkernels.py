@@ -711,7 +711,6 @@ def rms_norm(x, eps, wgt, fused, dst):
                         dst[i3, i2, i1, i] = x[i3, i2, i1, i] * scale
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
 def soft_max(x, scale, mask, slopes, has_mask, dst):
     """ggml_compute_forward_soft_max_f32 (rows of a multiple of 8): w = f32(x*scale) [+ f32(slope*mask)];
     max as ggml's scalar loop finds it (_row_max); e = vexp(w - max) (masked -inf stays -inf, vexp(-inf)
@@ -722,36 +721,54 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
     hides most cells (a server's interleaved sequences) take _soft_max_sparse, and the others run only
     up to their last whole 8-cell chunk holding an unmasked cell (_live_cells: a KV stream's cells past
     its sequence's end, up to n_kv's padding to 256). Same bits. Every pass but the sum vectorises."""
+    _rows_threads(_soft_max_serial, _soft_max_par, x.shape[0] * x.shape[1] * x.shape[2], x.shape[3],
+                  x, scale, mask, slopes, has_mask, dst)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _soft_max_serial(x, scale, mask, slopes, has_mask, dst):
+    _soft_max_rows(x, scale, mask, slopes, has_mask, dst, 0, x.shape[0] * x.shape[1] * x.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _soft_max_par(x, scale, mask, slopes, has_mask, dst, n_chunks):
+    n = x.shape[0] * x.shape[1] * x.shape[2]
+    for c in prange(n_chunks):
+        _soft_max_rows(x, scale, mask, slopes, has_mask, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+@njit(cache=True, inline="always")
+def _soft_max_rows(x, scale, mask, slopes, has_mask, dst, r0, r1):
+    """Rows r0 .. r1-1 of x (row r = (i3 * ne2 + i2) * ne1 + i1)."""
     ne3, ne2, ne1, ne0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
     w = np.empty(ne0, F32)
     wc = np.empty(ne0, F32)
     idx = np.empty(ne0, np.int64)
-    for i3 in range(ne3):
-        for i2 in range(ne2):
-            sl = slopes[i2]
-            for i1 in range(ne1):
-                xr, dr = x[i3, i2, i1], dst[i3, i2, i1]
-                mr = mask[i3 % m3, i2 % m2, i1 % mask.shape[2]]        # (a dummy without a mask)
+    for r in range(r0, r1):
+        i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
+        sl = slopes[i2]
+        xr, dr = x[i3, i2, i1], dst[i3, i2, i1]
+        mr = mask[i3 % m3, i2 % m2, i1 % mask.shape[2]]            # (a dummy without a mask)
+        n = ne0
+        if has_mask and sl > 0:
+            n, k = _live_cells(xr, mr)
+            if n < 0:                                           # a non-finite x: the whole row
                 n = ne0
-                if has_mask and sl > 0:
-                    n, k = _live_cells(xr, mr)
-                    if n < 0:                                   # a non-finite x: the whole row
-                        n = ne0
-                    elif 8 * k < ne0:                           # (all masked included)
-                        _soft_max_sparse(xr, scale, mr, sl, dr, wc, idx, k)
-                        continue
-                    else:
-                        dr[n:] = 0
-                        xr, mr, dr = xr[:n], mr[:n], dr[:n]
-                wn = w[:n]
-                for i in range(n):
-                    wn[i] = xr[i] * scale
-                if has_mask:
-                    for i in range(n):
-                        wn[i] = wn[i] + sl * mr[i]
-                _exp_shifted(wn, _row_max(wn))
-                _normalize(wn, dr)
+            elif 8 * k < ne0:                                   # (all masked included)
+                _soft_max_sparse(xr, scale, mr, sl, dr, wc, idx, k)
+                continue
+            else:
+                dr[n:] = 0
+                xr, mr, dr = xr[:n], mr[:n], dr[:n]
+        wn = w[:n]
+        for i in range(n):
+            wn[i] = xr[i] * scale
+        if has_mask:
+            for i in range(n):
+                wn[i] = wn[i] + sl * mr[i]
+        _exp_shifted(wn, _row_max(wn))
+        _normalize(wn, dr)
 
 
 @njit(cache=True, inline="always")
@@ -839,44 +856,93 @@ def _normalize(e, dr):
         dr[i] = e[i] * inv
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
 def swiglu(g, u, dst):
     """ggml_vec_swiglu_f32 on rows of a multiple of 8: f32(f32(g / f32(1 + vexp(-g))) * u). A row goes
     through the scratch s, so the loop vectorises even when dst aliases g or u (in place)."""
-    ne3, ne2, ne1, ne0 = dst.shape
-    s = np.empty(ne0, F32)
-    for i3 in range(ne3):
-        for i2 in range(ne2):
-            for i1 in range(ne1):
-                gr, ur, dr = g[i3, i2, i1], u[i3, i2, i1], dst[i3, i2, i1]
-                for i in range(ne0):
-                    gv = gr[i]
-                    s[i] = gv / (F32(1) + vexp(-gv)) * ur[i]
-                for i in range(ne0):
-                    dr[i] = s[i]
+    _rows_threads(_swiglu_serial, _swiglu_par, dst.shape[0] * dst.shape[1] * dst.shape[2], dst.shape[3],
+                  g, u, dst)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def _swiglu_serial(g, u, dst):
+    _swiglu_rows(g, u, dst, 0, dst.shape[0] * dst.shape[1] * dst.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _swiglu_par(g, u, dst, n_chunks):
+    n = dst.shape[0] * dst.shape[1] * dst.shape[2]
+    for c in prange(n_chunks):
+        _swiglu_rows(g, u, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+@njit(cache=True, inline="always")
+def _swiglu_rows(g, u, dst, r0, r1):
+    ne3, ne2, ne1, ne0 = dst.shape
+    s = np.empty(ne0, F32)
+    for r in range(r0, r1):
+        i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
+        gr, ur, dr = g[i3, i2, i1], u[i3, i2, i1], dst[i3, i2, i1]
+        for i in range(ne0):
+            gv = gr[i]
+            s[i] = gv / (F32(1) + vexp(-gv)) * ur[i]
+        for i in range(ne0):
+            dr[i] = s[i]
+
+
 def rope(x, cos, sin, n_dims, neox, dst):
     """The rotation of ggml_compute_forward_rope_flt: x, dst [ne3, n_tok, n_head, head_dim]; cos, sin
     [n_tok, n_dims/2]. Pair i is (2i, 2i+1) (NORM) or (i, i + n_dims/2) (NEOX):
     y0 = fma(x0, c, -f32(x1*s)), y1 = fma(x0, s, f32(x1*c)) (GCC's contraction); dims >= n_dims copied."""
+    _rows_threads(_rope_serial, _rope_par, x.shape[0] * x.shape[1] * x.shape[2], x.shape[3],
+                  x, cos, sin, n_dims, neox, dst)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _rope_serial(x, cos, sin, n_dims, neox, dst):
+    _rope_rows(x, cos, sin, n_dims, neox, dst, 0, x.shape[0] * x.shape[1] * x.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _rope_par(x, cos, sin, n_dims, neox, dst, n_chunks):
+    n = x.shape[0] * x.shape[1] * x.shape[2]
+    for c in prange(n_chunks):
+        _rope_rows(x, cos, sin, n_dims, neox, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+@njit(cache=True, inline="always")
+def _rope_rows(x, cos, sin, n_dims, neox, dst, r0, r1):
     ne3, ne2, ne1, ne0 = x.shape
     half = n_dims // 2
-    for i3 in range(ne3):
-        for i2 in range(ne2):
-            for i1 in range(ne1):
-                for i in range(half):
-                    j0 = i if neox else 2 * i
-                    j1 = i + half if neox else 2 * i + 1
-                    c, s = cos[i2, i], sin[i2, i]
-                    x0, x1 = x[i3, i2, i1, j0], x[i3, i2, i1, j1]
-                    y0 = F32(F64(x0) * F64(c) + F64(-F32(x1 * s)))
-                    y1 = F32(F64(x0) * F64(s) + F64(F32(x1 * c)))
-                    dst[i3, i2, i1, j0] = y0
-                    dst[i3, i2, i1, j1] = y1
-                for i in range(n_dims, ne0):
-                    dst[i3, i2, i1, i] = x[i3, i2, i1, i]
+    for r in range(r0, r1):
+        i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
+        for i in range(half):
+            j0 = i if neox else 2 * i
+            j1 = i + half if neox else 2 * i + 1
+            c, s = cos[i2, i], sin[i2, i]
+            x0, x1 = x[i3, i2, i1, j0], x[i3, i2, i1, j1]
+            y0 = F32(F64(x0) * F64(c) + F64(-F32(x1 * s)))
+            y1 = F32(F64(x0) * F64(s) + F64(F32(x1 * c)))
+            dst[i3, i2, i1, j0] = y0
+            dst[i3, i2, i1, j1] = y1
+        for i in range(n_dims, ne0):
+            dst[i3, i2, i1, i] = x[i3, i2, i1, i]
+
+
+# row elements from which a row op is split across threads: a numba parallel launch costs ~5 us here, so
+# 8 rows of 1536 (swiglu, ~9 us) gained nothing, 72 soft_max rows of 256 (~20 us) a quarter
+_ROW_PARALLEL_WORK = 1 << 14
+
+
+def _rows_threads(serial, par, n_rows, row_len, *args) -> None:
+    """A row op on one thread, or split by rows across qkernels' threads (as ggml splits every op's rows
+    among its threads) when it has rows enough to pay for a launch."""
+    nt = qkernels.get_threads()
+    if nt > 1 and n_rows > 1 and n_rows * row_len >= _ROW_PARALLEL_WORK:
+        with qkernels._launch_lock:
+            qkernels.apply_threads()
+            par(*args, min(nt, n_rows))
+        return
+    serial(*args)
 
 
 def _encode(v, like):

@@ -410,3 +410,33 @@ def test_fast_path_is_taken(monkeypatch):
     assert cpu_ops._fk() is fk
     monkeypatch.setattr(quants, "USE_NUMBA", False)
     assert cpu_ops._fk() is None
+
+
+# -- row ops split across threads ------------------------------------------------------------------------
+@pytest.mark.parametrize("n_chunks", [2, 3, 7])
+def test_row_ops_split_across_threads_same_bits(rng, n_chunks):
+    """soft_max, swiglu and rope split by rows (fkernels._rows_threads): every split gives the one-thread
+    bits, with rows of one KV stream's mask, in-place soft_max included."""
+    x = randn(rng, 8, 9, 1, 256, scale=4.0)
+    mask = np.full((8, 1, 1, 256), -np.inf, np.float32)
+    for s in range(8):
+        mask[s, ..., :20 + 30 * s] = 0                           # a dense, a truncated and a sparse row
+    sl = np.ones(9, np.float32)
+    one, par = np.empty_like(x), np.empty_like(x)
+    fk._soft_max_serial(x, np.float32(0.125), mask, sl, True, one)
+    fk._soft_max_par(x, np.float32(0.125), mask, sl, True, par, n_chunks)
+    assert_same_bits(one, par)
+    y = x.copy()
+    fk._soft_max_par(y, np.float32(0.125), mask, sl, True, y, n_chunks)
+    assert_same_bits(one, y)
+    g, u = randn(rng, 1, 2, 8, 1536), randn(rng, 1, 2, 8, 1536)
+    one, par = np.empty_like(g), np.empty_like(g)
+    fk._swiglu_serial(g, u, one)
+    fk._swiglu_par(g, u, par, n_chunks)
+    assert_same_bits(one, par)
+    q = randn(rng, 1, 8, 9, 64)
+    cos, sin = (rng.random((8, 32)).astype(np.float32) for _ in range(2))
+    one, par = np.empty_like(q), np.empty_like(q)
+    fk._rope_serial(q, cos, sin, 64, True, one)
+    fk._rope_par(q, cos, sin, 64, True, par, n_chunks)
+    assert_same_bits(one, par)
