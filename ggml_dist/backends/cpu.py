@@ -36,7 +36,8 @@ def keep_freed_host_memory() -> None:
     threshold (128 KB at first) with fresh mappings and unmaps them on free, and trims the heap top past
     its trim threshold, so each step page-faults its arrays in again: on these VMs about 2.5 us per
     4 KB page, 3 ms of a 30 ms step of 8 sequences. With the mmap threshold at glibc's maximum (32 MB)
-    and the trim threshold at 128 MB, freed blocks come back from the heap. Once per process, glibc only (a no-op elsewhere)."""
+    and the trim threshold at 128 MB, freed blocks come back from the heap. Once per process; glibc
+    only (a no-op elsewhere)."""
     global _MALLOC_TUNED
     if _MALLOC_TUNED:
         return

@@ -372,7 +372,8 @@ def _vdot32xG_intrinsic(G: int):
                     for yp, acc in zip(yps, accs):
                         yv = builder.load(builder.gep(yp, [o]), align=4)
                         builder.store(builder.call(fma, [wv, yv, builder.load(acc[k])]), acc[k])
-            op = builder.bitcast(context.make_array(sig.args[6])(context, builder, out_).data, v8.as_pointer())
+            op = builder.bitcast(context.make_array(sig.args[6])(context, builder, out_).data,
+                                 v8.as_pointer())
             for j, acc in enumerate(accs):
                 a = [builder.load(x) for x in acc]
                 folded = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
