@@ -325,3 +325,38 @@ def test_short_prompts_trickle_in(serve_model, model):
     joined = [b for b in batches if (1, 1) in b or any(s == 1 and n > 1 for s, n in b)]
     assert joined and all(dict(b)[1] == 1 for b in joined if 0 in dict(b))   # beside a decode: 1 token
     assert any(n == len(ids[2]) for b in batches for s, n in b if s == 2)   # the long prompt: one chunk
+
+
+# with a KV stream per slot the engine decodes once with every shape of a one-token-per-sequence step
+# before it is ready: requests never wait while such a step's graph is built and planned
+def test_step_shapes_planned_before_ready(serve_model, model):
+    from ggml_dist.model.sampling import SamplingParams
+    from ggml_dist.serve import Engine, EngineConfig
+    from ggml_dist.serve.engine import Request
+    engine = Engine(EngineConfig(serve_model, n_parallel=3, n_ctx=768)).start()
+    engine.wait_ready(120)
+    planned = {(key.n_stream, key.n_outputs) for key, _ in engine.ctx._graphs if key.n_tokens == key.n_stream}
+    assert planned >= {(k, j) for k in (1, 2, 3) for j in range(k + 1)}
+    built = []
+    build = engine.ctx.builder.build
+    engine.ctx.builder.build = lambda key: (built.append(key), build(key))[1]
+    done = [threading.Event() for _ in range(3)]
+    texts = ["", "", ""]
+
+    def on_event(k):
+        def f(ev):
+            texts[k] += ev.text
+            if ev.finish_reason:
+                done[k].set()
+        return f
+    ids = [model.tokenizer.encode(p, add_special=True, parse_special=True) for p in PROMPTS[:3]]
+    try:
+        for k in range(3):
+            engine.submit(Request(ids[k], 6 + 3 * k, SamplingParams(), (), on_event(k)))
+            time.sleep(0.05)                              # requests joining a decoding batch
+        for d in done:
+            assert d.wait(60)
+    finally:
+        engine.shutdown()
+    assert texts == [reference(model, p, 6 + 3 * k) for k, p in enumerate(PROMPTS[:3])]
+    assert not [key for key in built if key.n_tokens == key.n_stream], built
