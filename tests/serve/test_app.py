@@ -270,6 +270,21 @@ def test_kv_layout_per_engine(serve_model):
         engine.shutdown()
 
 
+def _collector(n: int):
+    """(texts, done, on_event): on_event(k) is request k's engine callback, appending its text to
+    texts[k] and setting done[k] at its last event."""
+    texts = [""] * n
+    done = [threading.Event() for _ in range(n)]
+
+    def on_event(k):
+        def f(ev):
+            texts[k] += ev.text
+            if ev.finish_reason:
+                done[k].set()
+        return f
+    return texts, done, on_event
+
+
 # with a KV stream per slot, a short prompt joining decoding sequences goes in one token per step (each
 # step stays one ubatch), a prompt longer than TRICKLE still takes one chunk, and a sequence moves down
 # into a slot freed below it; the text is unchanged
@@ -295,15 +310,7 @@ def test_short_prompts_trickle_in(serve_model, model):
     prompts = [PROMPTS[4], PROMPTS[1], long_prompt]
     ids = [tok.encode(p, add_special=True, parse_special=True) for p in prompts]
     assert len(ids[1]) <= TRICKLE < len(ids[2])
-    texts = ["", "", ""]
-    done = [threading.Event() for _ in prompts]
-
-    def on_event(k):
-        def f(ev):
-            texts[k] += ev.text
-            if ev.finish_reason:
-                done[k].set()
-        return f
+    texts, done, on_event = _collector(len(prompts))
     try:
         engine.submit(Request(ids[0], 24, SamplingParams(), (), on_event(0)))
         t0 = time.monotonic()
@@ -340,15 +347,7 @@ def test_step_shapes_planned_before_ready(serve_model, model):
     built = []
     build = engine.ctx.builder.build
     engine.ctx.builder.build = lambda key: (built.append(key), build(key))[1]
-    done = [threading.Event() for _ in range(3)]
-    texts = ["", "", ""]
-
-    def on_event(k):
-        def f(ev):
-            texts[k] += ev.text
-            if ev.finish_reason:
-                done[k].set()
-        return f
+    texts, done, on_event = _collector(3)
     ids = [model.tokenizer.encode(p, add_special=True, parse_special=True) for p in PROMPTS[:3]]
     try:
         for k in range(3):
