@@ -83,8 +83,8 @@ class PackedWeight:
             q = b[..., oq:oq + 16].reshape(G, R, nb, 4, 4)       # [g, r, b, l, k]
         order = (0, 2, 3, 1, 4) if vnni_layout else (0, 2, 4, 3, 1)
         self.qs = np.ascontiguousarray(q.transpose(order)).reshape(G, -1)
-        if wtype == T.Q8_0 and not vnni_layout:
-            self.qs = self.qs.view(np.int8)
+        if wtype == T.Q8_0:                   # vnni: stored as x + 128, vpdpbusd's unsigned operand
+            self.qs = self.qs ^ np.uint8(0x80) if vnni_layout else self.qs.view(np.int8)
         self.vnni = bool(vnni_layout)
         self.d = _f16_plane(b, 0)
         self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((G, 1), np.uint16)

@@ -10,13 +10,14 @@ registers and folds them into the caller's f32 accumulators with one fma per lan
 Layout (qpack.PackedWeight(vnni_layout=True)): a group's block b is 16*R (Q4) or 32*R (Q8) bytes, in
 row-major chunks of 4 codes per lane: byte (b, l, r, k) at b*16R + l*4R + 4r + k is row r's qs[4l+k]
 (Q4: element 4l+k in the low nibble, lane l; element 16+4l+k in the high one, lane 4+l); Q8's (b, L, r, k)
-at b*32R + L*4R + 4r + k is row r's element 4L+k (lane L). One 32-bit lane of a 64-byte vector is then
-one row's four codes of a ggml lane, which vpdpbusd multiplies by the token's four codes (broadcast).
+at b*32R + L*4R + 4r + k is row r's element 4L+k (lane L), stored as x + 128 (u8). One 32-bit lane of a
+64-byte vector is then one row's four codes of a ggml lane, which vpdpbusd multiplies by the token's
+four codes (broadcast).
 
 Numerics: exactly those of qpack's float kernels and quants.mul_mat(order="ggml") (ggml-numerics.md §1.5):
 lane sums are exact integers either way; Q4_0 lanes are centred as sum((u - 8) y) = sum(u y) - 8 sum(y),
-Q8_0's signed codes biased as sum((x + 128) y) - 128 sum(y) (vpdpbusd takes u8 x s8 and does not
-saturate); then acc = fma(f32(dx*dy), f32(lane), acc) per lane, or for the Q4_0 chain (repacked
+Q8_0's signed codes biased (when packed) as sum((x + 128) y) - 128 sum(y) (vpdpbusd takes u8 x s8 and
+does not saturate); then acc = fma(f32(dx*dy), f32(lane), acc) per lane, or for the Q4_0 chain (repacked
 q4_0_8x8) acc = fma(f32(isum), f32(dx*dy), acc) per row with isum the whole block's integer dot.
 
 Only hosts whose LLVM target has avx512vnni compile these (``AVAILABLE``); qpack keeps its float kernels
@@ -99,7 +100,7 @@ def _block_codegen(kind):
                 yv = codes(L)
                 bias = _vpdpbusd(builder, _bytes(128), yv)     # 128 * the lane's sum of codes
                 for v in range(_NV):
-                    x = builder.xor(row_bytes(L * _NV + v), _bytes(0x80))      # x + 128 as u8
+                    x = row_bytes(L * _NV + v)                   # x + 128 as u8 (packed so)
                     s = builder.sub(_vpdpbusd(builder, x, yv), bias)
                     fold(L * _NV + v, D[v], builder.sitofp(s, _FLOATS))
             return context.get_dummy_value()
