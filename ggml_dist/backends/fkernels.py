@@ -557,9 +557,12 @@ def _all_masked(mrow, m0, m1):
 def _mm_h_rows_par(w, x, dst, tiny, n_chunks, mask, skip):
     """_mm_h_rows with the activation slices (query heads) split across threads in n_chunks runs of
     whole KV heads, so each keeps its GQA groups and its scratch (a run per slice cost more than the
-    second thread gave)."""
+    second thread gave); by slice where there are fewer KV heads than chunks (one stream of an MQA
+    model)."""
     r2 = x.shape[1] // w.shape[1]
-    n = x.shape[0] * x.shape[1] // r2                           # KV-head units of r2 slices
+    if x.shape[0] * x.shape[1] // r2 < n_chunks:
+        r2 = 1
+    n = x.shape[0] * x.shape[1] // r2                           # units of r2 slices
     n_chunks = min(n, n_chunks)
     for c in prange(n_chunks):
         _mm_h_rows(w, x, dst, tiny, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks), mask, skip)

@@ -299,12 +299,14 @@ def test_mul_mat_f16_query_head_groups(rng, monkeypatch, r2, K):
 
 
 @pytest.mark.parametrize("n11", [1, 3, 20])
-def test_mul_mat_float_threads_same_bits(rng, n11):
-    """mul_mat_threads splits F16 products by query head (few rows) or KV head (many): same bits as one
+@pytest.mark.parametrize("a2,b3", [(2, 2), (1, 1)])
+def test_mul_mat_float_threads_same_bits(rng, n11, a2, b3):
+    """mul_mat_threads splits F16 products across threads by runs of KV heads, or by query head where
+    there are fewer KV heads than threads (a2 = b3 = 1: one stream of an MQA model): same bits as one
     thread."""
-    w = randn(rng, 1, 2, 256, 64, scale=0.5).astype(np.float16).view(np.uint16)
-    x = randn(rng, 2, 6, n11, 64)
-    one, two = (np.empty((2, 6, n11, 256), np.float32) for _ in range(2))
+    w = randn(rng, 1, a2, 256, 64, scale=0.5).astype(np.float16).view(np.uint16)
+    x = randn(rng, b3, 6, n11, 64)
+    one, two = (np.empty((b3, 6, n11, 256), np.float32) for _ in range(2))
     tiny = n11 >= 2
     before = qkernels.get_threads()
     try:
