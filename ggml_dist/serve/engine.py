@@ -256,8 +256,8 @@ class Engine:
                                   [frozenset({s}) for s in range(k)], np.arange(k) >= k - j))
             for s in range(k):
                 self.ctx.seq_rm(s)
-        print(f"ggml-dist serve: {len(shapes)} decode step shapes planned in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        dt = time.perf_counter() - t0
+        print(f"ggml-dist serve: {len(shapes)} decode step shapes planned in {dt:.1f} s", file=sys.stderr)
 
     def _run(self) -> None:
         try:
