@@ -100,13 +100,13 @@ class PackedWeight:
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
         tiled = N >= MIN_TOKENS and not self.vnni
-        Y, Yb, Y4, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)     # tiled: 4 tokens at once
+        Y, Yb, Y4, Yz, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)     # tiled: 4 tokens at once
         if out is None:
             out = np.empty((N, self.M), F32)
         x = np.ascontiguousarray(x, F32)
         parallel = qkernels.get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
         if self.vnni:                   # quantize and multiply in one call
-            args = (x, self.type == T.Q4_1, Y, Yb, Y4, dy, sy, ys, self.kind, self.qs,
+            args = (x, self.type == T.Q4_1, Y, Yb, Y4, Yz, dy, sy, ys, self.kind, self.qs,
                     self.d, self.m, out)
             if not parallel:
                 return out if _prep_mm_v_serial(*args) else None
@@ -129,9 +129,10 @@ _WORK = threading.local()
 
 
 def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
-    """Activation scratch (Y, Yb, Y4, dy, sy, ys) for Np tokens of K, reused per thread (Y4: Yb's codes
-    as int32 words of 4). Rows past a call's N (the padding to 4 tokens) hold zeros or an earlier call's
-    finite codes: only the accumulators of those padding tokens read them, and those are never stored."""
+    """Activation scratch (Y, Yb, Y4, Yz, dy, sy, ys) for Np tokens of K, reused per thread (Y4: Yb's
+    codes as int32 words of 4, Yz: the vnni kernels' lane starting values). Rows past a call's N (the
+    padding to 4 tokens) hold zeros or an earlier call's finite codes: only the accumulators of those
+    padding tokens read them, and those are never stored."""
     cache = getattr(_WORK, "bufs", None)
     if cache is None:
         cache = _WORK.bufs = {}
@@ -139,9 +140,9 @@ def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
     if bufs is None:
         if len(cache) > 16:
             cache.clear()
-        Yb = np.zeros((Np, K), np.int8)
-        bufs = cache[(Np, K)] = (np.zeros((Np, K), F32), Yb, Yb.view(np.int32)) \
-            + tuple(np.zeros((Np, K // 32), F32) for _ in range(3))
+        Yb, Yz = np.zeros((Np, K), np.int8), np.zeros((Np, K // 4), np.int32)
+        bufs = cache[(Np, K)] = ((np.zeros((Np, K), F32), Yb, Yb.view(np.int32), Yz)
+                                 + tuple(np.zeros((Np, K // 32), F32) for _ in range(3)))
     return bufs
 
 
@@ -373,75 +374,106 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 
 
 # ------------------------------------------------------------------------------------------------
-# int8 kernels (PackedWeight.vnni): one vnni block intrinsic per (group, token, block), for every token
+# int8 kernels (PackedWeight.vnni): one vnni group intrinsic per (group, token pair), for every token
 # count (a group's bytes stay in L1/L2 while its tokens pass, and the int8 lane sums are cheap enough
 # that decoding codes once per tile, as the float kernels below do, would not pay).
+_LANE_BIAS = (8, 0, 8, 128)             # per kind: vnni's -bias * (sum of a lane's 4 codes) starts a lane
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_v(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out, n_threads):
+def _prep_mm_v(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads):
     """_prep, then the work split across n_threads; False (nothing computed) on a non-finite x.
     Work units are (group, token slice) pairs. A product has few groups (192 rows: 3), so with one
     slice per group the threads' shares would be unequal (2 groups against 1) whenever G is not a
-    multiple of n_threads; then the tokens are split too, n_threads slices per group."""
+    multiple of n_threads; then the tokens are split too, in up to n_threads slices of whole pairs."""
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
+    _lane_starts(Yb, Yz, _LANE_BIAS[kind])
     G, N = qs.shape[0], Y4.shape[0]
-    ts = 1 if G % n_threads == 0 else max(1, min(N, n_threads))
+    ts = 1 if G % n_threads == 0 else max(1, min((N + 1) // 2, n_threads))
     n_units = G * ts
     n_chunks = min(n_units, 4 * n_threads)
     for c in prange(n_chunks):
-        _rows_v(kind, qs, d, m, Y4, dy, sy, out, c * n_units // n_chunks, (c + 1) * n_units // n_chunks, ts)
+        u0, u1 = c * n_units // n_chunks, (c + 1) * n_units // n_chunks
+        _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts)
     return True
 
 
 @njit(cache=True, nogil=True)
-def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, dy, sy, ys, kind, qs, d, m, out):
+def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out):
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
-    _rows_v(kind, qs, d, m, Y4, dy, sy, out, 0, qs.shape[0], 1)
+    _lane_starts(Yb, Yz, _LANE_BIAS[kind])
+    _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, 0, qs.shape[0], 1)
     return True
 
 
 @njit(cache=True, nogil=True)
-def _rows_v(kind, qs, d, m, Y4, dy, sy, out, u0, u1, ts):
+def _lane_starts(Yb, Yz, bias):
+    """Yz[n, w] = -bias * (the sum of token n's codes 4w .. 4w+3): where vnni's lane w starts."""
+    if bias == 0:
+        return
+    for n in range(Yb.shape[0]):
+        for w in range(Yz.shape[1]):
+            Yz[n, w] = -bias * (np.int32(Yb[n, 4 * w]) + np.int32(Yb[n, 4 * w + 1])
+                                + np.int32(Yb[n, 4 * w + 2]) + np.int32(Yb[n, 4 * w + 3]))
+
+
+@njit(cache=True, nogil=True)
+def _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts):
     """Work units u0 .. u1-1 of a vnni-layout weight: unit u = group u // ts against token slice u % ts
-    of ts; Y4 [N, K/4] int32 = the tokens' Q8 codes, 4 per word."""
+    of ts (slices of whole token pairs); Y4 [N, K/4] int32 = the tokens' Q8 codes, 4 per word, Yz
+    the lanes' starting values."""
     if kind == _KIND_Q4_0:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q4_0)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_0)
     elif kind == _KIND_Q4_1:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q4_1)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_1)
     elif kind == _KIND_Q4_0_CHAIN:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q4_0_CHAIN)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_0_CHAIN)
     else:
-        _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, _KIND_Q8_0)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q8_0)
 
 
 @njit(cache=True, inline="always")
-def _rows_v_kind(qs, d, m, Y4, dy, sy, out, u0, u1, ts, kind):
+def _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, kind):
     N = Y4.shape[0]
-    nb = dy.shape[1]
-    bb = 32 * R if kind == _KIND_Q8_0 else 16 * R               # bytes per block of a group
-    acc = np.empty(8 * R, F32)
-    sm = np.zeros(R, F32)
+    pairs = (N + 1) // 2
+    res = np.empty(2 * R, F32)
     for u in range(u0, u1):
         g, sl = u // ts, u % ts
-        qg, dg, mg = qs[g], d[g], m[g]
-        for n in range(sl * N // ts, (sl + 1) * N // ts):
-            acc[:] = 0
-            y = Y4[n]
-            for b in range(nb):
-                if kind == _KIND_Q4_0:
-                    vnni.block_q4_0(qg, bb * b, dg, R * b, dy[n, b], y, 8 * b, acc)
-                elif kind == _KIND_Q4_0_CHAIN:
-                    vnni.block_q4_0_chain(qg, bb * b, dg, R * b, dy[n, b], y, 8 * b, acc)
-                elif kind == _KIND_Q8_0:
-                    vnni.block_q8_0(qg, bb * b, dg, R * b, dy[n, b], y, 8 * b, acc)
-                else:
-                    vnni.block_q4_1(qg, bb * b, dg, R * b, dy[n, b], y, 8 * b, acc)
-                    sb = sy[n, b]                               # sequential f32 sum of m*s
-                    for r in range(sm.shape[0]):
-                        p = _half(mg[R * b + r]) * sb
-                        sm[r] = p if b == 0 else sm[r] + p
-            _store(acc, sm, out, g, n, kind == _KIND_Q4_1, kind == _KIND_Q4_0_CHAIN)
+        n, n1 = 2 * (sl * pairs // ts), min(N, 2 * ((sl + 1) * pairs // ts))
+        while n < n1:
+            two = n + 1 < n1
+            _group_v(kind, two, qs[g], d[g], m[g], Y4, Yz, n, dy, sy, res)
+            for t in range(2 if two else 1):
+                for r in range(min(R, out.shape[1] - g * R)):
+                    out[n + t, g * R + r] = res[t * R + r]
+            n += 2
+
+
+@njit(cache=True, inline="always")
+def _group_v(kind, two, q, d, m, Y4, Yz, n, dy, sy, res):
+    """One group against tokens n and n+1 (two) or n alone, by kind (a constant once inlined)."""
+    if kind == _KIND_Q4_0:
+        if two:
+            vnni.q4_0_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+        else:
+            vnni.q4_0_x1(q, d, m, Y4, Yz, n, dy, sy, res)
+    elif kind == _KIND_Q4_1:
+        if two:
+            vnni.q4_1_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+        else:
+            vnni.q4_1_x1(q, d, m, Y4, Yz, n, dy, sy, res)
+    elif kind == _KIND_Q4_0_CHAIN:
+        if two:
+            vnni.chain_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+        else:
+            vnni.chain_x1(q, d, m, Y4, Yz, n, dy, sy, res)
+    else:
+        if two:
+            vnni.q8_0_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+        else:
+            vnni.q8_0_x1(q, d, m, Y4, Yz, n, dy, sy, res)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""One block of a packed quantized weight against one token's Q8 codes, for R = 64 rows at once, with the
+"""A group of R = 64 rows of a packed quantized weight against one or two tokens' Q8 codes, with the
 AVX-512 VNNI int8 dot product (vpdpbusd), written as LLVM IR intrinsics that qpack's numba kernels inline.
 
 Why: numba vectorizes qpack's float loops well, but a float multiply-add per weight is 3-4x the work of
 ggml's int8 kernels, which add four u8 x s8 products into an int32 lane in one instruction. numba has no
-vector types, so these intrinsics build the vectors themselves: each call loads a block's 16 (Q4) or 32
-(Q8) bytes of all 64 rows (4 x 64-byte vectors per 4 codes), makes the lane sums with vpdpbusd in
-registers and folds them into the caller's f32 accumulators with one fma per lane.
+vector types, so these intrinsics build the vectors themselves. One call runs the whole row: a loop over
+the blocks with the f32 lane accumulators in registers (16 rows per vector, 8 lanes), so per block, lane
+and token only one vpdpbusd, one int->float conversion and one fma remain, the floor ggml's numerics set.
+Two tokens per call share each weight vector's load and nibble split (``*_x2``); a lone token
+(``*_x1``) runs two (Q4) or four (Q8_0) row vectors per pass, which streams a cold weight faster.
 
 Layout (qpack.PackedWeight(vnni_layout=True)): a group's block b is 16*R (Q4) or 32*R (Q8) bytes, in
 row-major chunks of 4 codes per lane: byte (b, l, r, k) at b*16R + l*4R + 4r + k is row r's qs[4l+k]
@@ -16,9 +18,11 @@ four codes (broadcast).
 
 Numerics: exactly those of qpack's float kernels and quants.mul_mat(order="ggml") (ggml-numerics.md §1.5):
 lane sums are exact integers either way; Q4_0 lanes are centred as sum((u - 8) y) = sum(u y) - 8 sum(y),
-Q8_0's signed codes biased (when packed) as sum((x + 128) y) - 128 sum(y) (vpdpbusd takes u8 x s8 and
-does not saturate); then acc = fma(f32(dx*dy), f32(lane), acc) per lane, or for the Q4_0 chain (repacked
-q4_0_8x8) acc = fma(f32(isum), f32(dx*dy), acc) per row with isum the whole block's integer dot.
+Q8_0's biased codes as sum((x + 128) y) - 128 sum(y); the token's -8 sum(y) or -128 sum(y) per lane
+(``yz``, from qpack._prep) is vpdpbusd's starting value (exact: it does not saturate). Then
+acc = fma(f32(dx*dy), f32(lane), acc) per lane from acc = +0, block after block, and ggml's HA over the 8
+lanes; Q4_1 adds the sequential f32 sum of m*s (from -0, so its first term is kept as is); the Q4_0 chain
+(repacked q4_0_8x8) runs acc = fma(f32(isum), f32(dx*dy), acc) per row, isum the block's integer dot.
 
 Only hosts whose LLVM target has avx512vnni compile these (``AVAILABLE``); qpack keeps its float kernels
 and their layout everywhere else, and with GGML_DIST_NO_VNNI=1.
@@ -46,107 +50,171 @@ def _host_has_vnni() -> bool:
 
 AVAILABLE = _host_has_vnni() and os.environ.get("GGML_DIST_NO_VNNI", "") in ("", "0")
 
-_I8, _I32 = ir.IntType(8), ir.IntType(32)
-_BYTES, _INTS, _FLOATS = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16)
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_BYTES, _INTS, _FLOATS = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 _HALVES = ir.VectorType(ir.HalfType(), 16)
+_BLOCK_BYTES = {"q4_0": 16 * R, "q4_1": 16 * R, "chain": 16 * R, "q8_0": 32 * R}
 
 
-def _splat(builder, v, vty):
-    undef = ir.Constant(vty, ir.Undefined)
-    one = builder.insert_element(undef, v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vty.count), None))
+class _Emit:
+    """IR helpers for one intrinsic call: typed pointers into numba arrays, vector loads, splats."""
+
+    def __init__(self, context, builder, sig, args):
+        self.context, self.b, self.sig, self.args = context, builder, sig, args
+
+    def array(self, i):
+        return self.context.make_array(self.sig.args[i])(self.context, self.b, self.args[i])
+
+    def ptr(self, i, ty):
+        return self.b.bitcast(self.array(i).data, ty.as_pointer())
+
+    def rows(self, i, n0, count, ty):
+        """Pointers to rows n0 .. n0+count-1 of C-contiguous 2-d argument i, as pointers to ty."""
+        a = self.array(i)
+        stride = self.b.extract_value(a.strides, 0)
+        base = self.b.bitcast(a.data, _I8.as_pointer())
+        b = self.b
+        return [b.bitcast(b.gep(base, [b.mul(b.add(n0, _c64(t)), stride)]), ty.as_pointer())
+                for t in range(count)]
+
+    def vector(self, p, off, vty, align):
+        """The vty at element `off` of pointer p."""
+        return self.b.load(self.b.bitcast(self.b.gep(p, [off]), vty.as_pointer()), align=align)
+
+    def splat(self, p, off, vty):
+        """Element `off` of p (a scalar) in every lane of vty: vpbroadcastd, or a broadcast operand."""
+        v = self.b.load(self.b.gep(p, [off]), align=4)
+        one = self.b.insert_element(ir.Constant(vty, ir.Undefined), v, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                     ir.Constant(ir.VectorType(_I32, vty.count), None))
+
+    def halves(self, p, off):
+        """16 f16 bits at element `off` of p, widened to f32 (vcvtph2ps, exact)."""
+        return self.b.fpext(self.vector(p, off, _HALVES, 2), _FLOATS)
+
+    def intrinsic(self, name, ty, n_args):
+        return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ty, [ty] * n_args), name)
+
+    def vpdpbusd(self, acc, a, b):
+        """acc + per int32 lane the sum of 4 products u8(a) x s8(b): exact, no saturation."""
+        return self.b.call(self.intrinsic("llvm.x86.avx512.vpdpbusd.512", _INTS, 3),
+                           [acc, self.b.bitcast(a, _INTS), b])
+
+    def fma(self, a, b, c):
+        return self.b.call(self.intrinsic("llvm.fma.v16f32", _FLOATS, 3), [a, b, c])
+
+
+def _c64(i):
+    return ir.Constant(_I64, i)
 
 
 def _bytes(v):
     return ir.Constant(_BYTES, [v] * 64)
 
 
-def _vpdpbusd(builder, a, b):
-    """Per int32 lane: sum of 4 products u8(a) x s8(b), exact (vpdpbusd from zero, no saturation)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_INTS, [_INTS] * 3),
-                                        "llvm.x86.avx512.vpdpbusd.512")
-    return builder.call(fn, [ir.Constant(_INTS, None), builder.bitcast(a, _INTS), b])
+def _ha(b, a):
+    """ggml's HA of 8 lane vectors (hsum_float_8's order), row by row in the vector lanes."""
+    return b.fadd(b.fadd(b.fadd(a[0], a[4]), b.fadd(a[2], a[6])),
+                  b.fadd(b.fadd(a[1], a[5]), b.fadd(a[3], a[7])))
 
 
-def _at(context, builder, aty, a, off, vty):
-    """Pointer to array a's element `off`, as a pointer to vty."""
-    p = builder.gep(context.make_array(aty)(context, builder, a).data, [off])
-    return builder.bitcast(p, vty.as_pointer())
+def _group_codegen(kind, T, V):
+    """Rows of group q (bytes), scales d and mins m (f16 bits) against tokens n0 .. n0+T-1 of Y4 (codes,
+    4 per int32), yz (lane starting values), dy and sy (block scales, Q8_1 sums) into res[t*R + r]. Row
+    vectors v0 .. v0+V-1 (16 rows each) run in one pass over the blocks, their accumulators in allocas
+    that LLVM keeps in registers."""
+    n_acc = 1 if kind == "chain" else 8
 
-
-def _block_codegen(kind):
     def codegen(context, builder, sig, args):
-        q, qo, d, do, dy, y, yo, acc = args
-        at = sig.args
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3),
-                                             "llvm.fma.v16f32")
-        qp = _at(context, builder, at[0], q, qo, _BYTES)
-        dp = _at(context, builder, at[2], d, do, _HALVES)
-        yp = _at(context, builder, at[5], y, yo, _I32)
-        ap = _at(context, builder, at[7], acc, ir.Constant(ir.IntType(64), 0), _FLOATS)
-        c = lambda i: ir.Constant(_I32, i)
-        dyv = _splat(builder, dy, _FLOATS)
-        D = [builder.fmul(builder.fpext(builder.load(builder.gep(dp, [c(v)]), align=2), _FLOATS), dyv)
-             for v in range(_NV)]                                   # f32(dx*dy), exact
-        codes = lambda lane: _splat(builder, builder.load(builder.gep(yp, [c(lane)]), align=4), _INTS)
-        row_bytes = lambda i: builder.load(builder.gep(qp, [c(i)]), align=1)
-
-        def fold(i, a, b):                                          # acc[i] = fma(a, b, acc[i])
-            p = builder.gep(ap, [c(i)])
-            builder.store(builder.call(fma, [a, b, builder.load(p, align=4)]), p, align=4)
-
-        if kind == "q8_0":
-            for L in range(8):
-                yv = codes(L)
-                bias = _vpdpbusd(builder, _bytes(128), yv)     # 128 * the lane's sum of codes
-                for v in range(_NV):
-                    x = row_bytes(L * _NV + v)                   # x + 128 as u8 (packed so)
-                    s = builder.sub(_vpdpbusd(builder, x, yv), bias)
-                    fold(L * _NV + v, D[v], builder.sitofp(s, _FLOATS))
-            return context.get_dummy_value()
-        centred = kind in ("q4_0", "chain")
-        isum = [ir.Constant(_INTS, None)] * _NV
-        for l in range(4):
-            yv, zv = codes(l), codes(4 + l)
-            if centred:
-                cy, cz = _vpdpbusd(builder, _bytes(8), yv), _vpdpbusd(builder, _bytes(8), zv)
-            for v in range(_NV):
-                b = row_bytes(l * _NV + v)
-                lo = _vpdpbusd(builder, builder.and_(b, _bytes(15)), yv)
-                hi = _vpdpbusd(builder, builder.lshr(b, _bytes(4)), zv)
-                if centred:
-                    lo, hi = builder.sub(lo, cy), builder.sub(hi, cz)
-                if kind == "chain":
-                    isum[v] = builder.add(isum[v], builder.add(lo, hi))
-                else:
-                    fold(l * _NV + v, D[v], builder.sitofp(lo, _FLOATS))
-                    fold((4 + l) * _NV + v, D[v], builder.sitofp(hi, _FLOATS))
-        if kind == "chain":
-            for v in range(_NV):
-                fold(v, builder.sitofp(isum[v], _FLOATS), D[v])
+        e, b = _Emit(context, builder, sig, args), builder
+        n0 = args[5]
+        q, d, m = e.ptr(0, _I8), e.ptr(1, ir.HalfType()), e.ptr(2, ir.HalfType())
+        y, yz, dy, sy = (e.rows(i, n0, T, ty) for i, ty in ((3, _I32), (4, _I32), (6, _F32), (7, _F32)))
+        res = e.ptr(8, _F32)
+        nb = b.extract_value(e.array(6).shape, 1)
+        for v0 in range(0, _NV, V):
+            vs = range(v0, v0 + V)
+            acc = {(t, v, L): cgutils.alloca_once_value(b, ir.Constant(_FLOATS, None))
+                   for t in range(T) for v in vs for L in range(n_acc)}
+            sm = {(t, v): cgutils.alloca_once_value(b, ir.Constant(_FLOATS, [-0.0] * 16))
+                  for t in range(T) for v in vs}
+            with cgutils.for_range(b, nb) as loop:
+                _block(e, kind, loop.index, vs, q, d, m, y, yz, dy, sy, acc, sm)
+            for t in range(T):
+                for v in vs:
+                    lanes = [b.load(acc[t, v, L]) for L in range(n_acc)]
+                    h = lanes[0] if kind == "chain" else _ha(b, lanes)
+                    if kind == "q4_1":
+                        h = b.fadd(h, b.load(sm[t, v]))
+                    b.store(h, b.bitcast(b.gep(res, [_c64(t * R + 16 * v)]), _FLOATS.as_pointer()), align=4)
         return context.get_dummy_value()
     return codegen
 
 
-def _block_typer(q, qo, d, do, dy, y, yo, acc):
-    ok = (q == types.Array(types.uint8, 1, "C") and d == types.Array(types.uint16, 1, "C")
-          and y == types.Array(types.int32, 1, "C") and acc == types.Array(types.float32, 1, "C")
-          and all(isinstance(v, types.Integer) for v in (qo, do, yo)) and isinstance(dy, types.Float))
-    return types.void(q, types.intp, d, types.intp, types.float32, y, types.intp, acc) if ok else None
+def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
+    """One block of every (token, row vector) into its accumulators (see _group_codegen)."""
+    b, T = e.b, len(y)
+    lane = lambda L: b.add(b.mul(blk, _c64(8)), _c64(L))           # the block's word L of a token's codes
+    rows = lambda v: b.add(b.mul(blk, _c64(R)), _c64(16 * v))      # the block's f16 of row vector v
+    qb = b.gep(q, [b.mul(blk, _c64(_BLOCK_BYTES[kind]))])
+    weights = lambda L, v: e.vector(qb, _c64(L * 4 * R + 64 * v), _BYTES, 1)
+    dyt = [e.splat(dy[t], blk, _FLOATS) for t in range(T)]
+    D = {(t, v): b.fmul(e.halves(d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy), exact
+    zero = ir.Constant(_INTS, None)
+    start = lambda t, L: zero if kind == "q4_1" else e.splat(yz[t], lane(L), _INTS)
+
+    def fold(t, v, L, s):                                          # acc = fma(D, f32(lane), acc)
+        b.store(e.fma(D[t, v], b.sitofp(s, _FLOATS), b.load(acc[t, v, L])), acc[t, v, L])
+
+    if kind == "q8_0":
+        for L in range(8):
+            x = {v: weights(L, v) for v in vs}
+            for t in range(T):
+                yv = e.splat(y[t], lane(L), _INTS)
+                for v in vs:
+                    fold(t, v, L, e.vpdpbusd(start(t, L), x[v], yv))
+        return
+    isum = {}
+    for l in range(4):
+        for v in vs:
+            x = weights(l, v)
+            lo_x, hi_x = b.and_(x, _bytes(15)), b.lshr(x, _bytes(4))
+            for t in range(T):
+                lo = e.vpdpbusd(start(t, l), lo_x, e.splat(y[t], lane(l), _INTS))
+                hi = e.vpdpbusd(start(t, 4 + l), hi_x, e.splat(y[t], lane(4 + l), _INTS))
+                if kind == "chain":
+                    isum[t, v] = b.add(lo, hi) if l == 0 else b.add(isum[t, v], b.add(lo, hi))
+                else:
+                    fold(t, v, l, lo)
+                    fold(t, v, 4 + l, hi)
+    if kind == "chain":                                            # acc = fma(f32(isum), D, acc)
+        for (t, v), s in isum.items():
+            b.store(e.fma(b.sitofp(s, _FLOATS), D[t, v], b.load(acc[t, v, 0])), acc[t, v, 0])
+    if kind == "q4_1":                                             # sm += f32(m) * s, sequential
+        for v in vs:
+            mv = e.halves(m, rows(v))
+            for t in range(T):
+                b.store(b.fadd(b.load(sm[t, v]), b.fmul(mv, e.splat(sy[t], blk, _FLOATS))), sm[t, v])
 
 
-def _block_intrinsic(kind, name):
-    def block(typingctx, q, qo, d, do, dy, y, yo, acc):
-        sig = _block_typer(q, qo, d, do, dy, y, yo, acc)
-        return (sig, _block_codegen(kind)) if sig is not None else None
-    block.__name__ = name
-    block.__doc__ = (f"{name}(q, qo, d, do, dy, y, yo, acc): block at byte qo of group bytes q (uint8), "
-                     "scales d[do:do+R] (f16 bits), token scale dy, token codes y[yo:yo+8] (int32 = 4 int8 "
-                     "codes each), into acc (f32: lane L of row r at L*R + r; the chain's row r at r).")
-    return intrinsic(block)
+def _group_intrinsic(kind, T, V):
+    def group(typingctx, q, d, m, y4, yz, n0, dy, sy, res):
+        u8, u16, f32 = (types.Array(t, 1, "C") for t in (types.uint8, types.uint16, types.float32))
+        i32x2, f32x2 = types.Array(types.int32, 2, "C"), types.Array(types.float32, 2, "C")
+        ok = (q == u8 and d == u16 and m == u16 and res == f32 and isinstance(n0, types.Integer)
+              and y4 == yz == i32x2 and dy == sy == f32x2)
+        sig = types.void(q, d, m, y4, yz, types.intp, dy, sy, res)
+        return (sig, _group_codegen(kind, T, V)) if ok else None
+    group.__name__ = name = f"{kind}_x{T}"
+    group.__doc__ = (f"{name}(q, d, m, y4, yz, n0, dy, sy, res): one group's {R} rows against tokens n0 .. "
+                     f"n0+{T - 1} (see _group_codegen).")
+    return intrinsic(group)
 
 
-block_q4_1 = _block_intrinsic("q4_1", "block_q4_1")
-block_q4_0 = _block_intrinsic("q4_0", "block_q4_0")
-block_q4_0_chain = _block_intrinsic("chain", "block_q4_0_chain")
-block_q8_0 = _block_intrinsic("q8_0", "block_q8_0")
+# two tokens per call; a lone token with two (Q4) or four (Q8_0) row vectors per pass
+q4_0_x2, q4_0_x1 = _group_intrinsic("q4_0", 2, 1), _group_intrinsic("q4_0", 1, 2)
+q4_1_x2, q4_1_x1 = _group_intrinsic("q4_1", 2, 1), _group_intrinsic("q4_1", 1, 2)
+chain_x2, chain_x1 = _group_intrinsic("chain", 2, 1), _group_intrinsic("chain", 1, 2)
+q8_0_x2, q8_0_x1 = _group_intrinsic("q8_0", 2, 1), _group_intrinsic("q8_0", 1, 4)
+
+

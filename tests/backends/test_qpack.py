@@ -85,7 +85,8 @@ def test_bit_identical_random_shapes(t, M, nb, N, seed, scale, vnni_layout):
 @pytest.mark.parametrize("vnni_layout", LAYOUTS)
 @pytest.mark.parametrize("t", TYPES)
 def test_threads_do_not_change_bits(t, vnni_layout, M):
-    """M = 192: 3 groups of 64 rows over 2 threads, so the vnni kernels split the tokens too."""
+    """M = 192: 3 groups of 64 rows over 2 threads, so the vnni kernels split the tokens too, in slices of
+    whole token pairs (odd counts leave a lone token in the last slice)."""
     K = 512
     w = random_rows(t, M, K, seed=7)
     pw = qpack.PackedWeight(t, w, vnni_layout=vnni_layout)
@@ -93,9 +94,9 @@ def test_threads_do_not_change_bits(t, vnni_layout, M):
     before = qk.get_threads()
     try:
         qk.set_threads(1)
-        one = [pw.mul_mat(x[:n]) for n in (1, 8, 40)]
+        one = [pw.mul_mat(x[:n]) for n in (1, 3, 8, 13, 40)]
         qk.set_threads(min(2, qk.numba.config.NUMBA_NUM_THREADS))
-        two = [pw.mul_mat(x[:n]) for n in (1, 8, 40)]
+        two = [pw.mul_mat(x[:n]) for n in (1, 3, 8, 13, 40)]
     finally:
         qk.set_threads(before)
     for a, b in zip(one, two):
