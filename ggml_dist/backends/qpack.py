@@ -442,9 +442,13 @@ def _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, kind):
     for u in range(u0, u1):
         g, sl = u // ts, u % ts
         n, n1 = 2 * (sl * pairs // ts), min(N, 2 * ((sl + 1) * pairs // ts))
+        nxt = min(g + 1, qs.shape[0] - 1)
+        first = True                    # the group's first call prefetches the next unit's group, if new
         while n < n1:
             two = n + 1 < n1
-            _group_v(kind, two, qs[g], d[g], m[g], Y4, Yz, n, dy, sy, res)
+            pf = first and u + 1 < u1 and (u + 1) // ts == g + 1
+            _group_v(kind, two, qs[g], d[g], m[g], Y4, Yz, n, dy, sy, res, qs[nxt], d[nxt], m[nxt], pf)
+            first = False
             for t in range(2 if two else 1):
                 for r in range(min(R, out.shape[1] - g * R)):
                     out[n + t, g * R + r] = res[t * R + r]
@@ -452,28 +456,28 @@ def _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, kind):
 
 
 @njit(cache=True, inline="always")
-def _group_v(kind, two, q, d, m, Y4, Yz, n, dy, sy, res):
+def _group_v(kind, two, q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf):
     """One group against tokens n and n+1 (two) or n alone, by kind (a constant once inlined)."""
     if kind == _KIND_Q4_0:
         if two:
-            vnni.q4_0_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.q4_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
         else:
-            vnni.q4_0_x1(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.q4_0_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
     elif kind == _KIND_Q4_1:
         if two:
-            vnni.q4_1_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.q4_1_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
         else:
-            vnni.q4_1_x1(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.q4_1_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
     elif kind == _KIND_Q4_0_CHAIN:
         if two:
-            vnni.chain_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.chain_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
         else:
-            vnni.chain_x1(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.chain_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
     else:
         if two:
-            vnni.q8_0_x2(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.q8_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
         else:
-            vnni.q8_0_x1(q, d, m, Y4, Yz, n, dy, sy, res)
+            vnni.q8_0_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -103,6 +103,13 @@ class _Emit:
     def fma(self, a, b, c):
         return self.b.call(self.intrinsic("llvm.fma.v16f32", _FLOATS, 3), [a, b, c])
 
+    def prefetch(self, p, off):
+        """prefetcht1 of the line holding byte `off` of p (into L2: the next call reads it)."""
+        fty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(self.b.module, fty, "llvm.prefetch.p0i8")
+        read, locality_l2, data = (ir.Constant(_I32, v) for v in (0, 2, 1))
+        self.b.call(fn, [self.b.gep(p, [off]), read, locality_l2, data])
+
 
 def _c64(i):
     return ir.Constant(_I64, i)
@@ -122,8 +129,12 @@ def _group_codegen(kind, T, V):
     """Rows of group q (bytes), scales d and mins m (f16 bits) against tokens n0 .. n0+T-1 of Y4 (codes,
     4 per int32), yz (lane starting values), dy and sy (block scales, Q8_1 sums) into res[t*R + r]. Row
     vectors v0 .. v0+V-1 (16 rows each) run in one pass over the blocks, their accumulators in allocas
-    that LLVM keeps in registers."""
+    that LLVM keeps in registers. With pf set, each pass also prefetches its share of the lines of the
+    next group (pq, pd, pm) block by block, so that group's bytes arrive from L3 while this one computes
+    (the hardware prefetchers do not follow a pass's strided reads across groups)."""
     n_acc = 1 if kind == "chain" else 8
+    n_pass = _NV // V
+    lines = _BLOCK_BYTES[kind] // 64                               # cache lines per block of a group
 
     def codegen(context, builder, sig, args):
         e, b = _Emit(context, builder, sig, args), builder
@@ -131,15 +142,26 @@ def _group_codegen(kind, T, V):
         q, d, m = e.ptr(0, _I8), e.ptr(1, ir.HalfType()), e.ptr(2, ir.HalfType())
         y, yz, dy, sy = (e.rows(i, n0, T, ty) for i, ty in ((3, _I32), (4, _I32), (6, _F32), (7, _F32)))
         res = e.ptr(8, _F32)
+        pq, pd, pm = e.ptr(9, _I8), e.ptr(10, _I8), e.ptr(11, _I8)
+        pf = b.icmp_unsigned("!=", args[12], ir.Constant(args[12].type, 0))
         nb = b.extract_value(e.array(6).shape, 1)
-        for v0 in range(0, _NV, V):
+        for k, v0 in enumerate(range(0, _NV, V)):
             vs = range(v0, v0 + V)
             acc = {(t, v, L): cgutils.alloca_once_value(b, ir.Constant(_FLOATS, None))
                    for t in range(T) for v in vs for L in range(n_acc)}
             sm = {(t, v): cgutils.alloca_once_value(b, ir.Constant(_FLOATS, [-0.0] * 16))
                   for t in range(T) for v in vs}
             with cgutils.for_range(b, nb) as loop:
-                _block(e, kind, loop.index, vs, q, d, m, y, yz, dy, sy, acc, sm)
+                blk = loop.index
+                with b.if_then(pf, likely=False):
+                    share = range(k * lines // n_pass, (k + 1) * lines // n_pass)
+                    for j in share:
+                        e.prefetch(pq, b.add(b.mul(blk, _c64(_BLOCK_BYTES[kind])), _c64(64 * j)))
+                    if k == 0:                                     # the block's 2 * R bytes of d and m
+                        for p in ((pd, pm) if kind == "q4_1" else (pd,)):
+                            for j in range(2 * R // 64):
+                                e.prefetch(p, b.add(b.mul(blk, _c64(2 * R)), _c64(64 * j)))
+                _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm)
             for t in range(T):
                 for v in vs:
                     lanes = [b.load(acc[t, v, L]) for L in range(n_acc)]
@@ -198,16 +220,17 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
 
 
 def _group_intrinsic(kind, T, V):
-    def group(typingctx, q, d, m, y4, yz, n0, dy, sy, res):
+    def group(typingctx, q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf):
         u8, u16, f32 = (types.Array(t, 1, "C") for t in (types.uint8, types.uint16, types.float32))
         i32x2, f32x2 = types.Array(types.int32, 2, "C"), types.Array(types.float32, 2, "C")
-        ok = (q == u8 and d == u16 and m == u16 and res == f32 and isinstance(n0, types.Integer)
-              and y4 == yz == i32x2 and dy == sy == f32x2)
-        sig = types.void(q, d, m, y4, yz, types.intp, dy, sy, res)
+        ok = (q == pq == u8 and d == m == pd == pm == u16 and res == f32 and y4 == yz == i32x2
+              and dy == sy == f32x2 and isinstance(n0, types.Integer) and isinstance(pf, types.Boolean))
+        sig = types.void(q, d, m, y4, yz, types.intp, dy, sy, res, pq, pd, pm, types.boolean)
         return (sig, _group_codegen(kind, T, V)) if ok else None
     group.__name__ = name = f"{kind}_x{T}"
-    group.__doc__ = (f"{name}(q, d, m, y4, yz, n0, dy, sy, res): one group's {R} rows against tokens n0 .. "
-                     f"n0+{T - 1} (see _group_codegen).")
+    group.__doc__ = (f"{name}(q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf): one group's {R} rows "
+                     f"against tokens n0 .. n0+{T - 1}, prefetching the next group's (pq, pd, pm) if pf "
+                     "(see _group_codegen).")
     return intrinsic(group)
 
 
