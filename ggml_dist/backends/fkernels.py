@@ -962,17 +962,51 @@ def _encode_impl(v, like):
     return None
 
 
-@njit(cache=True, nogil=True)
 def set_rows(b, c, dst):
     """ggml_compute_forward_set_rows: dst[i3, i2, c[0, i3 % c1, i2 % c2, j]] = b[i3, i2, j] for each row
     j, converted to dst's type (uint16 = f16 bits, RNE; or float32). Rows are written in order, so a
-    repeated index keeps the last row."""
+    repeated index keeps the last row. Many rows (a batch's transposed V writes: one element per cache
+    line, each a miss that waits on its line) are split across qkernels' threads by destination row,
+    hashed from the row's first cache line: a row is always written by the same thread, so repeated
+    indices keep their order, and no two threads write one line unless a row straddles lines."""
+    nt = qkernels.get_threads()
+    if nt > 1 and b.shape[0] * b.shape[1] * b.shape[2] >= _SET_ROWS_PARALLEL:
+        with qkernels._launch_lock:
+            qkernels.apply_threads()
+            _set_rows_par(b, c, dst, nt)
+        return
+    _set_rows_part(b, c, dst, 0, 1)
+
+
+_SET_ROWS_PARALLEL = 512                # rows from which set_rows splits across threads
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _set_rows_par(b, c, dst, n_parts):
+    for part in prange(n_parts):
+        _set_rows_part(b, c, dst, part, n_parts)
+
+
+@njit(cache=True, inline="always")
+def _line_hash(line):
+    """Fibonacci hashing of a cache line number: neighbouring lines (a V column's cells, a K row's
+    streams) spread evenly over the parts."""
+    return ((np.uint64(line) * np.uint64(2654435761)) & np.uint64(0xFFFFFFFF)) >> np.uint64(16)
+
+
+@njit(cache=True, nogil=True)
+def _set_rows_part(b, c, dst, part, n_parts):
+    """The rows of set_rows whose destination row hashes to `part` of n_parts (all of them for 1)."""
     ne3, ne2, nr, ne0 = b.shape
     c1, c2 = c.shape[1], c.shape[2]
+    line_rows = max(1, 64 // (ne0 * dst.itemsize))             # rows per cache line
     for i3 in range(ne3):
         for i2 in range(ne2):
             idx = c[0, i3 % c1, i2 % c2]
             for j in range(nr):
-                row = dst[i3, i2, idx[j]]
+                r = idx[j]
+                if n_parts > 1 and _line_hash(r // line_rows) % n_parts != part:
+                    continue
+                row = dst[i3, i2, r]
                 for i in range(ne0):
                     row[i] = _encode(b[i3, i2, j, i], row[0])

@@ -252,6 +252,26 @@ def test_set_rows_bits(ctx, rng, monkeypatch, dtype, itype):
              {v: np.zeros((96, 1), np.float16), vb: randn(rng, 6, 1), vc: np.arange(6) * 16 + 3})
 
 
+@pytest.mark.parametrize("ne0", [1, 3, 64])
+def test_set_rows_split_across_threads_same_bits(ctx, rng, monkeypatch, ne0):
+    """From _SET_ROWS_PARALLEL rows set_rows splits by destination row across threads (a batch's
+    transposed V writes): repeated indices still keep the last row, as on one thread and in numpy."""
+    n_rows, nr = 300, fk._SET_ROWS_PARALLEL + 37
+    idx = rng.integers(0, n_rows, nr)                       # many repeats
+    a, b, c = ctx.new_tensor(F16, (ne0, n_rows)), ctx.new_tensor(F32, (ne0, nr)), ctx.new_tensor(I64, (nr,))
+    inputs = {a: np.zeros((n_rows, ne0), np.float16), b: randn(rng, nr, ne0), c: idx}
+    before = qkernels.get_threads()
+    try:
+        for n in (1, 2):
+            qkernels.set_threads(n)
+            res = run_both(monkeypatch, ops.set_rows(ctx, a, b, c), inputs)
+            last = {r: j for j, r in enumerate(idx)}
+            want = np.asarray(inputs[b])[list(last.values())].astype(np.float16)
+            assert_same_bits(res.reshape(n_rows, ne0)[list(last.keys())], want)
+    finally:
+        qkernels.set_threads(before)
+
+
 # -- mul_mat -----------------------------------------------------------------------------------------
 def _mm_per_slice(wtype, w, x, n11, use_numba, monkeypatch):
     """quants.mul_mat per slice with vec_n = n11, the reference the fast kernel must equal."""
