@@ -6,15 +6,17 @@
 Each (stages, clients) point starts `ggml-dist serve` as its own process on a free loopback port
 (--parallel = the largest client count; as users run it, so the clients' threads here do not share the
 server's GIL), runs the clients for --duration seconds (requests in flight at the deadline finish and
-count), and reports requests completed, errors, aggregate generated tok/s and p50/p99 time to first
-token and inter-token latency. `single_stream_decode_tok_s` is generate()'s decode rate in this process,
-without the server, for comparison: each sample is the median of three runs of --max-tokens tokens,
-sampled before the first server and after each one (`single_stream_decode_samples`), and the ratios
-`x_single_stream` use the median of the samples. `batched_decode` gives the decode rate of steps taking
-one token from each of 1 and N sequences, without a server, here
-and (with llama-cpp-python installed) in llama.cpp on the same file, with a KV stream per sequence (the
-server's default) and with one unified cache: what batching itself can give on this machine. The soak
-mode mixes streaming, non-streaming, chat, early disconnects and bad requests
+count), and reports requests completed, errors, aggregate generated tok/s, p50/p99 time to first
+token and inter-token latency, and the prompt tokens admitted and found in the server's prompt cache
+(each client repeats its prompt: all but its last token are cached after its first request; with
+--no-cache-prompt every prompt is evaluated whole). `single_stream_decode_tok_s` is generate()'s
+decode rate in this process, without the server, for comparison: each sample is the median of three
+runs of --max-tokens tokens, sampled before the first server and after each one
+(`single_stream_decode_samples`), and the ratios `x_single_stream` use the median of the samples.
+`batched_decode` gives the decode rate of steps taking one token from each of 1 and N sequences,
+without a server, here and (with llama-cpp-python installed) in llama.cpp on the same file, with a KV
+stream per sequence (the server's default) and with one unified cache: what batching itself can give on
+this machine. The soak mode mixes streaming, non-streaming, chat, early disconnects and bad requests
 from N clients and counts every unexpected answer as an error. Prints one JSON object.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -206,7 +209,7 @@ class ServerProcess:
     stopped with SIGINT (uvicorn's graceful shutdown; a Ray cluster it started goes with it) on exit."""
 
     def __init__(self, path: str, stages: int, parallel: int, ctx: int, timeout_s: float = 600.0,
-                 kv_unified: str = "auto") -> None:
+                 kv_unified: str = "auto", cache_prompt: bool = True) -> None:
         from ggml_dist.serve.server import free_port
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -214,6 +217,7 @@ class ServerProcess:
         cmd = [sys.executable, "-c", "import sys; from ggml_dist.cli import main; sys.exit(main())", "serve",
                "--model", path, "--port", str(self.port), "--stages", str(stages), "--parallel", str(parallel),
                "--ctx", str(ctx), "--kv-unified", kv_unified]
+        cmd += [] if cache_prompt else ["--no-cache-prompt"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         t0 = time.monotonic()
         while True:
@@ -263,9 +267,13 @@ def bench(args: argparse.Namespace) -> dict:
     # drifts by tens of percent within minutes, and the ratios use the median of all those samples
     singles = [single_stream_decode(path, args.max_tokens)]
     for k in stages:
-        with ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified) as srv:
+        with ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified,
+                           cache_prompt=not args.no_cache_prompt) as srv:
             for n in clients:
+                before = _prompt_counters(srv.url)
                 r = run_clients(srv.url, n, args.duration, args.max_tokens)
+                after = _prompt_counters(srv.url)
+                r["prompt_tokens"], r["prompt_tokens_cached"] = (b - a for a, b in zip(before, after))
                 r["stages"] = k
                 print(json.dumps(r), file=sys.stderr)
                 out["runs"].append(r)
@@ -275,6 +283,13 @@ def bench(args: argparse.Namespace) -> dict:
     for r in out["runs"]:
         r["x_single_stream"] = round(r["aggregate_tok_s"] / out["single_stream_decode_tok_s"], 2)
     return out
+
+
+def _prompt_counters(url: str) -> tuple[int, int]:
+    """The server's prompt tokens admitted, and those found in a slot's cache (so not evaluated)."""
+    text = httpx.get(url + "/metrics").text
+    get = lambda name: int(float(re.search(rf"^ggml_dist_{name} (\S+)$", text, re.M).group(1)))
+    return get("prompt_tokens_total"), get("prompt_tokens_cached_total")
 
 
 # -- soak ----------------------------------------------------------------------------------------------
@@ -345,7 +360,8 @@ def soak(args: argparse.Namespace) -> dict:
         time.sleep(0.5)
         health = httpx.get(url + "/health").json()
         metrics = httpx.get(url + "/metrics").text
-    leaked = health["slots_processing"] != 0 or "ggml_dist_kv_cells_used 0\n" not in metrics
+    gauge = lambda name: float(re.search(rf"^ggml_dist_{name} (\S+)$", metrics, re.M).group(1))
+    leaked = health["slots_processing"] != 0 or gauge("kv_cells_used") != gauge("kv_cells_cached")
     return {"mode": "soak", "clients": args.soak, "parallel": args.parallel, "wall_s": round(wall, 2),
             "requests": counts, "errors": len(errors) + int(leaked), "error_samples": errors[:5],
             "slots_leaked": leaked}
@@ -361,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per request (with few, each request's prefill dominates the steps)")
     ap.add_argument("--kv-unified", choices=["auto", "on", "off"], default="auto",
                     help="the server's --kv-unified (auto: a stream per slot in one process)")
+    ap.add_argument("--no-cache-prompt", action="store_true",
+                    help="the server's --no-cache-prompt: every prompt is evaluated whole (each client here "
+                    "repeats its prompt, which the prompt cache otherwise serves but for its last token)")
     ap.add_argument("--soak", type=int, default=0, help="run the soak with this many clients instead")
     ap.add_argument("--soak-model", default=None, help="GGUF for the soak (default: a synthetic one)")
     ap.add_argument("--parallel", type=int, default=4, help="server slots in the soak")

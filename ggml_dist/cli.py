@@ -86,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-unified", choices=["auto", "on", "off"], default="auto",
                    help="one KV cache stream shared by the slots (on), or a stream per slot whose attention "
                    "spans only its own cells (off); auto: off in one process, on over a pipeline")
+    p.add_argument("--no-cache-prompt", action="store_true", help="do not keep a finished request's "
+                   "tokens in its slot for a later prompt that starts with them (kept by default, with a "
+                   "KV stream per slot, as llama-server's cache_prompt)")
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for models "
                    "whose GGUF has none")
@@ -311,6 +314,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
                        max_queue=args.max_queue, threads_per_stage=args.threads,
                        kv_unified={"auto": None, "on": True, "off": False}[args.kv_unified],
+                       cache_prompt=not args.no_cache_prompt,
                        chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
     name = args.alias or Path(args.model).stem
     print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "

@@ -386,6 +386,15 @@ class LlamaContext:
             self.sched.synchronize()
             self.kv.copy_stream(ss, sd)
 
+    def seq_swap(self, a: int, b: int) -> None:
+        """Sequences a and b, each in a KV stream of its own, trade streams (cells and K/V), once the
+        work in flight has written its cells; see KVCells.seq_swap."""
+        if self.recoverable:
+            raise ValueError(f"seq_swap({a}, {b}) is not replayed after a stage loss")
+        self.kv.cells.seq_swap(a, b)
+        self.sched.synchronize()
+        self.kv.swap_streams(self.kv.cells.stream_of(a), self.kv.cells.stream_of(b))
+
     def seq_pos_max(self, seq_id: int) -> int:
         return self.kv.cells.seq_pos_max(seq_id)
 

@@ -173,6 +173,25 @@ class KVCells:
         m = self._seq_mask(src) & (self.pos >= p0) & (self.pos < p1)
         self.seq[m] |= np.uint64(1 << dst)
 
+    def seq_swap(self, a: int, b: int) -> None:
+        """Sequences a and b, each alone in its own KV stream, trade streams, cell for cell with their
+        heads (the caller swaps the streams' K and V: KVCache.swap_streams). Not a llama.cpp call: the
+        server's slot compaction (serve.engine) moves a busy sequence down without losing the cached
+        prompt of the free slot it lands on."""
+        sa, sb = self.stream_of(a), self.stream_of(b)
+        if sa == sb:
+            raise ValueError(f"seq_swap({a}, {b}): the sequences share a KV stream (unified cache)")
+        ca, cb = self._cells(sa), self._cells(sb)
+        for x, cx in ((a, ca), (b, cb)):
+            others = self.seq[cx] & ~np.uint64(1 << x)
+            if np.any(others):
+                raise ValueError(f"seq_swap({a}, {b}): stream {self.stream_of(x)} holds other sequences")
+        pa, pb = self.pos[ca].copy(), self.pos[cb].copy()
+        self.pos[ca], self.pos[cb] = pb, pa
+        self.seq[ca] = np.where(pb >= 0, np.uint64(1 << a), np.uint64(0))
+        self.seq[cb] = np.where(pa >= 0, np.uint64(1 << b), np.uint64(0))
+        self.heads[sa], self.heads[sb] = self.heads[sb], self.heads[sa]
+
     def seq_keep(self, seq_id: int) -> None:
         keep = self._seq_mask(seq_id)
         self.seq[~keep] = 0
@@ -271,6 +290,15 @@ class KVCache:
                 a = tensor_get(t)
                 a[0, dst] = a[0, src]
                 tensor_set(t, a)
+
+    def swap_streams(self, a: int, b: int) -> None:
+        """Streams a and b exchange their K and V in every layer (the buffer half of seq_swap)."""
+        for t in self.tensors():
+            host = getattr(t.buffer, "base", None) is not None
+            arr = tensor_array(t) if host else tensor_get(t)   # [1, n_stream, ...]: dim 1 is the stream
+            arr[0, [a, b]] = arr[0, [b, a]]
+            if not host:
+                tensor_set(t, arr)
 
     # -- graph pieces (llama_kv_cache::get_k / get_v / cpy_k / cpy_v) -----------------------------------
     # s0, ns: the ubatch's streams s0 .. s0+ns-1 (one per group of its tokens); dim 3 of the views

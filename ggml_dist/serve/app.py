@@ -78,6 +78,8 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
             "requests_running": ("requests holding a slot", float(engine.n_running())),
             "slots_total": ("sequence slots (--parallel)", float(engine.cfg.n_parallel)),
             "kv_cells_used": ("KV cache cells holding a token", float(ctx.kv.cells.used if ctx else 0)),
+            "kv_cells_cached": ("KV cache cells that free slots keep for a later prompt (cache_prompt)",
+                                float(engine.cached_cells())),
             "kv_cells_total": ("KV cache cells", float(ctx.n_ctx if ctx else 0)),
             "ready": ("1 once every stage has loaded", float(engine.ready.is_set() and not engine.load_error)),
             "recovering": ("1 while a lost pipeline stage is being recovered", float(bool(ctx and ctx.recovering))),

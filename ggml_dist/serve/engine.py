@@ -2,9 +2,11 @@
 
     submit(request)   -> the admission queue (bounded: QueueFull past max_queue)
     engine thread, each turn:
-        1. reap     sequences that are cancelled and not in flight free their slot (seq_rm)
-        2. admit    queued requests take free slots; the slot index is the KV sequence id (with a KV
-                    stream per slot, busy slots are first packed at the bottom: _compact)
+        1. reap     sequences that are cancelled and not in flight free their slot
+        2. admit    queued requests take free slots; the slot index is the KV sequence id. With a KV
+                    stream per slot a finished request's tokens stay in its stream, and a prompt that
+                    starts with them takes that slot and skips them (cache_prompt: _take_slot); busy
+                    slots are then packed at the bottom (_compact)
         3. fill     while fewer than `depth` micro-batches are in flight and some sequences are idle,
                     submit a micro-batch: one token per decoding sequence, then prompt chunks (with a
                     KV stream per slot, short prompts one token per step beside decodes: _short_chunk)
@@ -121,6 +123,8 @@ class EngineConfig:
     chat_template: str | None = None        # Jinja source overriding the GGUF's tokenizer.chat_template
     kv_unified: bool | None = None          # one KV stream shared by the slots, or one per slot
                                             # (None: per slot in one process, shared on a pipeline)
+    cache_prompt: bool = True               # a finished request's tokens stay in its slot's stream, and
+                                            # a prompt starting with them reuses them (KV stream per slot)
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_parallel <= 64:
@@ -150,6 +154,7 @@ class Engine:
         self._queue: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
         self._slots: list[Sequence | None] = [None] * cfg.n_parallel
+        self._cached: list[list[int]] = [[] for _ in range(cfg.n_parallel)]   # a free slot's KV tokens
         self._in_flight: collections.deque[MicroBatch] = collections.deque()
         self._stopping = False
         self._next_slot = 0                     # round-robin start when filling micro-batches
@@ -198,6 +203,10 @@ class Engine:
 
     def queue_length(self) -> int:
         return len(self._queue)
+
+    def cached_cells(self) -> int:
+        """KV cells that free slots keep for a later prompt (cache_prompt)."""
+        return sum(len(c) for c in self._cached)
 
     def n_running(self) -> int:
         return sum(s is not None for s in self._slots)
@@ -276,8 +285,8 @@ class Engine:
                 if self._stopping:
                     break
                 self._reap()
-                self._compact()
                 self._admit()
+                self._compact()
             try:
                 self._fill()
                 if self._in_flight:
@@ -300,14 +309,15 @@ class Engine:
 
     def _compact(self) -> None:
         """Keep the busy slots at the bottom: the sequence in the highest busy slot moves into the
-        lowest free one (seq_cp between KV streams, then seq_rm), before new requests take slots.
+        lowest free one, before the step is filled.
 
         With a KV stream per slot, a ubatch spans consecutive streams (split_equal(sequential)), so
         busy slots 0,1,2 and 4..7 decode as two ubatches, each a graph run with its fixed cost, and
         every such pattern has graph shapes of its own (its stream ranges) to build and plan. Moving a
         sequence copies its stream's K and V (30 layers x 2 x 256 cells x 192 dims f16 for SmolLM2:
-        ~6 MB, about a millisecond), once per finished request. One process only: a pipeline's stages
-        hold the cache, and its slots share one stream by default."""
+        ~6 MB, about a millisecond), once per finished request; where the free slot holds a cached
+        prompt, the two streams swap instead (seq_swap, two copies), so the cache moves up and stays.
+        One process only: a pipeline's stages hold the cache, and its slots share one stream by default."""
         if self.cfg.kv_unified or self.pipeline is not None:
             return
         assert self.ctx is not None
@@ -318,8 +328,12 @@ class Engine:
                 return
             src, dst = busy[-1], free[0]
             s = self._slots[src]
-            self.ctx.seq_cp(src, dst)
-            self.ctx.seq_rm(src)
+            if self._cached[dst]:
+                self.ctx.seq_swap(src, dst)
+            else:
+                self.ctx.seq_cp(src, dst)
+                self.ctx.seq_rm(src)
+            self._cached[src], self._cached[dst] = self._cached[dst], []
             s.slot, self._slots[dst], self._slots[src] = dst, s, None
 
     def _admit(self) -> None:
@@ -328,12 +342,31 @@ class Engine:
             if req.cancelled:
                 req.on_event(Event(finish_reason="cancelled", n_prompt=len(req.prompt)))
                 continue
-            slot = self._slots.index(None)
             assert self.ctx is not None and self.model is not None
-            assert self.ctx.seq_pos_max(slot) < 0, f"slot {slot} was not cleared"
+            slot, n_keep = self._take_slot(req.prompt)
             self._slots[slot] = Sequence(req, slot, Sampler(req.sampling), TextStream(self.model.tokenizer),
-                                         StopMatcher(req.stops), list(req.prompt))
-            self.metrics.add_prompt(len(req.prompt))
+                                         StopMatcher(req.stops), list(req.prompt), n_past=n_keep)
+            self.metrics.add_prompt(len(req.prompt), n_keep)
+
+    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for a prompt and how many of its tokens that slot's cache already holds: the slot
+        whose cached tokens share the longest prefix with the prompt (llama-server's cache_prompt), else
+        the lowest free slot with nothing cached, else the lowest free slot. The prompt's last token is
+        always evaluated again: its logits start the generation. The slot keeps only the kept prefix."""
+        assert self.ctx is not None
+        free = [k for k, s in enumerate(self._slots) if s is None]
+        slot = next((k for k in free if not self._cached[k]), free[0])
+        n_keep = 0
+        if self.cfg.cache_prompt:
+            for k in free:
+                n = _common_prefix(self._cached[k], prompt)
+                if n > n_keep:
+                    slot, n_keep = k, n
+            n_keep = min(n_keep, len(prompt) - 1)
+        self.ctx.seq_rm(slot, n_keep, -1)
+        self._cached[slot] = []
+        assert self.ctx.seq_pos_max(slot) == n_keep - 1, f"slot {slot} holds more than its kept prefix"
+        return slot, n_keep
 
     def _fill(self) -> None:
         """Submit micro-batches until `depth` are in flight or no sequence is idle."""
@@ -441,17 +474,27 @@ class Engine:
 
     def _finish(self, s: Sequence, reason: str, text: str = "", flush: bool = True,
                 error: str | None = None) -> None:
-        """Send the last event and free the slot at once (its cells go back to the cache)."""
+        """Send the last event and free the slot at once: its cells go back to the cache, or with
+        cache_prompt (and a KV stream per slot) they stay as the slot's cached tokens."""
         assert self.ctx is not None and not s.in_flight, f"slot {s.slot} finished while in flight"
         if flush and reason in ("stop", "length"):
             tail, hit = s.stop.push(s.stream.flush())
             text += tail if hit else tail + s.stop.flush()
-        self.ctx.seq_rm(s.slot)
+        if self._caches_prompts() and reason != "error":
+            self._cached[s.slot] = s.history[:s.n_past]
+        else:
+            self.ctx.seq_rm(s.slot)
         self._slots[s.slot] = None
         s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error))
 
+    def _caches_prompts(self) -> bool:
+        """Prompt caching needs a KV stream per slot in one process: there a slot's tokens sit in its
+        own stream in position order, as a fresh prompt's would, so reusing them gives the same bits."""
+        return self.cfg.cache_prompt and not self.cfg.kv_unified and self.pipeline is None
+
     def _fail_all(self, msg: str) -> None:
         print(f"ggml-dist serve: step failed: {msg}", file=sys.stderr)
+        self._cached = [[] for _ in self._slots]
         self._in_flight.clear()
         for s in self._slots:
             if s is not None:
@@ -459,3 +502,12 @@ class Engine:
                 self._finish(s, "error", error=msg)
         assert self.ctx is not None
         self.ctx.clear()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -47,6 +47,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, str], int] = {}      # (endpoint, outcome) -> count
         self.prompt_tokens = 0
+        self.prompt_tokens_cached = 0
         self.generated_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
@@ -56,9 +57,10 @@ class Metrics:
             key = (endpoint, outcome)
             self.requests[key] = self.requests.get(key, 0) + 1
 
-    def add_prompt(self, n: int) -> None:
+    def add_prompt(self, n: int, cached: int = 0) -> None:
         with self.lock:
             self.prompt_tokens += n
+            self.prompt_tokens_cached += cached
 
     def add_token(self, ttft: float | None, itl: float | None) -> None:
         with self.lock:
@@ -84,6 +86,8 @@ class Metrics:
                 out.append(f'{p}requests_total{{endpoint="{ep}",outcome="{oc}"}} {n}')
             head("prompt_tokens_total", "counter", "prompt tokens admitted")
             out.append(f"{p}prompt_tokens_total {self.prompt_tokens}")
+            head("prompt_tokens_cached_total", "counter", "prompt tokens a slot's cache held (not evaluated)")
+            out.append(f"{p}prompt_tokens_cached_total {self.prompt_tokens_cached}")
             head("generated_tokens_total", "counter", "tokens generated")
             out.append(f"{p}generated_tokens_total {self.generated_tokens}")
             head("time_to_first_token_seconds", "histogram", "request arrival to first generated token")

@@ -150,6 +150,21 @@ def test_sequence_moved_between_streams(model):
     assert np.array_equal(solo.decode(Batch.from_tokens([90], pos0=4))[0], moved[1])
 
 
+# two sequences that trade KV streams (seq_swap) decode on with the same bits, each in the other's stream
+def test_sequences_swap_streams(model):
+    ctx = LlamaContext(model, ContextParams(n_ctx=768, n_seq_max=3, kv_unified=False))
+    ctx.decode(Batch.from_tokens([1, 20, 30], seq_id=0))
+    ctx.decode(Batch.from_tokens([1, 60, 70, 80], seq_id=2))
+    ctx.seq_swap(0, 2)
+    assert ctx.seq_pos_max(0) == 3 and ctx.seq_pos_max(2) == 2
+    both = ctx.decode(Batch(np.array([90, 9], np.int32), np.array([4, 3], np.int32),
+                            [frozenset({0}), frozenset({2})], np.ones(2, bool)))
+    for row, (prompt, nxt) in enumerate((([1, 60, 70, 80], 90), ([1, 20, 30], 9))):
+        solo = LlamaContext(model, ContextParams(n_ctx=256))
+        solo.decode(Batch.from_tokens(prompt))
+        assert np.array_equal(solo.decode(Batch.from_tokens([nxt], pos0=len(prompt)))[0], both[row])
+
+
 # with streams, each sequence has n_ctx / n_seq_max cells, and a token cannot belong to two streams
 def test_streams_room_and_shared_tokens(model):
     ctx = LlamaContext(model, ContextParams(n_ctx=512, n_seq_max=2, kv_unified=False))

@@ -101,6 +101,20 @@ def test_streams_seq_cp_whole_stream():
         KVCells(256, 4, n_stream=2)
 
 
+# seq_swap: two sequences, each alone in its stream, trade streams cell for cell with their heads;
+# a unified cache or a stream shared with another sequence is refused
+def test_streams_seq_swap():
+    c = KVCells(256, 3, n_stream=3)
+    c.apply(np.array([0, 1, 2, 256 + 0]), np.array([0, 1, 2, 0]), [frozenset({0})] * 3 + [frozenset({1})])
+    c.seq_rm(0, 1, 2)                                   # a hole at cell 1
+    c.seq_swap(0, 1)
+    assert list(c.pos[:3]) == [0, -1, -1] and list(c.pos[256:259]) == [0, -1, 2]
+    assert c.seq_pos_max(0) == 0 and c.seq_pos_max(1) == 2 and c.heads[:2] == [1, 1]
+    assert c.used_in(0) == 1 and c.used_in(1) == 2 and c.seq_pos_max(2) == -1
+    with pytest.raises(ValueError, match="share a KV stream"):
+        KVCells(256, 2).seq_swap(0, 1)
+
+
 # per stream, V is transposed in its own block of n_embd_v_gqa rows of kv_size cells; K and V are 3-d
 def test_streams_tensors_and_v_idxs():
     kv = KVCache(8, 4, 1024, range(1), n_seq_max=4, unified=False)

@@ -105,7 +105,7 @@ def test_concurrent_greedy_same_as_separate(server, model):
 
     assert asyncio.run(main()) == want
     wait_idle(server)
-    assert metric(server, "kv_cells_used") == 0
+    assert metric(server, "kv_cells_used") == metric(server, "kv_cells_cached")     # nothing else held
 
 
 # stop strings end the text before the first match, streamed or not
@@ -125,6 +125,33 @@ def test_stop(server, model, stream):
     assert (text, finish) == (want, "stop")
 
 
+# a finished request's tokens stay in its slot: the same prompt again, or one that continues the first
+# request's text, evaluates only what the cache lacks (at least its last token) and gives the text of a
+# separate run; with cache_prompt off nothing is kept
+def test_prompt_cache(serve_model, model):
+    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve.engine import _common_prefix
+    enc = lambda p: model.tokenizer.encode(p, add_special=True, parse_special=True)
+    prompt = "the cache keeps this prompt"
+    run = generate(LlamaContext(model, ContextParams(n_ctx=1024)), model.tokenizer, enc(prompt), 6)
+    longer = prompt + run.text + " and more"
+    kept = enc(prompt) + run.tokens[:5]             # a finished request's KV: its prompt, 5 of 6 tokens
+    cases = [(prompt, 0), (prompt, len(enc(prompt)) - 1),
+             (longer, min(_common_prefix(kept, enc(longer)), len(enc(longer)) - 1))]
+    assert cases[2][1] > len(enc(prompt))
+    for cache in (True, False):
+        with ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=1024, cache_prompt=cache)) as srv:
+            c = client(srv)
+            for p, hit in cases:
+                before = metric(srv, "prompt_tokens_cached_total")
+                r = c.completions.create(model="m", prompt=p, max_tokens=6, temperature=0)
+                assert r.choices[0].text == reference(model, p, 6)
+                assert metric(srv, "prompt_tokens_cached_total") - before == (hit if cache else 0), p
+            wait_idle(srv)
+            assert metric(srv, "kv_cells_cached") == metric(srv, "kv_cells_used")
+            assert (metric(srv, "kv_cells_used") > 0) == cache
+
+
 # a seed makes temperature sampling reproducible
 def test_seeded_sampling(server):
     c = client(server)
@@ -141,7 +168,7 @@ def test_cancel_stream(server):
         got = [next(lines) for _ in range(6)]
     assert any(g.startswith("data: ") for g in got)
     wait_idle(server)
-    assert metric(server, "kv_cells_used") == 0
+    assert metric(server, "kv_cells_used") == metric(server, "kv_cells_cached")
     assert metric(server, "generated_tokens_total") - before < 900
     assert 'outcome="cancelled"' in httpx.get(server.url + "/metrics").text
 
@@ -217,7 +244,8 @@ def test_health_models_metrics(server):
     text = httpx.get(server.url + "/metrics").text
     for name in ["requests_total", "prompt_tokens_total", "generated_tokens_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count", "queue_length",
-                 "kv_cells_used", "stage_busy_seconds_total"]:
+                 "kv_cells_used", "kv_cells_cached", "prompt_tokens_cached_total",
+                 "stage_busy_seconds_total"]:
         assert f"ggml_dist_{name}" in text, name
     assert metric(server, "generated_tokens_total") > 0
     assert re.search(r'^ggml_dist_stage_busy_seconds_total\{stage="0"\} [0-9.]+$', text, re.M)
@@ -302,9 +330,10 @@ def test_short_prompts_trickle_in(serve_model, model):
         batches.append([(s, slots.count(s)) for s in sorted(set(slots))])
         return submit(batch)
     engine.ctx.submit = spy
-    moves: list[tuple[int, int]] = []
-    seq_cp = engine.ctx.seq_cp
+    moves: list[tuple[int, int]] = []                     # a copy, or a swap with a cached free slot
+    seq_cp, seq_swap = engine.ctx.seq_cp, engine.ctx.seq_swap
     engine.ctx.seq_cp = lambda src, dst: (moves.append((src, dst)), seq_cp(src, dst))
+    engine.ctx.seq_swap = lambda src, dst: (moves.append((src, dst)), seq_swap(src, dst))
     tok = model.tokenizer
     long_prompt = " ".join(["word"] * (TRICKLE + 8))
     prompts = [PROMPTS[4], PROMPTS[1], long_prompt]
