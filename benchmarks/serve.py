@@ -11,8 +11,9 @@ token and inter-token latency, and the prompt tokens admitted and found in the s
 (each client repeats its prompt: all but its last token are cached after its first request; with
 --no-cache-prompt every prompt is evaluated whole). `single_stream_decode_tok_s` is generate()'s
 decode rate in this process, without the server, for comparison: each sample is the median of three
-runs of --max-tokens tokens, sampled before the first server and after each one
-(`single_stream_decode_samples`), and the ratios `x_single_stream` use the median of the samples.
+runs of --max-tokens tokens, taken before the first point and after each one, while that point's
+server sits idle (`single_stream_decode_samples`); a point's `x_single_stream` divides its rate by the
+mean of the two samples that bracket it in time (this machine's speed drifts within minutes).
 `batched_decode` gives the decode rate of steps taking one token from each of 1 and N sequences,
 without a server, here and (with llama-cpp-python installed) in llama.cpp on the same file, with a KV
 stream per sequence (the server's default) and with one unified cache: what batching itself can give on
@@ -263,8 +264,9 @@ def bench(args: argparse.Namespace) -> dict:
     out: dict = {"model": Path(path).name, "duration_s": args.duration, "max_tokens": args.max_tokens,
                  "kv_unified": args.kv_unified, "batched_decode": batched_decode_table(path, max(clients)),
                  "runs": []}
-    # the single-stream rate is measured before and after each server's runs: this machine's speed
-    # drifts by tens of percent within minutes, and the ratios use the median of all those samples
+    # the single-stream rate is sampled right before and right after each point: this machine's speed
+    # drifts by tens of percent within minutes, so each point's ratio uses the mean of the two samples
+    # that bracket it in time (x_single_stream), and the overall median of all samples is reported too
     singles = [single_stream_decode(path, args.max_tokens)]
     for k in stages:
         with ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified,
@@ -275,13 +277,13 @@ def bench(args: argparse.Namespace) -> dict:
                 after = _prompt_counters(srv.url)
                 r["prompt_tokens"], r["prompt_tokens_cached"] = (b - a for a, b in zip(before, after))
                 r["stages"] = k
+                singles.append(single_stream_decode(path, args.max_tokens))
+                r["single_stream_decode_tok_s"] = round((singles[-2] + singles[-1]) / 2, 3)
+                r["x_single_stream"] = round(r["aggregate_tok_s"] / r["single_stream_decode_tok_s"], 2)
                 print(json.dumps(r), file=sys.stderr)
                 out["runs"].append(r)
-        singles.append(single_stream_decode(path, args.max_tokens))
     out["single_stream_decode_samples"] = singles
     out["single_stream_decode_tok_s"] = round(float(np.median(singles)), 3)
-    for r in out["runs"]:
-        r["x_single_stream"] = round(r["aggregate_tok_s"] / out["single_stream_decode_tok_s"], 2)
     return out
 
 

@@ -363,7 +363,8 @@ class Engine:
                 if n > n_keep:
                     slot, n_keep = k, n
             n_keep = min(n_keep, len(prompt) - 1)
-        self.ctx.seq_rm(slot, n_keep, -1)
+        if self._cached[slot]:                          # a slot without a cache holds no cells
+            self.ctx.seq_rm(slot, n_keep, -1)
         self._cached[slot] = []
         assert self.ctx.seq_pos_max(slot) == n_keep - 1, f"slot {slot} holds more than its kept prefix"
         return slot, n_keep
