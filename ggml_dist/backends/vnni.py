@@ -19,7 +19,7 @@ four codes (broadcast).
 Numerics: exactly those of qpack's float kernels and quants.mul_mat(order="ggml") (ggml-numerics.md §1.5):
 lane sums are exact integers either way; Q4_0 lanes are centred as sum((u - 8) y) = sum(u y) - 8 sum(y),
 Q8_0's biased codes as sum((x + 128) y) - 128 sum(y); the token's -8 sum(y) or -128 sum(y) per lane
-(``yz``, from qpack._prep) is vpdpbusd's starting value (exact: it does not saturate). Then
+(``yz``, from qpack._lane_starts) is vpdpbusd's starting value (exact: it does not saturate). Then
 acc = fma(f32(dx*dy), f32(lane), acc) per lane from acc = +0, block after block, and ggml's HA over the 8
 lanes; Q4_1 adds the sequential f32 sum of m*s (from -0, so its first term is kept as is); the Q4_0 chain
 (repacked q4_0_8x8) runs acc = fma(f32(isum), f32(dx*dy), acc) per row, isum the block's integer dot.
