@@ -287,11 +287,15 @@ def bench(args: argparse.Namespace) -> dict:
     return out
 
 
+def _metric(text: str, name: str) -> float:
+    """One unlabelled sample of /metrics text (Prometheus format)."""
+    return float(re.search(rf"^ggml_dist_{name} (\S+)$", text, re.M).group(1))
+
+
 def _prompt_counters(url: str) -> tuple[int, int]:
     """The server's prompt tokens admitted, and those found in a slot's cache (so not evaluated)."""
     text = httpx.get(url + "/metrics").text
-    get = lambda name: int(float(re.search(rf"^ggml_dist_{name} (\S+)$", text, re.M).group(1)))
-    return get("prompt_tokens_total"), get("prompt_tokens_cached_total")
+    return int(_metric(text, "prompt_tokens_total")), int(_metric(text, "prompt_tokens_cached_total"))
 
 
 # -- soak ----------------------------------------------------------------------------------------------
@@ -362,8 +366,8 @@ def soak(args: argparse.Namespace) -> dict:
         time.sleep(0.5)
         health = httpx.get(url + "/health").json()
         metrics = httpx.get(url + "/metrics").text
-    gauge = lambda name: float(re.search(rf"^ggml_dist_{name} (\S+)$", metrics, re.M).group(1))
-    leaked = health["slots_processing"] != 0 or gauge("kv_cells_used") != gauge("kv_cells_cached")
+    leaked = (health["slots_processing"] != 0
+              or _metric(metrics, "kv_cells_used") != _metric(metrics, "kv_cells_cached"))
     return {"mode": "soak", "clients": args.soak, "parallel": args.parallel, "wall_s": round(wall, 2),
             "requests": counts, "errors": len(errors) + int(leaked), "error_samples": errors[:5],
             "slots_leaked": leaked}
