@@ -388,3 +388,35 @@ def test_step_shapes_planned_before_ready(serve_model, model):
         engine.shutdown()
     assert texts == [reference(model, p, 6 + 3 * k) for k, p in enumerate(PROMPTS[:3])]
     assert not [key for key in built if key.n_tokens == key.n_stream], built
+
+
+def test_deliver_one_wakeup_per_burst():
+    """Events posted from another thread reach their queues in order, all of them; a burst posted while
+    the loop is busy costs one wake-up of the loop, not one per event."""
+    from ggml_dist.serve.app import _Deliver
+    from ggml_dist.serve.engine import Event
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(1), real(*a))[1]
+        deliver = _Deliver(loop)
+        queues = [asyncio.Queue() for _ in range(3)]
+
+        def burst(k0: int) -> None:
+            for k in range(k0, k0 + 30):
+                deliver.post(queues[k % 3], Event(str(k)))
+        t = threading.Thread(target=burst, args=(0,))
+        t.start()
+        t.join()                        # the loop is blocked here: the whole burst is one wake-up
+        assert len(wakeups) == 1
+        for k0 in range(30, 3000, 30):  # bursts while the loop runs: every event, in order
+            await asyncio.to_thread(burst, k0)
+        got = [[] for _ in queues]
+        for i, q in enumerate(queues):
+            while len(got[i]) < 1000:
+                got[i].append(int((await asyncio.wait_for(q.get(), 5)).text))
+        assert got == [list(range(i, 3000, 3)) for i in range(3)]
+
+    asyncio.run(main())
