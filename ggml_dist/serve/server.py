@@ -24,9 +24,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _uvicorn_config(engine: Engine, model_name: str, host: str, port: int,
                     max_body_bytes: int) -> uvicorn.Config:
     app = create_app(engine, model_name, max_body_bytes)
-    # one event loop thread; the engine thread does the compute. h11 keeps the dependency list short.
+    # one event loop thread; the engine thread does the compute. uvloop and httptools (C) where installed:
+    # the loop thread's Python per streamed token holds the GIL the engine thread needs between kernels
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=5, http="h11", lifespan="off")
+                          timeout_graceful_shutdown=5, http="auto", loop="auto", lifespan="off")
 
 
 def serve(cfg: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8080,
