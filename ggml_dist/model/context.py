@@ -384,16 +384,18 @@ class LlamaContext:
         cells.seq_cp(src, dst, p0, p1)
         if ss != sd:
             self.sched.synchronize()
-            self.kv.copy_stream(ss, sd)
+            self.kv.copy_stream(ss, sd, cells.used_max_p1_in(ss))
 
     def seq_swap(self, a: int, b: int) -> None:
         """Sequences a and b, each in a KV stream of its own, trade streams (cells and K/V), once the
         work in flight has written its cells; see KVCells.seq_swap."""
         if self.recoverable:
             raise ValueError(f"seq_swap({a}, {b}) is not replayed after a stage loss")
-        self.kv.cells.seq_swap(a, b)
+        cells = self.kv.cells
+        cells.seq_swap(a, b)
         self.sched.synchronize()
-        self.kv.swap_streams(self.kv.cells.stream_of(a), self.kv.cells.stream_of(b))
+        sa, sb = cells.stream_of(a), cells.stream_of(b)
+        self.kv.swap_streams(sa, sb, max(cells.used_max_p1_in(sa), cells.used_max_p1_in(sb)))
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.kv.cells.seq_pos_max(seq_id)

@@ -279,26 +279,28 @@ class KVCache:
                 t.buffer, t.data = buf, o
             self.buffers.append(buf)
 
-    def copy_stream(self, src: int, dst: int) -> None:
-        """Stream src's K and V into stream dst, in every layer (the buffer half of a cross-stream
-        seq_cp): in place on host buffers, through get/set_tensor on others."""
-        for t in self.tensors():
-            if getattr(t.buffer, "base", None) is not None:
-                a = tensor_array(t)                     # [1, n_stream, ...]: dim 1 is the stream
-                a[0, dst] = a[0, src]
-            else:
-                a = tensor_get(t)
-                a[0, dst] = a[0, src]
-                tensor_set(t, a)
+    def copy_stream(self, src: int, dst: int, n_cells: int | None = None) -> None:
+        """Stream src's K and V into stream dst (the buffer half of a cross-stream seq_cp)."""
+        self._move_streams([src], [dst], n_cells)
 
-    def swap_streams(self, a: int, b: int) -> None:
-        """Streams a and b exchange their K and V in every layer (the buffer half of seq_swap)."""
-        for t in self.tensors():
-            host = getattr(t.buffer, "base", None) is not None
-            arr = tensor_array(t) if host else tensor_get(t)   # [1, n_stream, ...]: dim 1 is the stream
-            arr[0, [a, b]] = arr[0, [b, a]]
-            if not host:
-                tensor_set(t, arr)
+    def swap_streams(self, a: int, b: int, n_cells: int | None = None) -> None:
+        """Streams a and b exchange their K and V (the buffer half of seq_swap)."""
+        self._move_streams([b, a], [a, b], n_cells)
+
+    def _move_streams(self, src: list[int], dst: list[int], n_cells: int | None) -> None:
+        """K and V of streams src into streams dst in every layer (all of src is read first), in place on
+        host buffers, through get/set_tensor on others. Only cells 0 .. n_cells-1 (all if None): callers
+        pass the cells up to the last one used, past which cells are empty and masked in every graph, so
+        what they hold never reaches a result."""
+        c = slice(0, self.kv_size if n_cells is None else n_cells)
+        for il in self.layers:
+            # K is [1, n_stream, cell, row], the transposed V [1, n_stream, dim, cell]
+            for t, at in ((self.k_l[il], lambda s: (0, s, c)), (self.v_l[il], lambda s: (0, s, slice(None), c))):
+                host = getattr(t.buffer, "base", None) is not None
+                arr = tensor_array(t) if host else tensor_get(t)
+                arr[at(dst)] = arr[at(src)]
+                if not host:
+                    tensor_set(t, arr)
 
     # -- graph pieces (llama_kv_cache::get_k / get_v / cpy_k / cpy_v) -----------------------------------
     # s0, ns: the ubatch's streams s0 .. s0+ns-1 (one per group of its tokens); dim 3 of the views

@@ -129,3 +129,27 @@ def test_streams_tensors_and_v_idxs():
 def test_kv_cells():
     assert kv_cells(1000) == (1024, 1) and kv_cells(2048, 8, unified=False) == (256, 8)
     assert kv_cells(1000, 3, unified=False) == (512, 3)
+
+
+# moving streams' K and V (copy_stream, swap_streams) touches only the cells below n_cells: K's cells are
+# its rows, the transposed V's its columns
+def test_stream_moves_stop_at_n_cells():
+    from ggml_dist.backends.base import tensor_array
+    from ggml_dist.backends.cpu import CPUBufferType
+    kv = KVCache(8, 4, 1024, range(2), n_seq_max=4, unified=False)
+    kv.allocate(CPUBufferType("CPU"))
+    rng = np.random.default_rng(0)
+    arrays = [tensor_array(t) for t in kv.tensors()]
+    for a in arrays:
+        a[...] = rng.integers(0, 1 << 15, a.shape)
+    before = [a.copy() for a in arrays]
+    kv.swap_streams(1, 3, 5)
+    kv.copy_stream(0, 2, 7)
+    for i, (a, b) in enumerate(zip(arrays, before)):
+        k = i % 2 == 0                                   # K [1, stream, cell, row]; V [1, stream, dim, cell]
+        lo = (lambda x, n: x[:n]) if k else (lambda x, n: x[:, :n])
+        hi = (lambda x, n: x[n:]) if k else (lambda x, n: x[:, n:])
+        assert np.array_equal(lo(a[0, 1], 5), lo(b[0, 3], 5)) and np.array_equal(lo(a[0, 3], 5), lo(b[0, 1], 5))
+        assert np.array_equal(hi(a[0, 1], 5), hi(b[0, 1], 5)) and np.array_equal(hi(a[0, 3], 5), hi(b[0, 3], 5))
+        assert np.array_equal(lo(a[0, 2], 7), lo(b[0, 0], 7)) and np.array_equal(hi(a[0, 2], 7), hi(b[0, 2], 7))
+        assert np.array_equal(a[0, 0], b[0, 0])
