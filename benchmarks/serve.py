@@ -1,6 +1,7 @@
 """Serving benchmark: N concurrent streaming clients against `ggml-dist serve` for a fixed time.
 
     python benchmarks/serve.py [--model smollm2-135m] [--duration 30] [--clients 1,4,8] [--stages 1,2]
+                               [--repeat 1]
     python benchmarks/serve.py --soak 16 --duration 20      # concurrency soak on a synthetic model
 
 Each (stages, clients) point starts `ggml-dist serve` as its own process on a free loopback port
@@ -13,7 +14,9 @@ token and inter-token latency, and the prompt tokens admitted and found in the s
 decode rate in this process, without the server, for comparison: each sample is the median of three
 runs of --max-tokens tokens, taken before the first point and after each one, while that point's
 server sits idle (`single_stream_decode_samples`); a point's `x_single_stream` divides its rate by the
-mean of the two samples that bracket it in time (this machine's speed drifts within minutes).
+mean of the two samples that bracket it in time (this machine's speed drifts within minutes). With
+--repeat R each server runs its client counts R times, interleaved, and `summary` gives each point's
+median, min and max over the R runs.
 `batched_decode` gives the decode rate of steps taking one token from each of 1 and N sequences,
 without a server, here and (with llama-cpp-python installed) in llama.cpp on the same file, with a KV
 stream per sequence (the server's default) and with one unified cache: what batching itself can give on
@@ -271,12 +274,12 @@ def bench(args: argparse.Namespace) -> dict:
     for k in stages:
         with ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified,
                            cache_prompt=not args.no_cache_prompt) as srv:
-            for n in clients:
+            for rep, n in ((rep, n) for rep in range(args.repeat) for n in clients):
                 before = _prompt_counters(srv.url)
                 r = run_clients(srv.url, n, args.duration, args.max_tokens)
                 after = _prompt_counters(srv.url)
                 r["prompt_tokens"], r["prompt_tokens_cached"] = (b - a for a, b in zip(before, after))
-                r["stages"] = k
+                r["stages"], r["repeat"] = k, rep
                 singles.append(single_stream_decode(path, args.max_tokens))
                 r["single_stream_decode_tok_s"] = round((singles[-2] + singles[-1]) / 2, 3)
                 r["x_single_stream"] = round(r["aggregate_tok_s"] / r["single_stream_decode_tok_s"], 2)
@@ -284,7 +287,20 @@ def bench(args: argparse.Namespace) -> dict:
                 out["runs"].append(r)
     out["single_stream_decode_samples"] = singles
     out["single_stream_decode_tok_s"] = round(float(np.median(singles)), 3)
+    out["summary"] = _summary(out["runs"])
     return out
+
+
+def _summary(runs: list[dict]) -> list[dict]:
+    """Per (stages, clients): the median, min and max over --repeat runs of the aggregate rate and of
+    x_single_stream, and the errors in all of them."""
+    points: dict[tuple[int, int], list[dict]] = {}
+    for r in runs:
+        points.setdefault((r["stages"], r["clients"]), []).append(r)
+    return [{"stages": k, "clients": n, "runs": len(rs), "errors": sum(r["errors"] for r in rs),
+             **{f"{key}_{f.__name__}": round(float(f([r[key] for r in rs])), 3)
+                for key in ("aggregate_tok_s", "x_single_stream") for f in (np.median, min, max)}}
+            for (k, n), rs in points.items()]
 
 
 def _metric(text: str, name: str) -> float:
@@ -378,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per point (soak: in all)")
     ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each server's client counts this many times, interleaved (medians in summary)")
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--max-tokens", type=int, default=64,
                     help="tokens per request (with few, each request's prefill dominates the steps)")
