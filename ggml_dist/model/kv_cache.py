@@ -89,12 +89,17 @@ class KVCells:
         return max(min(self.size, max(N_KV_PAD, pad(self.used_max_p1_in(s), N_KV_PAD))) for s in streams)
 
     def seq_pos_max(self, seq_id: int) -> int:
-        m = self._seq_mask(seq_id)
-        return int(self.pos[m].max()) if m.any() else -1
+        pos = self._seq_positions(seq_id)
+        return int(pos.max()) if len(pos) else -1
 
     def seq_pos_min(self, seq_id: int) -> int:
-        m = self._seq_mask(seq_id)
-        return int(self.pos[m].min()) if m.any() else -1
+        pos = self._seq_positions(seq_id)
+        return int(pos.min()) if len(pos) else -1
+
+    def _seq_positions(self, seq_id: int) -> np.ndarray:
+        """The positions of the cells holding seq_id, looked up in its own stream only."""
+        c = self._cells(self.stream_of(seq_id))
+        return self.pos[c][(self.seq[c] & np.uint64(1 << seq_id)) != 0]
 
     def _seq_mask(self, seq_id: int) -> np.ndarray:
         return (self.seq & np.uint64(1 << seq_id)) != 0
