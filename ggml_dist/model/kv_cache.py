@@ -298,12 +298,14 @@ class KVCache:
         pass the cells up to the last one used, past which cells are empty and masked in every graph, so
         what they hold never reaches a result."""
         c = slice(0, self.kv_size if n_cells is None else n_cells)
+        # K is [1, n_stream, cell, row], the transposed V [1, n_stream, dim, cell]
+        k_idx = (0, dst, c), (0, src, c)
+        v_idx = (0, dst, slice(None), c), (0, src, slice(None), c)
         for il in self.layers:
-            # K is [1, n_stream, cell, row], the transposed V [1, n_stream, dim, cell]
-            for t, at in ((self.k_l[il], lambda s: (0, s, c)), (self.v_l[il], lambda s: (0, s, slice(None), c))):
+            for t, (to, frm) in ((self.k_l[il], k_idx), (self.v_l[il], v_idx)):
                 host = getattr(t.buffer, "base", None) is not None
                 arr = tensor_array(t) if host else tensor_get(t)
-                arr[at(dst)] = arr[at(src)]
+                arr[to] = arr[frm]
                 if not host:
                     tensor_set(t, arr)
 
