@@ -98,10 +98,10 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         if not engine.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
         n_run = engine.n_running()
-        ctx = engine.ctx
-        if ctx is not None and ctx.recovering:           # requests wait, none is lost
-            return JSONResponse({"status": "degraded", "reason": "recovering a lost pipeline stage",
-                                 "recoveries": ctx.n_recoveries}, status_code=503)
+        st = engine.status()
+        if st["recovering"]:                             # requests wait, none is lost
+            return JSONResponse({"status": "degraded", "reason": "recovering a lost pipeline stage or replica",
+                                 "recoveries": st["recoveries"]}, status_code=503)
         return JSONResponse({"status": "ok", "slots_idle": engine.cfg.n_parallel - n_run,
                              "slots_processing": n_run, "queue": engine.queue_length()})
 
@@ -112,20 +112,19 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
 
     @app.get("/metrics")
     def prometheus() -> PlainTextResponse:          # sync: stage stats are a blocking Ray call
-        ctx = engine.ctx
+        st = engine.status()
         gauges = {
             "queue_length": ("requests waiting for a slot", float(engine.queue_length())),
             "requests_running": ("requests holding a slot", float(engine.n_running())),
             "slots_total": ("sequence slots (--parallel)", float(engine.cfg.n_parallel)),
-            "kv_cells_used": ("KV cache cells holding a token", float(ctx.kv.cells.used if ctx else 0)),
+            "kv_cells_used": ("KV cache cells holding a token", float(st["kv_cells_used"])),
             "kv_cells_cached": ("KV cache cells that free slots keep for a later prompt (cache_prompt)",
-                                float(engine.cached_cells())),
-            "kv_cells_total": ("KV cache cells", float(ctx.n_ctx if ctx else 0)),
+                                float(st["kv_cells_cached"])),
+            "kv_cells_total": ("KV cache cells", float(st["kv_cells_total"])),
             "ready": ("1 once every stage has loaded", float(engine.ready.is_set() and not engine.load_error)),
-            "recovering": ("1 while a lost pipeline stage is being recovered", float(bool(ctx and ctx.recovering))),
-            "recoveries_total": ("lost pipeline stages recovered", float(ctx.n_recoveries if ctx else 0)),
-            "replayed_tokens_total": ("tokens replayed to rebuild lost KV caches",
-                                      float(ctx.n_replayed_tokens if ctx else 0)),
+            "recovering": ("1 while a lost pipeline stage is being recovered", float(st["recovering"])),
+            "recoveries_total": ("lost pipeline stages recovered", float(st["recoveries"])),
+            "replayed_tokens_total": ("tokens replayed to rebuild lost KV caches", float(st["replayed_tokens"])),
         }
         busy = engine.stage_busy() if engine.ready.is_set() and not engine.load_error else []
         return PlainTextResponse(metrics.render(gauges, busy),

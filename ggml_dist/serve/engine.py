@@ -125,6 +125,7 @@ class EngineConfig:
                                             # (None: per slot in one process, shared on a pipeline)
     cache_prompt: bool = True               # a finished request's tokens stay in its slot's stream, and
                                             # a prompt starting with them reuses them (KV stream per slot)
+    n_replicas: int = 1                     # engine processes sharing the slots (serve.replicas)
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_parallel <= 64:
@@ -134,6 +135,11 @@ class EngineConfig:
                              f"{self.n_ctx // self.n_parallel} cells per slot; raise --ctx")
         if self.kv_unified is None:
             self.kv_unified = self.n_stages > 1 or self.address is not None
+        if not 1 <= self.n_replicas <= self.n_parallel:
+            raise ValueError(f"--replicas must be 1..--parallel ({self.n_parallel}), got {self.n_replicas}")
+        if self.n_replicas > 1 and (self.n_stages > 1 or self.address is not None):
+            raise ValueError("--replicas runs engines side by side in one machine; it does not combine "
+                             "with a pipeline (--stages > 1 or --address)")
         if self.n_stages < 1 or self.max_queue < 0:
             raise ValueError(f"--stages must be >= 1 and the queue bound >= 0 "
                              f"({self.n_stages}, {self.max_queue})")
@@ -210,6 +216,14 @@ class Engine:
 
     def n_running(self) -> int:
         return sum(s is not None for s in self._slots)
+
+    def status(self) -> dict[str, float]:
+        """KV and recovery figures for /health and /metrics (zeros before the model has loaded)."""
+        ctx = self.ctx
+        return {"kv_cells_used": ctx.kv.cells.used if ctx else 0, "kv_cells_cached": self.cached_cells(),
+                "kv_cells_total": ctx.kv.kv_size * ctx.kv.n_stream if ctx else 0, "recovering": float(bool(ctx and ctx.recovering)),
+                "recoveries": ctx.n_recoveries if ctx else 0,
+                "replayed_tokens": ctx.n_replayed_tokens if ctx else 0}
 
     def stage_busy(self) -> list[float]:
         """Compute seconds per stage (the engine's own in one process); the last known figures while a

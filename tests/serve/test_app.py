@@ -248,6 +248,7 @@ def test_health_models_metrics(server):
                  "stage_busy_seconds_total"]:
         assert f"ggml_dist_{name}" in text, name
     assert metric(server, "generated_tokens_total") > 0
+    assert metric(server, "kv_cells_total") == 4096          # every slot's stream, not one of them
     assert re.search(r'^ggml_dist_stage_busy_seconds_total\{stage="0"\} [0-9.]+$', text, re.M)
     assert float(re.search(r'stage_busy_seconds_total\{stage="0"\} (\S+)', text).group(1)) > 0
 
