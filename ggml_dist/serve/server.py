@@ -30,10 +30,18 @@ def _uvicorn_config(engine: Engine, model_name: str, host: str, port: int,
                           timeout_graceful_shutdown=5, http="auto", loop="auto", lifespan="off")
 
 
+def make_engine(cfg: EngineConfig, metrics: Metrics) -> Engine:
+    """The engine behind the app: one in this process, or a set of replica processes (--replicas)."""
+    if cfg.n_replicas > 1:
+        from .replicas import ReplicaSet
+        return ReplicaSet(cfg, metrics)         # type: ignore[return-value]  (Engine's interface)
+    return Engine(cfg, metrics)
+
+
 def serve(cfg: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8080,
           max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Serve until interrupted; the engine loads in the background meanwhile."""
-    engine = Engine(cfg, Metrics()).start()
+    engine = make_engine(cfg, Metrics()).start()
     try:
         uvicorn.Server(_uvicorn_config(engine, model_name, host, port, max_body_bytes)).run()
     finally:
@@ -45,7 +53,7 @@ class ServerThread:
 
     def __init__(self, cfg: EngineConfig, model_name: str = "model", host: str = "127.0.0.1",
                  port: int | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
-        self.engine = Engine(cfg, Metrics())
+        self.engine = make_engine(cfg, Metrics())
         self.host = host
         self.port = port or free_port(host)
         self.server = uvicorn.Server(_uvicorn_config(self.engine, model_name, host, self.port,

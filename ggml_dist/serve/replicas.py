@@ -1,0 +1,428 @@
+"""Data-parallel engine replicas on one machine: R processes, each an Engine over its share of the slots,
+behind one HTTP front (vLLM's data parallelism over a CPU's cores).
+
+    front (the HTTP process)                      replica k (a spawned process)
+      submit  -> route: a free slot, the longest    Engine over n_parallel/R slots, n_ctx/R cells,
+                 cached prompt prefix, least load   cores/R threads while another replica is busy,
+      cancel  -> ("cancel", rid)                    all of them while it is the only one
+      reader thread per replica <- ("events", [(rid, event), ...], metric updates), one per step
+
+Why: one process decoding 8 sequences on 2 cores runs each op's kernel split in two, and between the
+kernels its Python holds the GIL while the other core waits at the next launch; every op is a barrier,
+and any thread the OS runs in between (the HTTP loop, clients) stalls both cores. Two single-threaded
+replicas of 4 sequences each keep a core busy with a step of their own: on this 2-vCPU VM their decode
+steps gave 307-410 tok/s where one process gave 211-357, interleaved (scratch proc.py). Threads in one
+process would not do: the GIL is held ~65% of a step's time, so two engine threads serialize.
+
+Each replica loads the model itself (the GGUF is mapped, shared by the page cache; packed weights are
+per process). Sequences never move between replicas: a request runs where it was routed. A replica whose
+process dies fails its requests and is started again; the others keep serving.
+"""
+from __future__ import annotations
+
+import collections
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..backends import qkernels
+from ..model.tokenizer import Tokenizer
+from .engine import Engine, EngineConfig, Event, NotReady, QueueFull, Request, _common_prefix
+from .metrics import Metrics
+
+_STATUS_TIMEOUT_S = 10.0
+
+
+# -- replica process ---------------------------------------------------------------------------------
+
+class _ForwardMetrics(Metrics):
+    """The replica's metric updates, queued for the front (which owns the /metrics counters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def add_prompt(self, n: int, cached: int = 0) -> None:
+        with self.lock:
+            self.ops.append(("add_prompt", n, cached))
+
+    def add_token(self, ttft: float | None, itl: float | None) -> None:
+        with self.lock:
+            self.ops.append(("add_token", ttft, itl))
+
+    def drain(self) -> list[tuple]:
+        with self.lock:
+            ops, self.ops = self.ops, []
+        return ops
+
+
+class _ReplicaEngine(Engine):
+    """An Engine whose step's events leave in one message: the events that sampling posts during
+    _collect are sent together at its end (one write and one wake-up of the front per step); any
+    other event (a cancelled request's end, an error from the main thread) goes at once."""
+
+    def __init__(self, cfg: EngineConfig, metrics: _ForwardMetrics, send: Any) -> None:
+        super().__init__(cfg, metrics)
+        self.fmetrics, self.send = metrics, send
+        self._out: list[tuple] = []
+        self._out_lock = threading.Lock()
+        self._batching = False
+
+    def _collect(self, mb: Any) -> None:
+        self._batching = True
+        try:
+            super()._collect(mb)
+        finally:
+            self._batching = False
+            self.flush()
+
+    def post(self, rid: int, ev: Event) -> None:
+        with self._out_lock:
+            self._out.append((rid, ev.text, ev.finish_reason, ev.n_prompt, ev.n_gen, ev.error))
+        if not (self._batching and threading.current_thread() is self._thread):
+            self.flush()
+
+    def flush(self) -> None:
+        with self._out_lock:                # held while sending: two flushes keep their order
+            if self._out:
+                self.send(("events", self._out, self.fmetrics.drain()))
+                self._out = []
+
+
+def _replica_main(conn: Connection) -> None:
+    """A replica process: an engine, driven by the front's messages; its events go back on `conn`.
+    The first message is ("config", EngineConfig, threads)."""
+    _, cfg, threads = conn.recv()
+    qkernels.set_threads(threads)
+    lock = threading.Lock()             # the engine thread and this one both send
+
+    def send(msg: tuple) -> None:
+        with lock:
+            conn.send(msg)
+    metrics = _ForwardMetrics()
+    engine = _ReplicaEngine(cfg, metrics, send).start()
+    try:
+        engine.wait_ready(None)
+    except NotReady as e:
+        send(("ready", str(e)))
+        return
+    send(("ready", None))
+    reqs: dict[int, Request] = {}
+
+    def on_event(rid: int, ev: Event) -> None:
+        if ev.finish_reason is not None:
+            reqs.pop(rid, None)
+        engine.post(rid, ev)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "submit":
+                rid, prompt, max_tokens, sampling, stops, t_arrival = msg[1:]
+                req = Request(prompt, max_tokens, sampling, stops, lambda ev, rid=rid: on_event(rid, ev),
+                              t_arrival)
+                reqs[rid] = req
+                try:
+                    engine.submit(req)
+                except (QueueFull, NotReady) as e:     # the front bounds the queue: not expected
+                    on_event(rid, Event(finish_reason="error", n_prompt=len(prompt), error=str(e)))
+            elif msg[0] == "cancel":
+                if (req := reqs.get(msg[1])) is not None:
+                    engine.cancel(req)
+            elif msg[0] == "threads":                  # the front's share of the cores for this one
+                qkernels.set_threads(msg[1])
+            elif msg[0] == "status":
+                send(("status", {**engine.status(), "busy_s": engine.busy_s}, metrics.drain()))
+            else:                                       # "stop"
+                break
+    except (EOFError, OSError):                         # the front is gone
+        pass
+    finally:
+        engine.shutdown()                               # running requests end "cancelled", sent back
+
+
+# -- front ---------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Replica:
+    index: int
+    cfg: EngineConfig
+    proc: Any = None
+    conn: Connection | None = None
+    ready: bool = False
+    load: int = 0                                       # requests routed here and not finished
+    threads: int = 0                                    # compute threads it was told to use
+    reqs: dict[int, Request] = field(default_factory=dict)
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
+    status: dict | None = None
+    status_ev: threading.Event = field(default_factory=threading.Event)
+    status_lock: threading.Lock = field(default_factory=threading.Lock)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def slots(self) -> int:
+        return self.cfg.n_parallel
+
+    def send(self, msg: tuple) -> None:
+        with self.send_lock:
+            assert self.conn is not None
+            self.conn.send(msg)
+
+    def affinity(self, prompt: list[int]) -> int:
+        """The longest prefix of `prompt` among the prompts recently routed here (whose tokens a free
+        slot may still hold: the replica's prompt cache)."""
+        return max((_common_prefix(p, prompt) for p in self.recent), default=0)
+
+
+class ReplicaSet:
+    """Engine's interface (what the app uses) over `cfg.n_replicas` replica processes."""
+
+    def __init__(self, cfg: EngineConfig, metrics: Metrics | None = None) -> None:
+        if cfg.n_replicas < 2:
+            raise ValueError("ReplicaSet needs n_replicas >= 2 (one replica is a plain Engine)")
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.n_ctx_slot = cfg.n_ctx // cfg.n_parallel
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._next_rid = 0
+        self._where: dict[Request, tuple[_Replica, int]] = {}
+        self._threads = qkernels.get_threads()
+        R, P = cfg.n_replicas, cfg.n_parallel
+        shares = [P // R + (k < P % R) for k in range(R)]
+        self.replicas = [_Replica(k, replace(cfg, n_replicas=1, n_parallel=n, n_ctx=n * self.n_ctx_slot,
+                                             max_queue=cfg.max_queue + P))
+                         for k, n in enumerate(shares)]
+
+    # -- life cycle -----------------------------------------------------------------------------------
+    def start(self) -> "ReplicaSet":
+        threading.Thread(target=self._start, name="ggml-dist-replicas", daemon=True).start()
+        return self
+
+    def _start(self) -> None:
+        try:
+            from ..model.gguf import load_gguf
+            self._tokenizer = Tokenizer.from_gguf(load_gguf(self.cfg.model_path))
+        except Exception as e:
+            self._fail_load(f"loading {self.cfg.model_path} failed: {type(e).__name__}: {e}")
+            return
+        for r in self.replicas:
+            self._spawn(r)
+
+    def _spawn(self, r: _Replica) -> None:
+        """Start replica r: `python -m ggml_dist.serve.replicas FD` over a socket pair (a fresh
+        interpreter: no fork of this threaded process, no re-import of the user's main module)."""
+        front, child = socket.socketpair()
+        r.proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
+                                  pass_fds=(child.fileno(),))
+        child.close()
+        r.conn, r.ready, r.threads = Connection(front.detach()), False, self._threads
+        r.send(("config", r.cfg, r.threads))
+        threading.Thread(target=self._read, args=(r, r.conn), name=f"ggml-dist-replica-{r.index}-reader",
+                         daemon=True).start()
+
+    def _fail_load(self, msg: str) -> None:
+        self.load_error = msg
+        print(f"ggml-dist serve: {msg}", file=sys.stderr)
+        self.ready.set()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self.ready.wait(timeout) or self.load_error:
+            raise NotReady(self.load_error or f"the model did not load within {timeout} s")
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        for r in self.replicas:
+            if r.proc is not None and r.proc.poll() is None:
+                try:
+                    r.send(("stop",))
+                except OSError:
+                    pass
+        for r in self.replicas:
+            if r.proc is not None:
+                try:
+                    r.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
+                    r.proc.wait()
+
+    # -- messages from a replica (its reader thread) --------------------------------------------------
+    def _read(self, r: _Replica, conn: Connection) -> None:
+        try:
+            while True:
+                msg = conn.recv()
+                if msg[0] == "events":
+                    self._apply(msg[2])
+                    for rid, *ev in msg[1]:
+                        self._deliver(r, rid, Event(*ev))
+                elif msg[0] == "status":
+                    self._apply(msg[2])
+                    r.status = msg[1]
+                    r.status_ev.set()
+                else:                                       # "ready"
+                    self._on_ready(r, msg[1])
+                    if msg[1] is not None:
+                        return
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+        self._lost(r)
+
+    def _apply(self, ops: list[tuple]) -> None:
+        for name, *args in ops:
+            getattr(self.metrics, name)(*args)
+
+    def _deliver(self, r: _Replica, rid: int, ev: Event) -> None:
+        with self._lock:
+            req = r.reqs.get(rid)
+            if req is not None and ev.finish_reason is not None:
+                del r.reqs[rid]
+                self._where.pop(req, None)
+                self._set_load(r, r.load - 1)
+        if req is not None:
+            req.on_event(ev)
+
+    def _on_ready(self, r: _Replica, error: str | None) -> None:
+        if error is not None:
+            if not self.ready.is_set():
+                self._fail_load(f"replica {r.index}: {error}")
+            else:
+                print(f"ggml-dist serve: replica {r.index} did not restart: {error}", file=sys.stderr)
+            return
+        with self._lock:
+            r.ready = True
+            self._set_load(r, r.load)           # its threads, as the others' loads have them
+            all_up = all(x.ready for x in self.replicas)
+        if all_up and not self.ready.is_set():
+            self.ready.set()
+
+    def _lost(self, r: _Replica) -> None:
+        """The replica's process ended: its requests fail, and it starts again unless we are stopping."""
+        try:
+            code = r.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        with self._lock:
+            r.ready = False
+            lost = list(r.reqs.values())
+            for req in lost:
+                self._where.pop(req, None)
+            r.reqs.clear()
+            self._set_load(r, 0)
+        for req in lost:
+            req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt),
+                               error=f"replica {r.index} exited (code {code}); retry the request"))
+        if not self._stopping and not self.load_error:
+            print(f"ggml-dist serve: replica {r.index} exited (code {code}); starting it again",
+                  file=sys.stderr)
+            self._spawn(r)
+
+    # -- requests (event-loop thread) -----------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None or not self.ready.is_set() or self.load_error:
+            raise NotReady(self.load_error or "the model is still loading")
+        return self._tokenizer
+
+    def submit(self, req: Request) -> None:
+        if not self.ready.is_set() or self.load_error:
+            raise NotReady(self.load_error or "the model is still loading; retry when /health is ok")
+        with self._lock:
+            r = self._route(req.prompt)
+            rid, self._next_rid = self._next_rid, self._next_rid + 1
+            r.reqs[rid] = req
+            self._set_load(r, r.load + 1)
+            r.recent.append(req.prompt)
+            self._where[req] = (r, rid)
+        try:
+            r.send(("submit", rid, req.prompt, req.max_tokens, req.sampling, req.stops, req.t_arrival))
+        except OSError:                 # the replica just died: its reader fails the request
+            pass
+
+    def _set_load(self, r: _Replica, load: int) -> None:
+        """(under _lock) r's load, and each replica's threads: every core while at most one replica has
+        requests, an even share of them while several do."""
+        r.load = load
+        n_busy = sum(x.load > 0 for x in self.replicas)
+        want = self._threads if n_busy <= 1 else max(1, self._threads // len(self.replicas))
+        for x in self.replicas:
+            if x.ready and x.threads != want:
+                try:
+                    x.send(("threads", want))
+                    x.threads = want
+                except OSError:
+                    pass
+
+    def _route(self, prompt: list[int]) -> _Replica:
+        """A replica with a free slot: the least loaded (a replica's step slows with its sequences while
+        the other's core may idle), and of those the one whose recent prompts share the longest prefix
+        with this one (its prompt cache may skip them: a closed-loop client's next request finds its
+        previous one's replica with the free slot); with none free, the shortest queue, within
+        max_queue queued in all."""
+        live = [r for r in self.replicas if r.ready]
+        if not live:
+            raise NotReady("every replica is restarting; retry when /health is ok")
+        free = [r for r in live if r.load < r.slots]
+        if free:
+            return max(free, key=lambda r: (-r.load, r.affinity(prompt)))
+        queued = sum(r.load - r.slots for r in live)
+        if queued >= self.cfg.max_queue:
+            raise QueueFull(f"{queued} requests queued and {self.cfg.n_parallel} running; retry later")
+        return min(live, key=lambda r: r.load - r.slots)
+
+    def cancel(self, req: Request) -> None:
+        req.cancelled = True
+        with self._lock:
+            where = self._where.get(req)
+        if where is not None:
+            try:
+                where[0].send(("cancel", where[1]))
+            except OSError:
+                pass
+
+    def queue_length(self) -> int:
+        return sum(max(0, r.load - r.slots) for r in self.replicas)
+
+    def n_running(self) -> int:
+        return sum(min(r.load, r.slots) for r in self.replicas)
+
+    # -- figures (a replica answers a status message) -------------------------------------------------
+    def _statuses(self) -> list[dict]:
+        out = []
+        for r in self.replicas:
+            if not r.ready:
+                continue
+            with r.status_lock:
+                r.status_ev.clear()
+                try:
+                    r.send(("status",))
+                except OSError:
+                    continue
+                if r.status_ev.wait(_STATUS_TIMEOUT_S) and r.status is not None:
+                    out.append(r.status)
+        return out
+
+    def status(self) -> dict[str, float]:
+        sts = self._statuses()
+        out = {k: float(sum(s[k] for s in sts)) for k in
+               ("kv_cells_used", "kv_cells_cached", "kv_cells_total", "recoveries", "replayed_tokens")}
+        out["recovering"] = float(self.ready.is_set() and not all(r.ready for r in self.replicas))
+        return out
+
+    def cached_cells(self) -> int:
+        return int(self.status()["kv_cells_cached"])
+
+    def stage_busy(self) -> list[float]:
+        """Compute seconds per replica (each replica is a one-stage engine)."""
+        return [float(s["busy_s"]) for s in self._statuses()]
+
+
+if __name__ == "__main__":          # a replica process, started by ReplicaSet._spawn
+    _replica_main(Connection(int(sys.argv[1])))

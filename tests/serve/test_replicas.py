@@ -1,0 +1,152 @@
+"""--replicas: engine processes side by side behind one front. The same tokens as separate greedy runs,
+metrics gathered from every replica, cancellation, the queue bound, the cores' split, and a replica
+whose process dies: its request fails, the others serve on, and it comes back."""
+from __future__ import annotations
+
+import pytest
+
+for _mod in ("fastapi", "uvicorn", "httpx", "openai"):     # the serve extras
+    pytest.importorskip(_mod)
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from ggml_dist.serve import EngineConfig, ServerThread  # noqa: E402
+
+from .conftest import CHATML  # noqa: E402
+from .test_app import PROMPTS, client, metric, model, reference, wait_idle  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def replicated(serve_model):
+    """4 slots of 1024 tokens over 2 replica processes."""
+    cfg = EngineConfig(serve_model, n_parallel=4, n_ctx=4096, max_queue=8, chat_template=CHATML,
+                       n_replicas=2)
+    with ServerThread(cfg, model_name="synthetic") as srv:
+        yield srv
+
+
+def test_config_checks(serve_model):
+    with pytest.raises(ValueError, match="--replicas must be 1..--parallel"):
+        EngineConfig(serve_model, n_parallel=2, n_replicas=3)
+    with pytest.raises(ValueError, match="does not combine with a pipeline"):
+        EngineConfig(serve_model, n_parallel=4, n_stages=2, n_replicas=2)
+
+
+# requests spread over both replicas (more than the 4 slots, staggered) give the separate runs' text
+def test_concurrent_greedy_same_as_separate(replicated, model):
+    lengths = [8, 20, 12, 16, 24, 10]
+    want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths)]
+
+    async def one(c: openai.AsyncOpenAI, i: int) -> str:
+        await asyncio.sleep(0.01 * i)
+        stream = await c.completions.create(model="synthetic", prompt=PROMPTS[i], max_tokens=lengths[i],
+                                            temperature=0, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def main() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=replicated.url + "/v1", api_key="none", max_retries=0)
+        return await asyncio.gather(*(one(c, i) for i in range(len(PROMPTS))))
+
+    assert asyncio.run(main()) == want
+    wait_idle(replicated)
+    assert metric(replicated, "kv_cells_used") == metric(replicated, "kv_cells_cached")
+    r = client(replicated).chat.completions.create(
+        model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == reference(
+        model, model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template=CHATML), 6)
+
+
+# the front's /metrics adds up the replicas: tokens, TTFT, KV cells of both caches, busy time of each
+def test_metrics_from_every_replica(replicated):
+    before = metric(replicated, "generated_tokens_total")
+    c = client(replicated)
+    for p in PROMPTS[:4]:
+        c.completions.create(model="synthetic", prompt=p, max_tokens=5, temperature=0)
+    assert metric(replicated, "generated_tokens_total") - before == 20
+    assert metric(replicated, "kv_cells_total") == 4096
+    assert metric(replicated, "slots_total") == 4
+    text = httpx.get(replicated.url + "/metrics").text
+    busy = [float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("ggml_dist_stage_busy_seconds_total{")]
+    assert len(busy) == 2 and all(b > 0 for b in busy), busy
+    assert metric(replicated, "time_to_first_token_seconds_count") >= 4
+    h = httpx.get(replicated.url + "/health").json()
+    assert h["status"] == "ok" and h["slots_idle"] == 4
+
+
+# one busy replica computes with every core; with both busy each gets its share
+def test_threads_follow_the_busy_replicas(replicated):
+    eng = replicated.engine
+    wait_idle(replicated)
+    assert all(r.threads == eng._threads for r in eng.replicas)
+    body = {"prompt": PROMPTS[4], "max_tokens": 600, "temperature": 0, "stream": True}
+    with httpx.stream("POST", replicated.url + "/v1/completions", json=body, timeout=30) as a, \
+            httpx.stream("POST", replicated.url + "/v1/completions", json={**body, "prompt": PROMPTS[5]},
+                         timeout=30) as b:
+        la, lb = a.iter_lines(), b.iter_lines()
+        next(la), next(lb)
+        loads = sorted(r.load for r in eng.replicas)
+        share = max(1, eng._threads // 2)
+        assert loads == [1, 1] and all(r.threads == share for r in eng.replicas)
+    wait_idle(replicated)
+    assert all(r.threads == eng._threads for r in eng.replicas)
+
+
+# a dropped stream cancels its sequence in its replica: the slot and its cells free at once
+def test_cancel_stream(replicated):
+    before = metric(replicated, "generated_tokens_total")
+    body = {"prompt": PROMPTS[4], "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.stream("POST", replicated.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(g.startswith("data: ") for g in got)
+    wait_idle(replicated)
+    assert metric(replicated, "kv_cells_used") == metric(replicated, "kv_cells_cached")
+    assert metric(replicated, "generated_tokens_total") - before < 900
+
+
+# the queue bound holds over all replicas: full slots and max_queue=0 answer 429
+def test_queue_full(serve_model):
+    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=2048, max_queue=0, n_replicas=2)
+    with ServerThread(cfg) as srv:
+        body = {"prompt": "x", "max_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as a, \
+                httpx.stream("POST", srv.url + "/v1/completions", json={**body, "prompt": "y"}, timeout=30) as b:
+            la, lb = a.iter_lines(), b.iter_lines()
+            next(la), next(lb)
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": "z", "max_tokens": 2})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        wait_idle(srv)
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "z", "max_tokens": 2}).status_code == 200
+
+
+# a replica killed mid-stream: its client gets an error event, the other replica keeps serving, and the
+# lost one is started again
+def test_replica_lost_and_restarted(serve_model, model):
+    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=2048, n_replicas=2)
+    with ServerThread(cfg) as srv:
+        eng = srv.engine
+        body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            victim = next(x for x in eng.replicas if x.load)
+            victim.proc.kill()
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert "error" in events[-1] and "exited" in events[-1]["error"]["message"]
+        assert metric(srv, "recovering") == 1 or all(x.ready for x in eng.replicas)
+        other = client(srv).completions.create(model="m", prompt=PROMPTS[1], max_tokens=6, temperature=0)
+        assert other.choices[0].text == reference(model, PROMPTS[1], 6)
+        t0 = time.monotonic()
+        while not all(x.ready for x in eng.replicas):
+            assert time.monotonic() - t0 < 120, "the lost replica did not come back"
+            time.sleep(0.1)
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+        texts = [client(srv).completions.create(model="m", prompt=p, max_tokens=6, temperature=0).choices[0].text
+                 for p in PROMPTS[:3]]
+        assert texts == [reference(model, p, 6) for p in PROMPTS[:3]]
