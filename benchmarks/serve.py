@@ -1,12 +1,13 @@
 """Serving benchmark: N concurrent streaming clients against `ggml-dist serve` for a fixed time.
 
     python benchmarks/serve.py [--model smollm2-135m] [--duration 30] [--clients 1,4,8] [--stages 1,2]
-                               [--repeat 1] [--replicas 1]
+                               [--repeat 1] [--replicas 1,2]
     python benchmarks/serve.py --soak 16 --duration 20      # concurrency soak on a synthetic model
 
 Each (stages, clients) point starts `ggml-dist serve` as its own process on a free loopback port
 (--parallel = the largest client count; as users run it, so the clients' threads here do not share the
-server's GIL; with --replicas R the one-stage server runs R engine processes), runs the clients (the
+server's GIL; with --replicas R the one-stage server runs R engine processes; a list of R runs a server each, their
+points interleaved), runs the clients (the
 standard library's HTTP client, light on the cores they share with the server) for --duration seconds,
 and reports requests completed, errors, aggregate generated tok/s over those seconds (requests in
 flight at the deadline finish and count as requests; aggregate_tok_s_with_drain also counts their
@@ -28,6 +29,7 @@ from N clients and counts every unexpected answer as an error. Prints one JSON o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -286,27 +288,41 @@ def bench(args: argparse.Namespace) -> dict:
     path = str(resolve_model(args.model))
     clients = [int(x) for x in args.clients.split(",")]
     stages = [int(x) for x in args.stages.split(",")]
+    replicas = [int(x) for x in args.replicas.split(",")]
     out: dict = {"model": Path(path).name, "duration_s": args.duration, "max_tokens": args.max_tokens,
-                 "kv_unified": args.kv_unified, "replicas": args.replicas, "batched_decode": batched_decode_table(path, max(clients)),
+                 "kv_unified": args.kv_unified, "replicas": replicas,
+                 "batched_decode": batched_decode_table(path, max(clients)),
                  "runs": []}
     # the single-stream rate is sampled right before and right after each point: this machine's speed
     # drifts by tens of percent within minutes, so each point's ratio uses the mean of the two samples
     # that bracket it in time (x_single_stream), and the overall median of all samples is reported too
     singles = [single_stream_decode(path, args.max_tokens)]
-    for k in stages:
-        with ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified,
-                           cache_prompt=not args.no_cache_prompt, replicas=args.replicas if k == 1 else 1) as srv:
-            for rep, n in ((rep, n) for rep in range(args.repeat) for n in clients):
-                before = _prompt_counters(srv.url)
-                r = run_clients(srv.url, n, args.duration, args.max_tokens)
-                after = _prompt_counters(srv.url)
-                r["prompt_tokens"], r["prompt_tokens_cached"] = (b - a for a, b in zip(before, after))
-                r["stages"], r["repeat"] = k, rep
-                singles.append(single_stream_decode(path, args.max_tokens))
-                r["single_stream_decode_tok_s"] = round((singles[-2] + singles[-1]) / 2, 3)
-                r["x_single_stream"] = round(r["aggregate_tok_s"] / r["single_stream_decode_tok_s"], 2)
-                print(json.dumps(r), file=sys.stderr)
-                out["runs"].append(r)
+
+    def measure(servers: list[tuple[int, int, ServerProcess]]) -> None:
+        for rep, (k, R, srv), n in ((rep, s, n) for rep in range(args.repeat) for s in servers for n in clients):
+            before = _prompt_counters(srv.url)
+            r = run_clients(srv.url, n, args.duration, args.max_tokens)
+            after = _prompt_counters(srv.url)
+            r["prompt_tokens"], r["prompt_tokens_cached"] = (b - a for a, b in zip(before, after))
+            r["stages"], r["replicas"], r["repeat"] = k, R, rep
+            singles.append(single_stream_decode(path, args.max_tokens))
+            r["single_stream_decode_tok_s"] = round((singles[-2] + singles[-1]) / 2, 3)
+            r["x_single_stream"] = round(r["aggregate_tok_s"] / r["single_stream_decode_tok_s"], 2)
+            print(json.dumps(r), file=sys.stderr)
+            out["runs"].append(r)
+
+    def server(k: int, R: int) -> ServerProcess:
+        return ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified,
+                             cache_prompt=not args.no_cache_prompt, replicas=R)
+    # the one-stage servers (one per --replicas value) are all up at once, idle but for the one measured,
+    # so that their points interleave in time; a pipeline's Ray processes are never idle, so each
+    # pipeline runs alone, afterwards
+    if 1 in stages:
+        with contextlib.ExitStack() as stack:
+            measure([(1, R, stack.enter_context(server(1, R))) for R in replicas])
+    for k in (k for k in stages if k != 1):
+        with server(k, 1) as srv:
+            measure([(k, 1, srv)])
     out["single_stream_decode_samples"] = singles
     out["single_stream_decode_tok_s"] = round(float(np.median(singles)), 3)
     out["summary"] = _summary(out["runs"])
@@ -314,15 +330,15 @@ def bench(args: argparse.Namespace) -> dict:
 
 
 def _summary(runs: list[dict]) -> list[dict]:
-    """Per (stages, clients): the median, min and max over --repeat runs of the aggregate rate and of
-    x_single_stream, and the errors in all of them."""
-    points: dict[tuple[int, int], list[dict]] = {}
+    """Per (stages, replicas, clients): the median, min and max over --repeat runs of the aggregate rate
+    and of x_single_stream, and the errors in all of them."""
+    points: dict[tuple[int, int, int], list[dict]] = {}
     for r in runs:
-        points.setdefault((r["stages"], r["clients"]), []).append(r)
-    return [{"stages": k, "clients": n, "runs": len(rs), "errors": sum(r["errors"] for r in rs),
+        points.setdefault((r["stages"], r["replicas"], r["clients"]), []).append(r)
+    return [{"stages": k, "replicas": R, "clients": n, "runs": len(rs), "errors": sum(r["errors"] for r in rs),
              **{f"{key}_{f.__name__}": round(float(f([r[key] for r in rs])), 3)
                 for key in ("aggregate_tok_s", "x_single_stream") for f in (np.median, min, max)}}
-            for (k, n), rs in points.items()]
+            for (k, R, n), rs in points.items()]
 
 
 def _metric(text: str, name: str) -> float:
@@ -426,8 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cache-prompt", action="store_true",
                     help="the server's --no-cache-prompt: every prompt is evaluated whole (each client here "
                     "repeats its prompt, which the prompt cache otherwise serves but for its last token)")
-    ap.add_argument("--replicas", type=int, default=1,
-                    help="the one-stage server's --replicas (engine processes sharing the slots and cores)")
+    ap.add_argument("--replicas", default="1",
+                    help="the one-stage server's --replicas (engine processes sharing the slots and cores); "
+                    "several values: one server each, all up at once, their points interleaved")
     ap.add_argument("--soak", type=int, default=0, help="run the soak with this many clients instead")
     ap.add_argument("--soak-model", default=None, help="GGUF for the soak (default: a synthetic one)")
     ap.add_argument("--parallel", type=int, default=4, help="server slots in the soak")

@@ -322,7 +322,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
     name = args.alias or Path(args.model).stem
     print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "
-          f"{args.ctx // args.parallel} tokens); loading, see /health", file=sys.stderr)
+          f"{args.ctx // args.parallel} tokens{f' over {args.replicas} replicas' if args.replicas > 1 else ''}); "
+          f"loading, see /health", file=sys.stderr)
     serve(cfg, name, args.host, args.port)
     return 0
 

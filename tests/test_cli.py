@@ -85,3 +85,11 @@ def test_bad_gguf(capsys, tmp_path):
 def test_console_script():
     r = subprocess.run([sys.executable, "-m", "ggml_dist.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "pull" in r.stdout
+
+
+# serve's --replicas must leave each replica a slot, and does not combine with a pipeline: a clear error
+def test_serve_replicas_checked(capsys, model):
+    code, _, err = _run(capsys, "serve", "--model", str(model), "--parallel", "2", "--replicas", "3")
+    assert code == 1 and "--replicas must be 1..--parallel (2), got 3" in err
+    code, _, err = _run(capsys, "serve", "--model", str(model), "--stages", "2", "--replicas", "2")
+    assert code == 1 and "does not combine with a pipeline" in err

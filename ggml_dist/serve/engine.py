@@ -221,7 +221,8 @@ class Engine:
         """KV and recovery figures for /health and /metrics (zeros before the model has loaded)."""
         ctx = self.ctx
         return {"kv_cells_used": ctx.kv.cells.used if ctx else 0, "kv_cells_cached": self.cached_cells(),
-                "kv_cells_total": ctx.kv.kv_size * ctx.kv.n_stream if ctx else 0, "recovering": float(bool(ctx and ctx.recovering)),
+                "kv_cells_total": ctx.kv.kv_size * ctx.kv.n_stream if ctx else 0,
+                "recovering": float(bool(ctx and ctx.recovering)),
                 "recoveries": ctx.n_recoveries if ctx else 0,
                 "replayed_tokens": ctx.n_replayed_tokens if ctx else 0}
 
