@@ -8,17 +8,16 @@ import pytest
 for _mod in ("fastapi", "uvicorn", "httpx", "openai"):     # the serve extras
     pytest.importorskip(_mod)
 
-import asyncio  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
 import httpx  # noqa: E402
-import openai  # noqa: E402
 
 from ggml_dist.serve import EngineConfig, ServerThread  # noqa: E402
 
 from .conftest import CHATML  # noqa: E402
-from .test_app import PROMPTS, client, metric, model, reference, wait_idle  # noqa: E402,F401
+from .test_app import (PROMPTS, check_cancel_stream, client, concurrent_texts, metric, model,  # noqa: E402,F401
+                       reference, wait_idle)
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +39,7 @@ def test_config_checks(serve_model):
 # requests spread over both replicas (more than the 4 slots, staggered) give the separate runs' text
 def test_concurrent_greedy_same_as_separate(replicated, model):
     lengths = [8, 20, 12, 16, 24, 10]
-    want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths)]
-
-    async def one(c: openai.AsyncOpenAI, i: int) -> str:
-        await asyncio.sleep(0.01 * i)
-        stream = await c.completions.create(model="synthetic", prompt=PROMPTS[i], max_tokens=lengths[i],
-                                            temperature=0, stream=True)
-        return "".join([ch.choices[0].text async for ch in stream])
-
-    async def main() -> list[str]:
-        c = openai.AsyncOpenAI(base_url=replicated.url + "/v1", api_key="none", max_retries=0)
-        return await asyncio.gather(*(one(c, i) for i in range(len(PROMPTS))))
-
-    assert asyncio.run(main()) == want
+    assert concurrent_texts(replicated, lengths) == [reference(model, p, n) for p, n in zip(PROMPTS, lengths)]
     wait_idle(replicated)
     assert metric(replicated, "kv_cells_used") == metric(replicated, "kv_cells_cached")
     r = client(replicated).chat.completions.create(
@@ -99,15 +86,7 @@ def test_threads_follow_the_busy_replicas(replicated):
 
 # a dropped stream cancels its sequence in its replica: the slot and its cells free at once
 def test_cancel_stream(replicated):
-    before = metric(replicated, "generated_tokens_total")
-    body = {"prompt": PROMPTS[4], "max_tokens": 900, "temperature": 0, "stream": True}
-    with httpx.stream("POST", replicated.url + "/v1/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-    assert any(g.startswith("data: ") for g in got)
-    wait_idle(replicated)
-    assert metric(replicated, "kv_cells_used") == metric(replicated, "kv_cells_cached")
-    assert metric(replicated, "generated_tokens_total") - before < 900
+    check_cancel_stream(replicated)
 
 
 # the queue bound holds over all replicas: full slots and max_queue=0 answer 429
