@@ -102,7 +102,10 @@ def _replica_main(conn: Connection) -> None:
 
     def send(msg: tuple) -> None:
         with lock:
-            conn.send(msg)
+            try:
+                conn.send(msg)
+            except OSError:             # the front is gone: the main loop sees EOF and shuts down
+                pass
     metrics = _ForwardMetrics()
     engine = _ReplicaEngine(cfg, metrics, send).start()
     try:

@@ -9,7 +9,10 @@ for _mod in ("fastapi", "uvicorn", "httpx", "openai"):     # the serve extras
     pytest.importorskip(_mod)
 
 import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 
@@ -129,3 +132,29 @@ def test_replica_lost_and_restarted(serve_model, model):
         texts = [client(srv).completions.create(model="m", prompt=p, max_tokens=6, temperature=0).choices[0].text
                  for p in PROMPTS[:3]]
         assert texts == [reference(model, p, 6) for p in PROMPTS[:3]]
+
+
+# replicas do not outlive their front: when its process dies they see their connection end, and exit
+def test_replicas_exit_with_their_front(serve_model):
+    script = ("import time\n"
+              "from ggml_dist.serve.engine import EngineConfig\n"
+              "from ggml_dist.serve.replicas import ReplicaSet\n"
+              f"eng = ReplicaSet(EngineConfig({serve_model!r}, n_parallel=2, n_ctx=1024, n_replicas=2)).start()\n"
+              "eng.wait_ready(120)\n"
+              "print(*[r.proc.pid for r in eng.replicas], flush=True)\n"
+              "time.sleep(600)\n")
+    front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in front.stdout.readline().split()]
+    assert len(pids) == 2
+    front.kill()
+    front.wait()
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except FileNotFoundError:
+            return False
+    t0 = time.monotonic()
+    while any(running(p) for p in pids):
+        assert time.monotonic() - t0 < 60, "a replica outlived its front"
+        time.sleep(0.1)
