@@ -84,9 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                    "new ones get 429")
     p.add_argument("--threads", type=int, default=1, help="threads per stage actor")
     p.add_argument("--replicas", type=int, default=1, help="engine processes in this machine, each with "
-                   "parallel/replicas of the slots and cores/replicas threads (all of them while the others "
-                   "are idle): more throughput with many clients on a multi-core CPU; one process each "
-                   "loads the model")
+                   "parallel/replicas of the slots, the cores split among those with requests: more "
+                   "throughput with many clients on a multi-core CPU; each process loads the model")
     p.add_argument("--kv-unified", choices=["auto", "on", "off"], default="auto",
                    help="one KV cache stream shared by the slots (on), or a stream per slot whose attention "
                    "spans only its own cells (off); auto: off in one process, on over a pipeline")

@@ -1,6 +1,8 @@
-"""An OpenAI-compatible HTTP server over a LlamaContext, in one process or on a Ray pipeline.
+"""An OpenAI-compatible HTTP server over a LlamaContext, in one process, in replica processes side by
+side, or on a Ray pipeline.
 
     engine.py   continuous batching: slots, admission queue, micro-batches, sampling, stop strings
+    replicas.py --replicas: engine processes sharing the slots and cores, behind one front (Engine's face)
     app.py      FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
     protocol.py request validation and response shapes (OpenAI's wire format and error object)
     metrics.py  Prometheus text exposition
@@ -10,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["create_app", "serve", "Engine", "EngineConfig", "ServerThread"]
+__all__ = ["create_app", "serve", "Engine", "EngineConfig", "ReplicaSet", "ServerThread"]
 
 _HOME = {"create_app": "app", "serve": "server", "ServerThread": "server", "Engine": "engine",
-         "EngineConfig": "engine"}
+         "EngineConfig": "engine", "ReplicaSet": "replicas"}
 
 
 def __getattr__(name: str) -> Any:

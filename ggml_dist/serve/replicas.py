@@ -2,9 +2,9 @@
 behind one HTTP front (vLLM's data parallelism over a CPU's cores).
 
     front (the HTTP process)                      replica k (a spawned process)
-      submit  -> route: a free slot, the longest    Engine over n_parallel/R slots, n_ctx/R cells,
-                 cached prompt prefix, least load   cores/R threads while another replica is busy,
-      cancel  -> ("cancel", rid)                    all of them while it is the only one
+      submit  -> route: a free slot, least load,    Engine over n_parallel/R slots, n_ctx/R cells,
+                 the longest cached prompt prefix   cores/(busy replicas) threads: all of them while
+      cancel  -> ("cancel", rid)                    it is the only one with requests
       reader thread per replica <- ("events", [(rid, event), ...], metric updates), one per step
 
 Why: one process decoding 8 sequences on 2 cores runs each op's kernel split in two, and between the
@@ -350,11 +350,10 @@ class ReplicaSet:
             pass
 
     def _set_load(self, r: _Replica, load: int) -> None:
-        """(under _lock) r's load, and each replica's threads: every core while at most one replica has
-        requests, an even share of them while several do."""
+        """(under _lock) r's load, and each replica's threads: the cores split evenly among the replicas
+        that have requests (all of them for one alone)."""
         r.load = load
-        n_busy = sum(x.load > 0 for x in self.replicas)
-        want = self._threads if n_busy <= 1 else max(1, self._threads // len(self.replicas))
+        want = max(1, self._threads // max(1, sum(x.load > 0 for x in self.replicas)))
         for x in self.replicas:
             if x.ready and x.threads != want:
                 try:
