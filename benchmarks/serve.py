@@ -6,12 +6,13 @@
 
 Each (stages, clients) point starts `ggml-dist serve` as its own process on a free loopback port
 (--parallel = the largest client count; as users run it, so the clients' threads here do not share the
-server's GIL; with --replicas R the one-stage server runs R engine processes; a list of R runs a server each, their
-points interleaved), runs the clients (the
-standard library's HTTP client, light on the cores they share with the server) for --duration seconds,
-and reports requests completed, errors, aggregate generated tok/s over those seconds (requests in
-flight at the deadline finish and count as requests; aggregate_tok_s_with_drain also counts their
-tokens past it, over the whole wall time), p50/p99 time to first token and inter-token latency, and the prompt tokens admitted and found in the server's prompt cache
+server's GIL; with --replicas R the one-stage server runs R engine processes, and a list of R values
+runs a server each, their points interleaved), runs the clients (the standard library's HTTP client,
+light on the cores they share with the server) for --duration seconds, and reports requests completed,
+errors, aggregate generated tok/s over those seconds (requests in flight at the deadline finish and
+count as requests; aggregate_tok_s_with_drain also counts their tokens past it, over the whole wall
+time), p50/p99 time to first token and inter-token latency, and the prompt tokens admitted and found in
+the server's prompt cache
 (each client repeats its prompt: all but its last token are cached after its first request; with
 --no-cache-prompt every prompt is evaluated whole). `single_stream_decode_tok_s` is generate()'s
 decode rate in this process, without the server, for comparison: each sample is the median of three
@@ -56,7 +57,8 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(float(np.percentile(xs, q)), 4) if xs else None
 
 
-def _stream_one(conn: http.client.HTTPConnection, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+def _stream_one(conn: http.client.HTTPConnection, prompt: str,
+                max_tokens: int) -> tuple[float, list[float], int]:
     """(start, chunk arrival times, tokens) of one streaming completion; raises on any failure.
 
     The client is the standard library's http.client, reading the SSE stream a network read at a time:
