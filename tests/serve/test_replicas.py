@@ -54,9 +54,7 @@ def test_concurrent_greedy_same_as_separate(replicated, model):
 # the front's /metrics adds up the replicas: tokens, TTFT, KV cells of both caches, busy time of each
 def test_metrics_from_every_replica(replicated):
     before = metric(replicated, "generated_tokens_total")
-    c = client(replicated)
-    for p in PROMPTS[:4]:
-        c.completions.create(model="synthetic", prompt=p, max_tokens=5, temperature=0)
+    concurrent_texts(replicated, [5, 5, 5, 5])              # at once: both replicas take some
     assert metric(replicated, "generated_tokens_total") - before == 20
     assert metric(replicated, "kv_cells_total") == 4096
     assert metric(replicated, "slots_total") == 4
