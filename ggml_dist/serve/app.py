@@ -98,9 +98,10 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         if not engine.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
         n_run = engine.n_running()
-        st = engine.status()
+        st = engine.health()                             # no blocking call on the event loop
         if st["recovering"]:                             # requests wait, none is lost
-            return JSONResponse({"status": "degraded", "reason": "recovering a lost pipeline stage or replica",
+            return JSONResponse({"status": "degraded",
+                                 "reason": "recovering a lost pipeline stage or replica",
                                  "recoveries": st["recoveries"]}, status_code=503)
         return JSONResponse({"status": "ok", "slots_idle": engine.cfg.n_parallel - n_run,
                              "slots_processing": n_run, "queue": engine.queue_length()})

@@ -217,13 +217,18 @@ class Engine:
     def n_running(self) -> int:
         return sum(s is not None for s in self._slots)
 
-    def status(self) -> dict[str, float]:
-        """KV and recovery figures for /health and /metrics (zeros before the model has loaded)."""
+    def health(self) -> dict[str, float]:
+        """Whether a lost stage is being recovered, and how many were: cheap, for /health."""
         ctx = self.ctx
-        return {"kv_cells_used": ctx.kv.cells.used if ctx else 0, "kv_cells_cached": self.cached_cells(),
+        return {"recovering": float(bool(ctx and ctx.recovering)),
+                "recoveries": ctx.n_recoveries if ctx else 0}
+
+    def status(self) -> dict[str, float]:
+        """KV and recovery figures for /metrics (zeros before the model has loaded)."""
+        ctx = self.ctx
+        return {**self.health(), "kv_cells_used": ctx.kv.cells.used if ctx else 0,
+                "kv_cells_cached": self.cached_cells(),
                 "kv_cells_total": ctx.kv.kv_size * ctx.kv.n_stream if ctx else 0,
-                "recovering": float(bool(ctx and ctx.recovering)),
-                "recoveries": ctx.n_recoveries if ctx else 0,
                 "replayed_tokens": ctx.n_replayed_tokens if ctx else 0}
 
     def stage_busy(self) -> list[float]:

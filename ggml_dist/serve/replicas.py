@@ -411,12 +411,16 @@ class ReplicaSet:
                     out.append(r.status)
         return out
 
+    def health(self) -> dict[str, float]:
+        """From the front's own state (no message): a replica is being started again. Replicas are
+        one-stage engines, which recover no pipeline stage."""
+        return {"recovering": float(self.ready.is_set() and not all(r.ready for r in self.replicas)),
+                "recoveries": 0}
+
     def status(self) -> dict[str, float]:
         sts = self._statuses()
-        out = {k: float(sum(s[k] for s in sts)) for k in
-               ("kv_cells_used", "kv_cells_cached", "kv_cells_total", "recoveries", "replayed_tokens")}
-        out["recovering"] = float(self.ready.is_set() and not all(r.ready for r in self.replicas))
-        return out
+        return {**self.health(), **{k: float(sum(s[k] for s in sts)) for k in
+                                    ("kv_cells_used", "kv_cells_cached", "kv_cells_total", "replayed_tokens")}}
 
     def cached_cells(self) -> int:
         return int(self.status()["kv_cells_cached"])
