@@ -1,0 +1,1015 @@
+"""A real multi-host Ray cluster on one Linux machine: one network namespace per host.
+
+Each host is a network namespace with its own IP on a private bridge in the root namespace
+(10.213.X.0/24, the bridge is .1, host i is .(10+i)) and runs its own `ray start --block`
+(host 0 is the head). The hosts share the file system, /dev/shm and the CPUs, but not the
+network: each has its own loopback and port space, so the default Ray ports never clash with
+another Ray on this machine, and "cutting a host's cable" (`link_down`) is a real partition.
+
+    with NamespaceCluster([HostSpec(num_cpus=0, dashboard=True),
+                           HostSpec(num_cpus=1, memory_bytes=200 * 2**20)]) as c:
+        c.run_in(0, [sys.executable, str(script), c.gcs_address], check=True)
+
+A Ray driver must run on a Ray node, so drivers run inside a host's namespace (`run_in`,
+`popen_in`; host 0 is the usual place). Their default cwd is the cluster's work dir, not the
+caller's: Ray adds a driver's cwd and script dir to every worker's sys.path, so a driver
+started from the repository root would make ggml_dist importable on a host meant to lack it.
+
+Teardown kills exactly the processes the cluster started: those inside its namespaces (by
+/proc/PID/ns/net), those carrying GGML_DIST_NETNS=<cluster tag>:<host>[:run] in their
+environment, and the process groups and descendants of what it spawned (Ray puts each worker in
+a process group of its own, and setproctitle can overwrite a process's environ, so no single
+criterion is enough). It never runs `ray stop`, pkill or killall.
+
+Needs root, iproute2 (`ip`), util-linux (`unshare`) and `mount`; `netns_available()` says why not.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import fcntl
+import functools
+import ipaddress
+import itertools
+import json
+import os
+import shlex
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+import venv
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "HostSpec", "NamespaceCluster", "ClusterStartError", "ClusterStopError", "VenvError",
+    "netns_available", "venv_without_ggml_dist", "health_check_config", "pid_alive",
+    "namespace_exists", "link_exists", "TAG_ENV", "DEFAULT_OBJECT_STORE_BYTES",
+]
+
+TAG_ENV = "GGML_DIST_NETNS"                  # marks every process a cluster starts
+SUBNET_BASE = "10.213"                       # clusters use 10.213.X.0/24
+DEFAULT_OBJECT_STORE_BYTES = 80 * 2**20      # Ray's minimum is 75 MiB
+_LOCK_PATH = "/tmp/ggml_dist_netns.lock"     # serializes subnet choice across processes
+_SOCKET_PATH_MAX = 107                       # AF_UNIX sun_path
+_RAY_SOCKET_SUFFIX = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
+_seq = itertools.count(1)
+_live: "weakref.WeakSet[NamespaceCluster]" = weakref.WeakSet()
+
+# The base environment of every process a cluster starts (a cluster's or host's env overrides it).
+DEFAULT_ENV: dict[str, str] = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; these clusters are private
+    # (a bridge only this machine sees), so it is off unless a test asks for it.
+    "RAY_AUTH_MODE": "disabled",
+    # a driver shows every worker's lines, not "[repeated 2x across cluster]"
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster did not come up; the message has the tails of the hosts' logs."""
+
+
+class ClusterStopError(RuntimeError):
+    """Some process the cluster started is still alive after SIGKILL."""
+
+
+class VenvError(RuntimeError):
+    """No venv without ggml_dist can be made here; str(e) is a one-line reason."""
+
+
+@dataclass
+class HostSpec:
+    """One host: its `ray start` resources and what it sees.
+
+    python: the interpreter that runs this host's `ray start` (and so its Ray workers);
+        None = sys.executable. E.g. venv_without_ggml_dist(...) for a host lacking ggml_dist.
+    hide_dirs: directories this host's processes see as empty (a private tmpfs over each,
+        in a mount namespace of its own; the rest of the machine keeps seeing the files).
+    env: extra environment for this host's processes (a value of None removes the variable).
+    dashboard: head only: start the dashboard on the head's IP.
+    """
+    num_cpus: int = 1
+    memory_bytes: int | None = None
+    python: str | None = None
+    hide_dirs: list[str] = field(default_factory=list)
+    env: dict[str, str | None] = field(default_factory=dict)
+    dashboard: bool = False
+    object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES
+    resources: dict[str, float] | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+def health_check_config(period_ms: int = 1000, timeout_ms: int = 1000, failure_threshold: int = 3,
+                        initial_delay_ms: int | None = None) -> dict[str, int]:
+    """A head `system_config` under which the GCS declares an unreachable node dead within about
+    period_ms * failure_threshold + timeout_ms (Ray's default is 3000 ms x 5 + 10000 ms)."""
+    cfg = {"health_check_period_ms": period_ms, "health_check_timeout_ms": timeout_ms,
+           "health_check_failure_threshold": failure_threshold}
+    if initial_delay_ms is not None:
+        cfg["health_check_initial_delay_ms"] = initial_delay_ms
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# small system helpers
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def namespace_exists(name: str) -> bool:
+    return os.path.exists(f"/run/netns/{name}") or os.path.exists(f"/var/run/netns/{name}")
+
+
+def link_exists(name: str) -> bool:
+    return os.path.exists(f"/sys/class/net/{name}")
+
+
+def _proc_stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, pgid, state) of pid, None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    rest = data[data.rfind(")") + 2:].split()
+    return int(rest[1]), int(rest[2]), rest[0]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie."""
+    st = _proc_stat(pid)
+    return st is not None and st[2] not in ("Z", "X")
+
+
+def _proc_table() -> dict[int, tuple[int, int, str]]:
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _proc_stat(int(name))
+            if st is not None:
+                table[int(name)] = st
+    return table
+
+
+def _env_tag(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    key = TAG_ENV.encode() + b"="
+    for item in env.split(b"\0"):
+        if item.startswith(key):
+            return item[len(key):].decode(errors="replace")
+    return None
+
+
+def _netns_id(pid: int) -> tuple[int, int] | None:
+    try:
+        st = os.stat(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _ancestors(pid: int) -> set[int]:
+    out = set()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        st = _proc_stat(pid)
+        if st is None:
+            break
+        pid = st[0]
+    return out
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError as e:
+        return f"<{e}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never via a proxy
+    with opener.open(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+# ---------------------------------------------------------------------------------------------
+# availability
+
+@functools.lru_cache(maxsize=None)
+def netns_available() -> str | None:
+    """None if this process can build namespace clusters, else a one-line reason (for skip)."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "network namespaces need root (euid is not 0)"
+    for tool in ("ip", "unshare", "mount", "sh"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not on PATH"
+    tag = f"gdq{os.getpid():x}"
+    ns, br, veth = f"{tag}n", f"{tag}b", f"{tag}v"
+    try:
+        p = _ip("netns", "add", ns, check=False)
+        if p.returncode != 0:
+            return f"`ip netns add` failed: {p.stderr.strip() or p.returncode}"
+        p = _ip("link", "add", br, "type", "bridge", check=False)
+        if p.returncode != 0:
+            return f"cannot make a bridge: {p.stderr.strip() or p.returncode}"
+        p = _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns, check=False)
+        if p.returncode != 0:
+            return f"cannot make a veth pair: {p.stderr.strip() or p.returncode}"
+        p = _ip("link", "set", veth, "master", br, check=False)
+        if p.returncode != 0:
+            return f"cannot attach a veth to a bridge: {p.stderr.strip() or p.returncode}"
+        p = subprocess.run(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation",
+                            "private", "sh", "-c", "mount -t tmpfs gdprobe /mnt"],
+                           capture_output=True, text=True, timeout=30)
+        if p.returncode != 0:
+            return f"cannot mount a tmpfs in a private mount namespace: {p.stderr.strip()}"
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"namespace probe failed: {e}"
+    finally:
+        for args in (("link", "del", veth), ("link", "del", br), ("netns", "del", ns)):
+            with contextlib.suppress(Exception):
+                _ip(*args, check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# a venv that has everything but ggml_dist
+
+_VENV_DEPS = "import ray, numpy, numba, msgpack, gguf"
+_venv_cache: dict[str, str] = {}
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH")}
+    return env
+
+
+def _system_site_dirs() -> list[str]:
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        dirs.append(site.getusersitepackages())
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def venv_without_ggml_dist(path: str | os.PathLike) -> str:
+    """The python of a venv at `path` that imports every package of this interpreter's
+    site-packages except ggml_dist; built once and reused while it still fits. Raises VenvError.
+
+    The venv has no system site packages; a .pth file in its site-packages names this
+    interpreter's site-packages dirs. Such lines go on sys.path, but the .pth files inside those
+    dirs (pip's `__editable__.ggml_dist-*.pth`, and any other editable install's) are not run,
+    so the editable ggml_dist is not importable. Use it as HostSpec(python=...)."""
+    path = Path(path).absolute()
+    py = path / "bin" / "python"
+    stamp = path / ".ggml_dist_free"
+    site_dirs = _system_site_dirs()
+    key = json.dumps({"base": os.path.realpath(sys.executable), "version": sys.version,
+                      "site": site_dirs})
+    if _venv_cache.get(str(path)) == key and py.exists():
+        return str(py)
+    if stamp.exists() and py.exists() and stamp.read_text() == key:
+        _venv_cache[str(path)] = key
+        return str(py)
+    if path.exists() and any(path.iterdir()) and not (path / "pyvenv.cfg").exists():
+        raise VenvError(f"{path} exists, is not empty and is not a venv; not clearing it")
+    try:
+        venv.EnvBuilder(clear=True, with_pip=False, symlinks=True).create(path)
+    except Exception as e:                                   # noqa: BLE001
+        raise VenvError(f"cannot create a venv at {path}: {e}") from e
+    env = _clean_env()
+    p = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       capture_output=True, text=True, env=env, cwd="/", timeout=60)
+    if p.returncode != 0:
+        raise VenvError(f"the new venv's python does not run: {p.stderr.strip()[-300:]}")
+    purelib = Path(p.stdout.strip())
+    purelib.mkdir(parents=True, exist_ok=True)
+    (purelib / "_ggml_dist_free_system_site.pth").write_text("".join(d + "\n" for d in site_dirs))
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=env,
+                              cwd="/", timeout=300)
+
+    p = run(_VENV_DEPS)
+    if p.returncode != 0:
+        raise VenvError(f"the venv cannot `{_VENV_DEPS}`: {p.stderr.strip().splitlines()[-1:]}")
+    p = run("import ggml_dist, sys; print(ggml_dist.__file__)")
+    if p.returncode == 0:
+        raise VenvError(f"ggml_dist is importable without its editable .pth ({p.stdout.strip()}): "
+                        "installed non-editable?")
+    if "ModuleNotFoundError" not in p.stderr:
+        raise VenvError(f"`import ggml_dist` failed oddly in the venv: {p.stderr.strip()[-300:]}")
+    p = subprocess.run([str(py), "-m", "ray.scripts.scripts", "--version"], capture_output=True,
+                       text=True, env=env, cwd="/", timeout=120)
+    if p.returncode != 0:
+        raise VenvError(f"`python -m ray.scripts.scripts` does not run in the venv: "
+                        f"{p.stderr.strip()[-300:]}")
+    stamp.write_text(key)
+    _venv_cache[str(path)] = key
+    return str(py)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cluster
+
+# Waits (in a host's namespace) until the GCS at `address` lists every ip in `alive` as an alive
+# node and none in `dead`, then prints ray.nodes() as JSON. Needs no driver (no ray.init).
+_NODES_PROBE = r"""
+import json, sys, time
+args = json.loads(sys.argv[1])
+from ray._private.internal_api import get_state_from_address
+deadline = time.monotonic() + args["timeout"]
+state, nodes, err = None, None, None
+while True:
+    try:
+        if state is None:
+            state = get_state_from_address(args["address"])
+        nodes = state.node_table()
+        err = None
+    except Exception as e:
+        state, nodes, err = None, None, repr(e)
+    if nodes is not None:
+        up = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
+        if set(args["alive"]) <= up and not (set(args["dead"]) & up):
+            break
+    if time.monotonic() > deadline:
+        print(json.dumps({"timeout": True, "error": err, "nodes": nodes}, default=str))
+        sys.exit(3)
+    time.sleep(args["poll"])
+print(json.dumps(nodes, default=str))
+"""
+
+_CONNECT_PROBE = r"""
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+    print("ok")
+except OSError as e:
+    print("fail", repr(e))
+"""
+
+
+class NamespaceCluster:
+    """A Ray cluster of len(hosts) "hosts", each a network namespace; host 0 is the head.
+
+    Use as a context manager (or start()/stop()). Attributes once started: head_ip,
+    gcs_address ("IP:PORT"), dashboard_url ("http://IP:PORT"), ips, namespaces, veths (root-side
+    ends), bridge, subnet, workdir, log_dir; log_path(i) is host i's `ray start` output and
+    ray_temp_dir(i) its Ray temp dir (session logs under session_*/logs).
+
+    system_config: JSON-able dict passed to the head's `ray start --system-config` (GCS-wide
+    settings such as health_check_config(...)). env: extra environment for every process.
+    keep_files: keep workdir (Ray temp dirs, logs) after stop(); it is kept anyway when the
+    cluster fails to start or the `with` body raises. log_dir: where the hosts' `ray start`
+    logs go (default workdir/logs); when given, stop() also copies each host's Ray session logs
+    there (hostI-session_*/), so they outlive the cluster (a pytest tmp dir keeps them).
+    """
+
+    def __init__(self, hosts: Sequence[HostSpec], subnet_index: int | None = None, *,
+                 port: int = 6379, dashboard_port: int = 8265,
+                 system_config: dict[str, Any] | None = None,
+                 env: dict[str, str | None] | None = None,
+                 start_timeout_s: float = 120.0, stop_grace_s: float = 5.0,
+                 keep_files: bool = False, log_dir: str | os.PathLike | None = None) -> None:
+        if not hosts:
+            raise ValueError("a cluster needs at least one host")
+        if len(hosts) > 200:
+            raise ValueError("at most 200 hosts")
+        for i, h in enumerate(hosts):
+            if h.dashboard and i != 0:
+                raise ValueError(f"host {i}: only the head (host 0) can run the dashboard")
+        if subnet_index is not None and not 0 <= subnet_index <= 255:
+            raise ValueError("subnet_index is the X of 10.213.X.0/24, 0..255")
+        self.hosts = [copy.deepcopy(h) for h in hosts]
+        self.subnet_index = subnet_index
+        self.port = port
+        self.dashboard_port = dashboard_port
+        self.system_config = dict(system_config) if system_config else None
+        self.env = dict(env or {})
+        self.start_timeout_s = start_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.keep_files = keep_files
+        self._log_dir_arg = log_dir
+
+        self.tag = ""
+        self.bridge = ""
+        self.subnet = ""
+        self.bridge_ip = ""
+        self.ips: list[str] = []
+        self.namespaces: list[str] = []
+        self.veths: list[str] = []
+        self.workdir: Path | None = None
+        self.log_dir: Path | None = None
+        self.started_pids: set[int] = set()   # every pid seen belonging to this cluster
+        self.survivors: list[int] = []        # pids alive after stop() (should stay empty)
+
+        self._created_ns: list[str] = []
+        self._created_links: list[str] = []
+        self._bridge_created = False
+        self._hosts_procs: list[subprocess.Popen | None] = [None] * len(self.hosts)
+        self._extra_procs: list[subprocess.Popen] = []   # popen_in's, while they run
+        self._ns_ids: dict[int, tuple[int, int]] = {}      # host -> (st_dev, st_ino) of its netns
+        self._log_files: list[Any] = []
+        self._started = False
+        self._starting = False
+        self._stopped = False
+        self._failed = False
+
+    # -- addresses ------------------------------------------------------------------------------
+    @property
+    def head_ip(self) -> str:
+        return self.ips[0]
+
+    @property
+    def gcs_address(self) -> str:
+        return f"{self.ips[0]}:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.ips[0]}:{self.dashboard_port}"
+
+    def log_path(self, i: int) -> Path:
+        assert self.log_dir is not None
+        return self.log_dir / f"host{i}.log"
+
+    def ray_temp_dir(self, i: int) -> Path:
+        assert self.workdir is not None
+        return self.workdir / f"h{i}"
+
+    def python_of(self, i: int) -> str:
+        return self.hosts[i].python or sys.executable
+
+    def __repr__(self) -> str:
+        return (f"NamespaceCluster(tag={self.tag!r}, bridge={self.bridge!r}, ips={self.ips}, "
+                f"workdir={str(self.workdir)!r})")
+
+    # -- context manager ------------------------------------------------------------------------
+    def __enter__(self) -> "NamespaceCluster":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._failed = True
+            try:
+                self.stop()
+            except ClusterStopError as e:           # do not hide the body's exception
+                print(f"hosts.py: {e}", file=sys.stderr)
+        else:
+            self.stop()
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self) -> "NamespaceCluster":
+        if self._started:
+            raise RuntimeError("a NamespaceCluster starts once")
+        reason = netns_available()
+        if reason:
+            raise ClusterStartError(f"network namespaces unavailable: {reason}")
+        self._started = self._starting = True
+        _live.add(self)
+        try:
+            self._make_workdir()
+            self._check_hide_dirs()
+            self._setup_network()
+            t0 = time.monotonic()
+            deadline = t0 + self.start_timeout_s
+            self._launch(0)
+            self._wait_tcp(self.head_ip, self.port, deadline, what="the head's GCS port")
+            for i in range(1, len(self.hosts)):
+                self._launch(i)
+            self.wait_for_nodes(alive=self.ips, timeout=max(1.0, deadline - time.monotonic()))
+            if self.hosts[0].dashboard:
+                self._wait_dashboard(deadline)
+            self.started_pids |= self.pids()
+        except BaseException as e:
+            self._failed = True
+            diag = ""
+            with contextlib.suppress(Exception):
+                diag = self.diagnostics()
+            with contextlib.suppress(Exception):
+                self.stop()
+            if isinstance(e, Exception):
+                raise ClusterStartError(f"{self!r} did not start: {e}\n{diag}") from e
+            raise
+        finally:
+            self._starting = False
+        return self
+
+    def _make_workdir(self) -> None:
+        pid = os.getpid()
+        while True:
+            self.tag = f"gd{pid:x}-{next(_seq)}"
+            if not (namespace_exists(f"{self.tag}n0") or link_exists(f"{self.tag}b")):
+                break
+        # Ray's unix sockets live under the temp dir, so it must be short: /tmp, not $TMPDIR
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.tag}.", dir="/tmp"))
+        longest = len(str(self.ray_temp_dir(len(self.hosts) - 1))) + _RAY_SOCKET_SUFFIX
+        if longest > _SOCKET_PATH_MAX:
+            raise ClusterStartError(f"Ray temp dir {self.ray_temp_dir(0)} is too long for its "
+                                    f"unix sockets ({longest} > {_SOCKET_PATH_MAX} chars)")
+        self.log_dir = Path(self._log_dir_arg) if self._log_dir_arg else self.workdir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(len(self.hosts)):
+            (self.ray_temp_dir(i) / "tmp").mkdir(parents=True)
+
+    def _check_hide_dirs(self) -> None:
+        for i, h in enumerate(self.hosts):
+            dirs = []
+            for d in h.hide_dirs:
+                real = os.path.realpath(d)
+                if not os.path.isdir(real):
+                    raise ValueError(f"host {i}: hide_dirs entry {d} is not a directory")
+                needed = [str(self.workdir), str(self.log_dir), sysconfig.get_paths()["purelib"],
+                          os.path.dirname(os.path.realpath(self.python_of(i))),
+                          os.path.dirname(self.python_of(i))]
+                for n in needed:
+                    n = os.path.realpath(n)
+                    if n == real or n.startswith(real.rstrip("/") + "/"):
+                        raise ValueError(f"host {i}: hiding {d} would hide {n}, which the host needs")
+                dirs.append(real)
+            h.hide_dirs = dirs
+
+    # -- network --------------------------------------------------------------------------------
+    def _subnet_free(self, x: int) -> bool:
+        net = ipaddress.ip_network(f"{SUBNET_BASE}.{x}.0/24")
+        addrs = json.loads(_ip("-4", "-j", "addr", "show").stdout or "[]")
+        for link in addrs:
+            for a in link.get("addr_info", []):
+                if a.get("local") and ipaddress.ip_network(
+                        f"{a['local']}/{a.get('prefixlen', 32)}", strict=False).overlaps(net):
+                    return False
+        routes = json.loads(_ip("-4", "-j", "route", "show", "table", "all").stdout or "[]")
+        for r in routes:
+            dst = r.get("dst", "default")
+            if dst == "default":
+                continue
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_network(dst, strict=False).overlaps(net):
+                    return False
+        return True
+
+    def _setup_network(self) -> None:
+        n = len(self.hosts)
+        self.bridge = f"{self.tag}b"
+        self.namespaces = [f"{self.tag}n{i}" for i in range(n)]
+        self.veths = [f"{self.tag}v{i}" for i in range(n)]
+        with open(_LOCK_PATH, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if self.subnet_index is not None:
+                    if not self._subnet_free(self.subnet_index):
+                        raise ClusterStartError(f"subnet {SUBNET_BASE}.{self.subnet_index}.0/24 "
+                                                "is in use by an interface or route")
+                    x = self.subnet_index
+                else:
+                    start = (os.getpid() * 7 + int(self.tag.rsplit("-", 1)[1]) * 13) % 250
+                    x = next((c for c in ((start + k) % 250 + 2 for k in range(250))
+                              if self._subnet_free(c)), None)
+                    if x is None:
+                        raise ClusterStartError(f"no free {SUBNET_BASE}.X.0/24 subnet")
+                self.subnet_index = x
+                self.subnet = f"{SUBNET_BASE}.{x}.0/24"
+                self.bridge_ip = f"{SUBNET_BASE}.{x}.1"
+                self.ips = [f"{SUBNET_BASE}.{x}.{10 + i}" for i in range(n)]
+                _ip("link", "add", self.bridge, "type", "bridge")
+                self._bridge_created = True
+                _ip("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+                _ip("link", "set", self.bridge, "up")
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        for i, (ns, veth, ip) in enumerate(zip(self.namespaces, self.veths, self.ips)):
+            _ip("netns", "add", ns)
+            self._created_ns.append(ns)
+            st = os.stat(f"/var/run/netns/{ns}")
+            self._ns_ids[i] = (st.st_dev, st.st_ino)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._created_links.append(veth)
+            _ip("link", "set", veth, "master", self.bridge)
+            _ip("link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "route", "add", "default", "via", self.bridge_ip)
+
+    def link_down(self, i: int) -> None:
+        """Cut host i's cable: its root-side veth goes down, so nothing reaches it or leaves it."""
+        _ip("link", "set", self.veths[i], "down")
+
+    def link_up(self, i: int, timeout: float = 10.0) -> None:
+        """Plug host i's cable back in; returns once the link has carrier on both ends."""
+        _ip("link", "set", self.veths[i], "up")
+        deadline = time.monotonic() + timeout
+        while True:
+            root = json.loads(_ip("-j", "link", "show", self.veths[i]).stdout)[0]
+            inner = json.loads(_ip("-n", self.namespaces[i], "-j", "link", "show", "eth0").stdout)[0]
+            if "LOWER_UP" in root.get("flags", []) and "LOWER_UP" in inner.get("flags", []):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"host {i}'s link has no carrier after {timeout}s")
+            time.sleep(0.05)
+
+    # -- processes in a host --------------------------------------------------------------------
+    def argv_in(self, i: int, argv: Sequence[str]) -> list[str]:
+        """argv wrapped to run inside host i: its network namespace, and its hidden dirs."""
+        cmd = ["ip", "netns", "exec", self.namespaces[i]]
+        dirs = self.hosts[i].hide_dirs
+        if dirs:
+            mounts = " && ".join(f"mount -t tmpfs -o size=4m,mode=0755 gdhidden {shlex.quote(d)}"
+                                 for d in dirs)
+            cmd += ["unshare", "--mount", "--propagation", "private", "--",
+                    "sh", "-c", f'{mounts} && exec "$@"', "sh"]
+        return cmd + [str(a) for a in argv]
+
+    def env_for(self, i: int, extra: dict[str, str | None] | None = None, *,
+                driver: bool = True) -> dict[str, str]:
+        """The environment of a process in host i (driver=True: one run by run_in/popen_in,
+        which also gets RAY_ADDRESS=gcs_address). A value of None removes the variable."""
+        env = dict(os.environ)
+        env.pop("RAY_ADDRESS", None)
+        if os.path.realpath(self.python_of(i)) != os.path.realpath(sys.executable):
+            env.pop("PYTHONPATH", None)             # a different python: keep it clean
+        env.update(DEFAULT_ENV)
+        no_proxy = ",".join(x for x in (env.get("NO_PROXY") or env.get("no_proxy"),
+                                        self.subnet, *self.ips, "127.0.0.1", "localhost") if x)
+        env["NO_PROXY"] = env["no_proxy"] = no_proxy
+        if driver:
+            env["RAY_ADDRESS"] = self.gcs_address
+        else:       # Ray's own temp files (the dashboard's pymp-* dirs...) go when the cluster does
+            env["TMPDIR"] = str(self.ray_temp_dir(i) / "tmp")
+        for overrides in (self.env, self.hosts[i].env, extra or {}):
+            for k, v in overrides.items():
+                if v is None:
+                    env.pop(k, None)
+                else:
+                    env[k] = str(v)
+        env[TAG_ENV] = f"{self.tag}:{i}:run" if driver else f"{self.tag}:{i}"
+        return env
+
+    def run_in(self, i: int, argv: Sequence[str], *, env: dict[str, str | None] | None = None,
+               cwd: str | os.PathLike | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+        """subprocess.run(argv) inside host i (cwd defaults to the cluster's workdir, env to
+        env_for(i, env)); other kwargs go to subprocess.run (check, timeout, capture_output...)."""
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        return subprocess.run(self.argv_in(i, argv), env=self.env_for(i, env),
+                              cwd=str(cwd or self.workdir), **kwargs)
+
+    def popen_in(self, i: int, argv: Sequence[str], *, env: dict[str, str | None] | None = None,
+                 cwd: str | os.PathLike | None = None, **kwargs: Any) -> subprocess.Popen:
+        """subprocess.Popen(argv) inside host i, in a session of its own; stop() ends it if it
+        still runs."""
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        kwargs.setdefault("start_new_session", True)
+        p = subprocess.Popen(self.argv_in(i, argv), env=self.env_for(i, env),
+                             cwd=str(cwd or self.workdir), **kwargs)
+        p.gd_host = i                                # type: ignore[attr-defined]
+        self._extra_procs.append(p)
+        self.started_pids.add(p.pid)
+        return p
+
+    def _ray_start_argv(self, i: int) -> list[str]:
+        h = self.hosts[i]
+        argv = [self.python_of(i), "-m", "ray.scripts.scripts", "start", "--block",
+                f"--node-ip-address={self.ips[i]}", f"--num-cpus={h.num_cpus}",
+                f"--object-store-memory={h.object_store_bytes}",
+                f"--temp-dir={self.ray_temp_dir(i)}", "--disable-usage-stats"]
+        if i == 0:
+            argv += ["--head", f"--port={self.port}",
+                     f"--include-dashboard={'true' if h.dashboard else 'false'}"]
+            if h.dashboard:
+                argv += [f"--dashboard-host={self.ips[0]}", f"--dashboard-port={self.dashboard_port}"]
+            if self.system_config:
+                argv.append(f"--system-config={json.dumps(self.system_config)}")
+        else:
+            argv.append(f"--address={self.gcs_address}")
+        if h.memory_bytes is not None:
+            argv.append(f"--memory={int(h.memory_bytes)}")
+        if h.resources:
+            argv.append(f"--resources={json.dumps(h.resources)}")
+        return argv + list(h.extra_args)
+
+    def _launch(self, i: int) -> None:
+        log = open(self.log_path(i), "ab")
+        self._log_files.append(log)
+        argv = self._ray_start_argv(i)
+        log.write(f"# host {i} ns={self.namespaces[i]} ip={self.ips[i]}\n# "
+                  f"{shlex.join(self.argv_in(i, argv))}\n".encode())
+        log.flush()
+        p = subprocess.Popen(self.argv_in(i, argv), env=self.env_for(i, driver=False),
+                             cwd=str(self.ray_temp_dir(i)), stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        self._hosts_procs[i] = p
+        self.started_pids.add(p.pid)
+
+    def host_alive(self, i: int) -> bool:
+        p = self._hosts_procs[i]
+        return p is not None and p.poll() is None
+
+    def _check_hosts(self) -> None:
+        for i, p in enumerate(self._hosts_procs):
+            if p is not None and p.poll() is not None:
+                raise ClusterStartError(f"host {i}'s `ray start` exited with {p.returncode}")
+
+    def _wait_tcp(self, ip: str, port: int, deadline: float, what: str) -> None:
+        while True:
+            self._check_hosts()
+            with contextlib.suppress(OSError):
+                socket.create_connection((ip, port), timeout=1.0).close()
+                return
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"{what} ({ip}:{port}) did not open in time")
+            time.sleep(0.2)
+
+    def _wait_dashboard(self, deadline: float) -> None:
+        err: Exception | None = None
+        while time.monotonic() < deadline:
+            self._check_hosts()
+            try:
+                if _http_get(self.dashboard_url + "/api/version", timeout=2.0)[0] == 200:
+                    return
+            except Exception as e:                   # noqa: BLE001
+                err = e
+            time.sleep(0.3)
+        raise ClusterStartError(f"the dashboard at {self.dashboard_url} did not answer: {err}")
+
+    # -- Ray state ------------------------------------------------------------------------------
+    def wait_for_nodes(self, alive: Iterable[str] = (), dead: Iterable[str] = (),
+                       timeout: float = 60.0, poll_s: float = 0.25, via: int = 0) -> list[dict]:
+        """Wait until the GCS lists every IP in `alive` as an alive node and none in `dead`;
+        returns ray.nodes() (dead nodes included). Runs a probe inside host `via`."""
+        args = {"address": self.gcs_address, "alive": list(alive), "dead": list(dead),
+                "timeout": timeout, "poll": poll_s}
+        p = self.popen_in(via, [self.python_of(via), "-c", _NODES_PROBE, json.dumps(args)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout + 30
+        out = err = ""
+        try:
+            while True:
+                try:
+                    out, err = p.communicate(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if self._starting:
+                    self._check_hosts()
+                if time.monotonic() > deadline:
+                    raise ClusterStartError(f"the node probe hung past {timeout + 30:.0f}s")
+        finally:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        try:
+            result = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise ClusterStartError(f"the node probe failed ({p.returncode}): {err.strip()[-1500:]}")
+        if p.returncode != 0 or isinstance(result, dict):
+            state = [(n.get("NodeManagerAddress"), n.get("Alive")) for n in result.get("nodes") or []]
+            raise TimeoutError(f"nodes not as wanted (alive={list(alive)} dead={list(dead)}) after "
+                               f"{timeout:.0f}s; GCS says {state}; last error {result.get('error')}")
+        return result
+
+    def nodes(self) -> list[dict]:
+        """ray.nodes() of the cluster, asked from inside the head's namespace."""
+        return self.wait_for_nodes(timeout=30.0)
+
+    def node_id_of(self, ip: str, nodes: list[dict] | None = None) -> str:
+        """The Ray node id (hex) of the alive node at ip."""
+        for n in nodes if nodes is not None else self.nodes():
+            if n["NodeManagerAddress"] == ip and n["Alive"]:
+                return n["NodeID"]
+        raise KeyError(f"no alive Ray node at {ip}")
+
+    def node_ids(self) -> dict[str, str]:
+        """{ip: node id} of the alive nodes."""
+        return {n["NodeManagerAddress"]: n["NodeID"] for n in self.nodes() if n["Alive"]}
+
+    def try_connect(self, from_host: int, ip: str, port: int, timeout: float = 1.0) -> str:
+        """A TCP connect from inside host `from_host` to ip:port: "ok", or the error's repr
+        (TimeoutError(...) when the packets go nowhere, ConnectionRefusedError(...) when the
+        host is there but nothing listens)."""
+        p = self.run_in(from_host, [self.python_of(from_host), "-c", _CONNECT_PROBE, ip, str(port),
+                                    str(timeout)], capture_output=True, text=True,
+                        timeout=timeout + 60)
+        out = p.stdout.strip()
+        return "ok" if out == "ok" else (out[len("fail "):] or f"probe failed: {p.stderr.strip()}")
+
+    def can_connect(self, from_host: int, ip: str, port: int, timeout: float = 1.0) -> bool:
+        """Whether a TCP connect from inside host `from_host` to ip:port succeeds within timeout."""
+        return self.try_connect(from_host, ip, port, timeout) == "ok"
+
+    # -- processes ------------------------------------------------------------------------------
+    def pids(self, host: int | None = None, commands: bool = True) -> set[int]:
+        """The live (non-zombie) pids of this cluster: every process inside its namespaces (by
+        /proc/PID/ns/net, which neither setsid nor setproctitle hides), plus those found by
+        TAG_ENV, by the process groups of what it spawned and by parentage. host=i: host i's
+        only; commands=False: without the commands that run_in/popen_in started (and their
+        children), i.e. a host's Ray processes."""
+        self._extra_procs = [p for p in self._extra_procs if p.poll() is None]
+        table = _proc_table()
+        hosts = list(range(len(self.hosts))) if host is None else [host]
+        ns_ids = {self._ns_ids[i] for i in hosts if i in self._ns_ids}
+        ray_roots = [p for p in (self._hosts_procs[i] for i in hosts) if p is not None]
+        cmd_roots = [p for p in self._extra_procs if host is None or p.gd_host == host]
+        ray_tags = {f"{self.tag}:{i}" for i in hosts}
+        cmd_tags = {f"{self.tag}:{i}:run" for i in hosts}
+        ray_groups = {p.pid for p in ray_roots if p.returncode is None}   # unreaped: not reused
+        cmd_groups = {p.pid for p in cmd_roots if p.returncode is None}
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _pgid, _state) in table.items():
+            children.setdefault(ppid, []).append(pid)
+
+        def closure(seed: set[int]) -> set[int]:
+            out, stack = set(seed), list(seed)
+            while stack:
+                for c in children.get(stack.pop(), []):
+                    if c not in out:
+                        out.add(c)
+                        stack.append(c)
+            return out
+
+        found, cmds = set(), set()
+        for pid, (_ppid, pgid, state) in table.items():
+            if state in ("Z", "X"):
+                continue
+            tag = _env_tag(pid)
+            if tag in cmd_tags or pgid in cmd_groups:
+                cmds.add(pid)
+            if tag in ray_tags or tag in cmd_tags or pgid in ray_groups or pgid in cmd_groups \
+                    or _netns_id(pid) in ns_ids:
+                found.add(pid)
+        found = closure(found | {p.pid for p in ray_roots + cmd_roots
+                                 if p.returncode is None and p.pid in table})
+        if not commands:
+            found -= closure(cmds | {p.pid for p in cmd_roots
+                                     if p.returncode is None and p.pid in table})
+        found -= _ancestors(os.getpid())
+        found = {p for p in found if pid_alive(p)}
+        self.started_pids |= found
+        return found
+
+    def _terminate(self, host: int | None) -> None:
+        """SIGTERM to each `ray start` (only to it: it ends its children itself, within ~3 s;
+        a SIGTERM to its whole process group leaves it waiting) and to the groups of the
+        commands started by popen_in."""
+        hosts = range(len(self.hosts)) if host is None else [host]
+        for i in hosts:
+            p = self._hosts_procs[i]
+            if p is not None and p.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, signal.SIGTERM)
+        if host is None:
+            for p in self._extra_procs:
+                if p.poll() is None:
+                    with contextlib.suppress(OSError):
+                        os.killpg(p.pid, signal.SIGTERM)
+
+    def _kill(self, pids: Iterable[int], procs: Iterable[subprocess.Popen]) -> None:
+        for p in procs:
+            if p.returncode is None and p.poll() is None:
+                with contextlib.suppress(OSError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _end(self, host: int | None, grace: float, commands: bool = True) -> list[int]:
+        procs = [p for p in ([*self._hosts_procs] if host is None else [self._hosts_procs[host]])
+                 if p is not None]
+        if commands:
+            procs += [p for p in self._extra_procs if host is None or p.gd_host == host]
+        pids = self.pids(host, commands)
+        if grace > 0 and pids:
+            self._terminate(host)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                for p in procs:
+                    p.poll()
+                if not self.pids(host, commands):
+                    break
+                time.sleep(0.1)
+        deadline = time.monotonic() + 10.0
+        while True:
+            pids = self.pids(host, commands)
+            if pids:
+                self._kill(pids, procs)
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    if p.returncode is None:
+                        p.wait(timeout=0.2)
+            pids = {q for q in pids if pid_alive(q)}
+            if not pids and all(p.returncode is not None for p in procs):
+                return []
+            if time.monotonic() > deadline:
+                return sorted(pids)
+            time.sleep(0.1)
+
+    def kill_host(self, i: int, sig: int = signal.SIGKILL, commands: bool = False) -> None:
+        """Crash host i: signal its Ray processes (commands=True: also what run_in/popen_in run
+        there) and, for SIGKILL, wait until they are gone. The GCS notices at its next health
+        checks (see health_check_config)."""
+        if sig == signal.SIGKILL:
+            left = self._end(i, grace=0, commands=commands)
+            if left:
+                raise ClusterStopError(f"host {i}: pids {left} survive SIGKILL")
+        else:
+            for pid in self.pids(i, commands):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+
+    # -- stop -----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """End every process the cluster started (SIGTERM, then SIGKILL after stop_grace_s),
+        then delete its veths, namespaces and bridge. Idempotent."""
+        if self._stopped or not self._started:
+            return
+        self._stopped = True
+        _live.discard(self)
+        try:
+            self.survivors = self._end(None, self.stop_grace_s)
+        finally:
+            for f in self._log_files:
+                with contextlib.suppress(Exception):
+                    f.close()
+            for link in self._created_links:
+                if link_exists(link):
+                    _ip("link", "del", link, check=False)
+            for ns in self._created_ns:
+                _ip("netns", "del", ns, check=False)
+            if self._bridge_created:
+                _ip("link", "del", self.bridge, check=False)
+            if self._log_dir_arg is not None:               # a log dir of the caller's:
+                self._copy_ray_logs()                       # Ray's logs outlive the cluster
+            launched = any(p is not None for p in self._hosts_procs)
+            keep = self.keep_files or self.survivors or (self._failed and launched)
+            if self.workdir is not None and not keep:     # kept on failure: logs to read
+                shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.survivors:
+            raise ClusterStopError(f"{self!r}: pids {self.survivors} are alive after SIGKILL")
+
+    # -- diagnostics ----------------------------------------------------------------------------
+    def ray_log_dirs(self, i: int) -> list[Path]:
+        """Host i's Ray session log dirs (raylet.out, gcs_server.out, worker-*.out...)."""
+        if self.workdir is None:
+            return []
+        dirs = {d.resolve() for d in self.ray_temp_dir(i).glob("session_*/logs") if d.is_dir()}
+        return sorted(dirs)
+
+    def _copy_ray_logs(self) -> None:
+        assert self.log_dir is not None
+        for i in range(len(self.hosts)):
+            for d in self.ray_log_dirs(i):
+                with contextlib.suppress(Exception):
+                    shutil.copytree(d, self.log_dir / f"host{i}-{d.parent.name}", symlinks=True,
+                                    ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
+
+    def diagnostics(self, lines: int = 25) -> str:
+        """The tails of each host's `ray start` log and of its Ray session's error logs."""
+        out = []
+        for i in range(len(self.hosts)):
+            if self.log_dir is None:
+                break
+            p = self._hosts_procs[i]
+            status = "not started" if p is None else (
+                "running" if p.poll() is None else f"exited {p.returncode}")
+            out.append(f"--- host {i} ({self.ips[i] if self.ips else '?'}, {status}): "
+                       f"{self.log_path(i)}\n{_tail(self.log_path(i), lines)}")
+            for d in self.ray_log_dirs(i):
+                for name in ("gcs_server.err", "raylet.err", "raylet.out"):
+                    if (d / name).exists():
+                        t = _tail(d / name, 8 if name.endswith(".out") else lines).strip()
+                        if t:
+                            out.append(f"--- host {i} {d / name}\n{t}")
+        return "\n".join(out)
+
+
+@atexit.register
+def _stop_live_clusters() -> None:          # a with-block cut short by interpreter exit
+    for c in list(_live):
+        with contextlib.suppress(Exception):
+            c.stop()
