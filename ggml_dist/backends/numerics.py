@@ -121,6 +121,8 @@ def _vexp_kernel():
 def _build_vexp_nb():
     from numba import njit
 
+    from . import kernel_cache  # noqa: F401  (where the kernel is cached)
+
     c_log2e, c_shift, c_ln2_hi, c_ln2_lo = _C_LOG2E, _C_SHIFT, _C_LN2_HI, _C_LN2_LO
     p0, p1, p2, p3, p4 = _C_P0, _C_P1, _C_P2, _C_P3, _C_P4
 

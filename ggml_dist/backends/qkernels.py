@@ -37,6 +37,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from ..core.types import GGMLType, row_size
 
 T = GGMLType
