@@ -19,8 +19,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-type", choices=["f16", "f32"], default="f16", help="KV cache type")
     p.add_argument("--exact", action="store_true",
                    help="keep f32 activations in matmuls instead of ggml's quantized vec_dot numerics")
-    p.add_argument("--stages", type=int, default=None,
-                   help="pipeline stages (Ray actors); 1 without --address runs in this process")
+    p.add_argument("--stages", type=_stages_arg, default=None,
+                   help="pipeline stages (Ray actors), or auto: the fewest that fit the cluster's nodes, "
+                   "one per node; 1 without --address runs in this process")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a "
                    "local Ray, or join the cluster of a `ray job submit` job)")
     p.add_argument("--layers", default=None, help="explicit layer ranges per stage, e.g. 0-14,15-29")
@@ -28,6 +29,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads (per stage with --stages; default: the cores available, 1 per stage)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the stages here")
+
+
+def _stages_arg(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        k = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stages takes a number or auto, got '{v}'") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"--stages must be at least 1, got {k}")
+    return k
+
+
+def _on_cluster(args: argparse.Namespace) -> bool:
+    """Joining a cluster: --address, or inside a `ray job submit` job (RAY_ADDRESS)."""
+    import os
+    return bool(args.address or os.environ.get("RAY_ADDRESS"))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -161,23 +180,28 @@ def _params(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
-    """(model, context, pipeline or None): in-process for one stage without --address, else on Ray."""
+    """(model, context, pipeline or None): in-process for one stage without a cluster, else on Ray."""
     from .model.context import LlamaContext
     from .model.model import LlamaModel
     from .model.pull import resolve_model
     _apply_config(args)
     path = resolve_model(args.model)
-    if args.stages <= 1 and not args.address:
+    if args.stages == "auto" and not _on_cluster(args):
+        print("ggml-dist: --stages auto without a cluster (--address, or a ray job): one stage, in this "
+              "process", file=sys.stderr)
+        args.stages = 1
+    if args.stages == 1 and not _on_cluster(args):
         if getattr(args, "threads_given", False):
             from .backends import qkernels
             qkernels.set_threads(args.threads)
         model = LlamaModel.load(path)
         return model, LlamaContext(model, _params(args)), None
     from .workers.cluster import Pipeline, connect
-    print(f"ggml-dist: {connect(args.address, num_cpus=max(2, args.stages * args.threads))}", file=sys.stderr)
-    pl = Pipeline.launch(str(path), args.stages, _params(args), n_copies=args.n_copies,
-                         layers=_parse_layers(args.layers), threads_per_stage=args.threads)
-    print(pl.placement.table(), file=sys.stderr)
+    n_stages = None if args.stages == "auto" else args.stages
+    print(f"ggml-dist: {connect(args.address, num_cpus=max(2, (n_stages or 1) * args.threads))}", file=sys.stderr)
+    pl = Pipeline.launch(str(path), n_stages, _params(args), n_copies=args.n_copies,
+                         layers=_parse_layers(args.layers), threads_per_stage=args.threads,
+                         on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True))
     return pl.model, pl.ctx, pl
 
 
@@ -195,7 +219,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sp = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, seed=args.seed)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    on_token = _fault_injector(args.inject_fault, pl)
+    on_token, recovery_s = _recovery_clock(lctx, _fault_injector(args.inject_fault, pl))
     res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=on_token)
     timings = {"prompt_tok_s": round(res.prompt_tok_s, 3), "decode_tok_s": round(res.decode_tok_s, 3)}
     if pl is not None and args.trace:
@@ -204,16 +228,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
         out = {"prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": res.text,
                "timings": timings, "stop_reason": res.stop_reason,
                "graphs": {"reused": lctx.n_reused, "rebuilt": lctx.n_rebuilt},
-               "recoveries": lctx.n_recoveries, "replayed_tokens": lctx.n_replayed_tokens}
+               "recoveries": lctx.n_recoveries, "replayed_tokens": lctx.n_replayed_tokens,
+               "recovery_s": [round(x, 3) for x in recovery_s]}
         if pl is not None:
             out["stages"] = _stage_summary(pl)
+            out["plan"] = pl.placement.to_json()
         print(json.dumps(out))
     else:
         sys.stdout.write("\n")
         print(f"prompt: {len(res.prompt_tokens)} tokens, {timings['prompt_tok_s']} tok/s | "
               f"decode: {len(res.tokens)} tokens, {timings['decode_tok_s']} tok/s | "
-              f"graphs reused {lctx.n_reused}, rebuilt {lctx.n_rebuilt}", file=sys.stderr)
+              f"graphs reused {lctx.n_reused}, rebuilt {lctx.n_rebuilt}"
+              + (f" | recoveries {lctx.n_recoveries}, recovery_s {[round(x, 3) for x in recovery_s]}"
+                 if lctx.n_recoveries else ""), file=sys.stderr)
     return 0
+
+
+def _recovery_clock(lctx, inner):
+    """An on_token callback that also times each recovery: from the moment the loss was detected to
+    the first token generated after it (the list fills as the run goes)."""
+    import time
+    out: list[float] = []
+
+    def on_token(i: int, tok: int) -> None:
+        if len(lctx.lost_at) > len(out):
+            out.append(time.perf_counter() - lctx.lost_at[len(out)])
+        if inner is not None:
+            inner(i, tok)
+    return on_token, out
 
 
 def _fault_injector(spec: str | None, pl):
@@ -256,29 +298,39 @@ def _stage_summary(pl) -> list[dict]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .model.context import LlamaContext
     from .model.model import LlamaModel
     from .model.pull import resolve_model
-    from .workers.placement import place
+    from .workers.driver import kv_plan, plan_on_nodes, planned_compute
+    from .workers.placement import STAGE_OVERHEAD_BYTES, NodeInfo, place
     _apply_config(args)
     model = LlamaModel.load(resolve_model(args.model))
     params = _params(args)
-    compute = LlamaContext(model, params).compute_buffer_size()    # the worst-case graph's plan
     budgets = None
     if args.budget_gib:
         try:
             budgets = [int(float(x) * 2**30) for x in str(args.budget_gib).split(",")]
         except ValueError:
             raise ValueError(f"--budget-gib takes numbers, got '{args.budget_gib}'") from None
-    pl = place(model.file, model.hp, args.stages, model_ctx(params), 2 if args.cache_type == "f16" else 4,
-               compute, args.n_copies or args.stages, budgets, _parse_layers(args.layers))
+    n_stages = None if args.stages == "auto" else args.stages
+    layers = _parse_layers(args.layers)
+    if _on_cluster(args):
+        from .workers.cluster import connect
+        from .workers.resources import cluster_nodes
+        print(f"ggml-dist: {connect(args.address)}", file=sys.stderr)
+        pl = plan_on_nodes(model, params, cluster_nodes(), n_stages, args.threads, layers)
+    elif n_stages is None:
+        if not budgets or len(budgets) != 1:
+            raise ValueError("--stages auto needs a cluster (--address, or a ray job) or one --budget-gib "
+                             "per stage")
+        nodes = [NodeInfo(f"budget-{i}", "", budgets[0], 1.0) for i in range(model.hp.n_layer)]
+        pl = plan_on_nodes(model, params, nodes, None, 1, layers)
+    else:
+        n_kv, kv_size = kv_plan(params)
+        compute = planned_compute(model, params, n_stages)
+        pl = place(model.file, model.hp, n_stages, n_kv, kv_size, compute, 1, budgets, layers,
+                   STAGE_OVERHEAD_BYTES)
     print(json.dumps({"stages": pl.to_json()}) if args.json else pl.table())
     return 0
-
-
-def model_ctx(params) -> int:
-    from .model.kv_cache import N_KV_PAD, pad
-    return pad(params.n_ctx, N_KV_PAD)
 
 
 def _cmd_logits(args: argparse.Namespace) -> int:

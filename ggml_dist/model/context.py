@@ -156,6 +156,7 @@ class LlamaContext:
         self.n_recoveries = 0
         self.n_replayed_tokens = 0
         self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
+        self.lost_at: list[float] = []       # perf_counter() when each recovery began (the loss seen)
         self.recovering = False              # True while a lost stage is being brought back
         self.gf_res_prev: GraphResult | None = None
         # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
@@ -267,6 +268,7 @@ class LlamaContext:
         every logged ubatch whose tokens the cache still holds, in order, on the same cells. A
         stage lost during the replay starts the recovery over (max_recoveries times)."""
         t0 = time.perf_counter()
+        self.lost_at.append(t0)
         self.recovering = True
         try:
             for attempt in range(self.max_recoveries + 1):

@@ -1,10 +1,14 @@
 """Ray: start or join a cluster, create the stage actors, and give the driver a pipelined context.
 
-    connect(address)            ray.init: join `address` (or the job's cluster), else start a local,
+    connect(address)            ray.init: join `address` (or the job's cluster), shipping the ggml_dist
+                                package to the job's workers (py_modules), else start a local,
                                 loopback-only Ray with bounded CPUs and object store
-    Pipeline.launch(...)        placement -> one actor per stage -> a StageProxy per actor ->
-                                driver-side weights and KV tensors bound to the stages' remote buffers
-                                -> a LlamaContext whose scheduler sees [proxy_0 .. proxy_K-1, CPU]
+    Pipeline.launch(...)        placement (on the cluster's nodes, by their memory, when joined) -> one
+                                actor per stage, reserving its memory and CPUs, pinned to its node ->
+                                a StageProxy per actor -> weights shipped to stages that cannot read the
+                                file -> a LlamaContext whose scheduler sees [proxy_0 .. proxy_K-1, CPU]
+    Pipeline.recover_stages()   after a StageLostError: a stage that stopped answering is replaced on
+                                another node with room; one that Ray restarts is waited for
 
 Ray's loopback behaviour: a local Ray advertises the machine's primary address unless told otherwise;
 `_node_ip_address="127.0.0.1"` keeps a started-here instance on loopback.
@@ -13,24 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from ..backends.base import BufferUsage
-from ..backends.cpu import CPUDevice
-from ..backends.cpu_ops import ComputeOptions
-from ..core.context import Context
-from ..core.graph import Graph
-from ..core.tensor import Tensor
-from ..core.types import GGMLType
 from ..model.context import ContextParams, LlamaContext, StageLostError
-from ..model.kv_cache import kv_cells
 from ..model.model import LlamaModel
-from .placement import Placement, place
-from .proxy import Call, Exports, RemoteBuffer, StageDevice, StageProxy
+from .driver import default_copies, driver_context, kv_plan, plan_on_nodes
+from .health import HealthServer, StageWatch
+from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError, place
+from .proxy import Call, StageDevice, StageProxy
+from .resources import cluster_nodes, stage_options
+from .shipping import WeightManifest, manifest, ship
 from .stage import PlanMissingError, StageSpec, StageWorker
 
 
@@ -42,9 +43,13 @@ class RecoveryError(RuntimeError):
     """A lost stage could not be brought back (no node can hold its layers)."""
 
 
+_started_local = False       # this process started the Ray it is connected to (one machine)
+
+
 def connect(address: str | None = None, num_cpus: int | None = None,
             object_store_mb: int = 512) -> str:
     """Join a cluster (address, or RAY_ADDRESS inside `ray job submit`), else start a local Ray."""
+    global _started_local
     try:
         import ray
     except ImportError as e:                     # pragma: no cover - ray is a dependency
@@ -53,30 +58,64 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     if ray.is_initialized():
         return "already connected"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    target = address or os.environ.get("RAY_ADDRESS")
     try:
-        if address or os.environ.get("RAY_ADDRESS"):
-            ray.init(address=address or os.environ["RAY_ADDRESS"], log_to_driver=True)
-            return f"joined {address or os.environ['RAY_ADDRESS']}"
+        if target:
+            ray.init(address=target, log_to_driver=True, runtime_env=_code_runtime_env())
+            _started_local = False
+            return f"joined {target}"
         ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
                  object_store_memory=object_store_mb * 2**20, _node_ip_address="127.0.0.1",
                  log_to_driver=True, configure_logging=False)
+        _started_local = True
         return "started a local Ray (loopback)"
     except Exception as e:
-        raise RayStartError(f"could not {'join ' + str(address) if address else 'start a local Ray'}: "
+        raise RayStartError(f"could not {'join ' + target if target else 'start a local Ray'}: "
                             f"{e}; check `ray status`, or run without --address for a local instance") from e
 
 
+def _code_runtime_env() -> dict | None:
+    """Ship this ggml_dist package to the job's workers (py_modules), so a node with Ray and the
+    dependencies but without ggml-dist runs its stage, and every node runs the driver's code. Not when
+    the job brings its own code (py_modules or pip in `ray job submit --runtime-env-json`: Ray refuses
+    two values of one field), or GGML_DIST_SHIP_CODE=0."""
+    import json
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+    if os.environ.get("GGML_DIST_SHIP_CODE", "1") == "0":
+        return None
+    job = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR, "{}")).get("runtime_env") or {}
+    if job.get("py_modules") or job.get("pip"):
+        return None
+    import ggml_dist
+    return {"py_modules": [os.path.dirname(os.path.abspath(ggml_dist.__file__))], "excludes": ["__pycache__", "*.pyc", "*.nbi", "*.nbc"]}
+
+
+def started_local() -> bool:
+    return _started_local
+
+
 class StageActor:
-    """The Ray face of a StageWorker: results are numpy bytes, which Ray stores without pickling."""
+    """The Ray face of a StageWorker: results are numpy bytes, which Ray stores without pickling. A
+    health port on the node's IP answers while the stage's calls queue (workers/health.py)."""
 
     def __init__(self, spec: StageSpec) -> None:
+        import ray
         self.worker = StageWorker(spec)
+        self.health = HealthServer(ray.util.get_node_ip_address(), lambda: self.worker.stats.n_calls)
 
     def info(self) -> dict[str, Any]:
-        return self.worker.info()
+        import ray
+        return {**self.worker.info(), "health": self.health.address, "node_ip": ray.util.get_node_ip_address()}
 
-    def receive_weights(self, msg: np.ndarray) -> int:
-        return self.worker.receive_weights(msg)
+    def open_weights(self, m: dict) -> bool:
+        return self.worker.open_weights(m)
+
+    def weights_chunk(self, offset: int, data: np.ndarray) -> int:
+        return self.worker.weights_chunk(offset, data)
+
+    def finish_weights(self) -> int:
+        return self.worker.finish_weights()
 
     def stats(self) -> dict[str, Any]:
         return self.worker.get_stats()
@@ -86,6 +125,20 @@ class StageActor:
 
     def compute(self, pid: str, desc: dict | None, inputs: np.ndarray, *upstream: np.ndarray) -> np.ndarray:
         return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream), dtype=np.uint8)
+
+
+def _pinned(placement: Placement, node_ids: list[str], overhead: int) -> Placement:
+    """Stage k on node_ids[k % len]: the caller chose the nodes (their memory is not checked)."""
+    known = {n.node_id: n for n in cluster_nodes(available=False)}
+    out = []
+    for s in placement.stages:
+        node = known.get(node_ids[s.stage % len(node_ids)])
+        if node is None:
+            raise PlacementError(f"node {node_ids[s.stage % len(node_ids)]} for stage {s.stage} is not an alive "
+                                 f"node of the cluster")
+        out.append(dataclasses.replace(s, overhead_bytes=overhead, node_ip=node.ip, node_id=node.node_id,
+                                       node_memory_bytes=node.memory_bytes))
+    return Placement(out)
 
 
 def _lost(e: BaseException) -> bool:
@@ -104,24 +157,22 @@ def _lost(e: BaseException) -> bool:
     return False
 
 
-def _ray_call(actor: Any, stage: int, layers: tuple[int, int]) -> Call:
-    import ray
-
+def _ray_call(actor: Any, stage: int, layers: tuple[int, int], watch: StageWatch) -> Call:
     def submit(pid: str, desc: dict | None, inputs: bytearray, *ups: Any) -> Any:
         return actor.compute.remote(pid, desc, np.frombuffer(inputs, dtype=np.uint8), *ups)
 
-    def guarded(fn):
-        def call(handles: list):
-            try:
-                return fn(handles)
-            except Exception as e:
-                if _lost(e):
-                    raise StageLostError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) lost its "
-                                         f"state: {type(e).__name__}", stage) from e
-                raise RuntimeError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) failed: {e}") from e
-        return call
+    def guarded(handles: list) -> list:
+        try:
+            return watch.wait(handles)
+        except StageLostError:
+            raise
+        except Exception as e:
+            if _lost(e):
+                raise StageLostError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) lost its "
+                                     f"state: {type(e).__name__}", stage) from e
+            raise RuntimeError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) failed: {e}") from e
 
-    return Call(submit, guarded(lambda hs: ray.get(hs)), guarded(lambda hs: ray.get(hs)))
+    return Call(submit, guarded, guarded)
 
 
 @dataclass
@@ -135,53 +186,91 @@ class Pipeline:
     infos: list[dict] = field(default_factory=list)
     specs: list[StageSpec] = field(default_factory=list)
     actor_cls: Any = None
+    watch: StageWatch = field(default_factory=lambda: StageWatch(str))
+    threads: int = 1
+    on_nodes: bool = False                 # placed on the cluster's nodes by their memory
     recover_timeout_s: float = 120.0
+    ping_timeout_s: float = 10.0           # a stage that does not answer a ping in recovery is replaced
+    launch_timeout_s: float = 300.0
+    manifests: dict[int, tuple[list[str], WeightManifest]] = field(default_factory=dict)
 
     @classmethod
-    def launch(cls, model_path: str, n_stages: int, params: ContextParams = ContextParams(),
+    def launch(cls, model_path: str, n_stages: int | None, params: ContextParams = ContextParams(),
                n_copies: int | None = None, layers: list[tuple[int, int]] | None = None,
                budgets: list[int] | None = None, threads_per_stage: int = 1,
                max_restarts: int = 3, node_ids: list[str] | None = None,
-               stage_model_path: str | None = None) -> "Pipeline":
-        """Place the layers, start one actor per stage (spread over the nodes, or pinned to node_ids)
-        and wait until every stage has mapped its weights."""
+               stage_model_path: str | None = None, nodes: list[NodeInfo] | None = None,
+               on_plan: Callable[[Placement], None] | None = None) -> "Pipeline":
+        """Place the layers (n_stages None: the fewest stages that fit the cluster's nodes), start one
+        actor per stage and wait until every stage holds its weights. On a cluster this process joined
+        (not a local Ray it started), stages go one per node, sized by the nodes' Ray memory; node_ids
+        limits them to those nodes. on_plan sees the placement before any actor starts."""
         import ray
         model = LlamaModel.load(model_path)
-        hp = model.hp
-        kv_size = 2 if params.type_k == GGMLType.F16 else 4
-        cells, n_stream = kv_cells(params.n_ctx, params.n_seq_max, params.kv_unified)
-        placement = place(model.file, hp, n_stages, cells * n_stream, kv_size, 0, 1, budgets, layers)
-        actor_cls = ray.remote(num_cpus=threads_per_stage, max_restarts=max_restarts,
-                               max_task_retries=0)(StageActor)
-        actors, proxies, specs = [], [], []
+        if nodes is None and not node_ids and not _started_local and budgets is None:
+            nodes = cluster_nodes()
+        if nodes is not None:
+            placement = plan_on_nodes(model, params, nodes, n_stages, threads_per_stage, layers)
+        else:
+            n_kv, kv_size = kv_plan(params)
+            placement = place(model.file, model.hp, n_stages or 1, n_kv, kv_size, 0, 1, budgets, layers)
+            if node_ids:                         # stage k on node_ids[k], as the caller says
+                placement = _pinned(placement, node_ids, STAGE_OVERHEAD_BYTES)
+        if on_plan is not None:
+            on_plan(placement)
+        n = len(placement.stages)
+        actor_cls = ray.remote(max_restarts=max_restarts, max_task_retries=0)(StageActor)
+        pl = cls(model, placement, [], [], None, [], [], actor_cls,  # type: ignore[arg-type]
+                 threads=threads_per_stage, on_nodes=nodes is not None or bool(node_ids))
+        pl.watch = StageWatch(pl._describe)
         for sp in placement.stages:
-            spec = StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
-                             sp.stage == n_stages - 1, params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa,
-                             int(params.type_k), params.n_seq_max, params.exact, threads_per_stage,
-                             params.kv_unified)
-            specs.append(spec)
-            actor = actor_cls.options(scheduling_strategy=_strategy(node_ids, sp.stage)).remote(spec)
-            actors.append(actor)
-            proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(actor, sp.stage, sp.layers),
-                                      StageDevice(f"stage{sp.stage}")))
-        infos = ray.get([a.info.remote() for a in actors])      # fail fast if a stage cannot load
-        for k, info in enumerate(infos):
-            if info["needs_weights"]:                           # its node cannot read the file
-                _send_weights(model, specs[k], actors[k])
-                infos[k] = ray.get(actors[k].info.remote())
-        weights = _driver_weights(model, placement, proxies)
-        cpu = CPUDevice("driver").init_backend(opts=ComputeOptions(exact=params.exact))
-        stage_of = {il: p for p in proxies for il in range(*p.layers)}
-        ctx = LlamaContext(model, params, backends=[*proxies, cpu],
-                           n_copies=n_copies or max(1, min(4, n_stages)), weights=weights,
-                           layer_buft=lambda il: stage_of[il].device.buft,
-                           after_alloc=lambda sched, g: _bind_exports(sched, g, proxies))
-        # the driver's allocator planned each stage's splits: that is the stage's compute buffer
-        placement = Placement([dataclasses.replace(sp, compute_bytes=ctx.sched.get_buffer_size(p))
-                               for sp, p in zip(placement.stages, proxies)])
-        pl = cls(model, placement, actors, proxies, ctx, infos, specs, actor_cls)
-        ctx.recovery = pl.recover_stages
+            pl.specs.append(StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
+                                      sp.stage == n - 1, params.n_ctx, model.hp.n_embd_k_gqa,
+                                      model.hp.n_embd_v_gqa, int(params.type_k), params.n_seq_max, params.exact,
+                                      threads_per_stage, params.kv_unified))
+            pl.actors.append(actor_cls.options(**stage_options(sp, threads_per_stage)).remote(pl.specs[-1]))
+            pl.proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(pl.actors[-1], sp.stage, sp.layers,
+                                                                       pl.watch), StageDevice(f"stage{sp.stage}")))
+        pl.infos = [{}] * n
+        pl.watch.addresses = [""] * n
+        for k in range(n):
+            pl._await_stage(k, pl.launch_timeout_s)
+        pl.ctx = driver_context(model, params, placement, pl.proxies, n_copies or default_copies(n))
+        if nodes is None:      # the driver's allocator planned each stage's splits: its compute buffer
+            pl.placement = Placement([dataclasses.replace(sp, compute_bytes=pl.ctx.sched.get_buffer_size(p))
+                                      for sp, p in zip(placement.stages, pl.proxies)])
+        pl.ctx.recovery = pl.recover_stages
         return pl
+
+    def _describe(self, k: int) -> str:
+        s = self.placement.stages[k]
+        return f"stage {k} (layers {s.layers[0]}..{s.layers[1] - 1}){' on ' + s.node_ip if s.node_ip else ''}"
+
+    def _await_stage(self, k: int, timeout_s: float) -> None:
+        """Wait for stage k's actor to start (Ray may hold it until a node has the resources it
+        reserves), give it its weights if its node cannot read the file, and learn its health port."""
+        import ray
+        import ray.exceptions as rex
+        try:
+            info = ray.get(self.actors[k].info.remote(), timeout=timeout_s)
+        except rex.GetTimeoutError:
+            s = self.placement.stages[k]
+            raise PlacementError(f"{self._describe(k)} did not start within {timeout_s:.0f} s: Ray found no node "
+                                 f"with {s.total_bytes / 2**20:.1f} MiB of memory and {self.threads} CPU(s) "
+                                 f"free for it (see `ray status`)") from None
+        if info["needs_weights"]:                           # its node cannot read the file
+            self._give_weights(k)
+            info = ray.get(self.actors[k].info.remote(), timeout=timeout_s)
+        self.infos[k] = info
+        self.watch.addresses[k] = info.get("health", "")
+
+    def _give_weights(self, k: int) -> None:
+        spec = self.specs[k]
+        if k not in self.manifests:
+            names = spec.weight_names(list(self.model.weights), "output.weight" not in self.model.weights)
+            self.manifests[k] = (names, manifest(self.model.weights, names))
+        names, m = self.manifests[k]
+        ship(self.model.weights, names, m, self.actors[k], self._describe(k))
 
     # -- faults ---------------------------------------------------------------------------------------
     def kill_stage(self, k: int, timeout_s: float = 60.0) -> None:
@@ -203,49 +292,76 @@ class Pipeline:
             time.sleep(0.01)
 
     def recover_stages(self) -> None:
-        """Wait until every stage answers again: Ray restarts a killed actor (on another node if its
-        node is gone); a stage dead for good gets a new actor. Then forget what the stages knew
-        (plans, in-flight results): the context replays its log next."""
+        """Bring every stage back, then forget what the stages knew (plans, in-flight results): the
+        context replays its log next. A stage the watch found unreachable is replaced on another node
+        at once; Ray restarts a killed actor (on another node if its node is gone), and a stage that
+        stays dead, or does not answer a ping within ping_timeout_s (its calls wait on a result that
+        is not coming), gets a new actor."""
         import ray
         import ray.exceptions as rex
+        t0 = time.time()
+        bad_nodes = {self.infos[k].get("node_id", "") for k in self.watch.lost} - {""}
+        for k in sorted(self.watch.lost):
+            self._replace(k, bad_nodes)
+        self.watch.lost.clear()
         deadline = time.time() + self.recover_timeout_s
         for k in range(len(self.actors)):
             n_dead = 0
             while True:
                 left = deadline - time.time()
+                if left <= 0:
+                    raise self._unrecoverable(k)
                 try:
-                    ray.get(self.actors[k].ping.remote(), timeout=max(1.0, left))
-                    if ray.get(self.actors[k].info.remote())["needs_weights"]:
-                        _send_weights(self.model, self.specs[k], self.actors[k])
+                    ray.get(self.actors[k].ping.remote(), timeout=min(left, self.ping_timeout_s))
+                    self._await_stage(k, max(1.0, left))
                     break
                 except rex.GetTimeoutError:
-                    raise self._unrecoverable(k) from None
+                    self._replace(k, bad_nodes)
                 except rex.RayActorError:
-                    # a restarting actor queues the ping; one that keeps refusing is dead for good
-                    n_dead += 1
-                    if left <= 0:
-                        raise self._unrecoverable(k) from None
-                    if n_dead >= 3:
-                        self._replace(k)
+                    n_dead += 1                 # a restarting actor queues the ping; one that keeps
+                    if n_dead >= 3:             # refusing is dead for good
+                        self._replace(k, bad_nodes)
                         n_dead = 0
                     time.sleep(0.2)
         for p in self.proxies:
             p.reset()
+        print(f"ggml-dist: every stage answers again after {time.time() - t0:.1f} s; replaying the KV log",
+              file=sys.stderr, flush=True)
 
-    def _replace(self, k: int) -> None:
-        """A new actor for stage k, anywhere it fits (its old one is dead for good)."""
-        sp = self.specs[k]
-        actor = self.actor_cls.options(scheduling_strategy="SPREAD").remote(sp)
-        self.actors[k] = actor
-        self.proxies[k].call = _ray_call(actor, k, sp.layers)
+    def _replace(self, k: int, bad_nodes: set[str]) -> None:
+        """A new actor for stage k (its old one is killed): on a node with room for it, not one of
+        `bad_nodes` nor one holding another stage, when placed on nodes; anywhere it fits otherwise."""
+        import ray
+        ray.kill(self.actors[k], no_restart=True)
+        sp = self.placement.stages[k]
+        if self.on_nodes:
+            node = self._node_for(k, bad_nodes)
+            if node is None:
+                raise self._unrecoverable(k)
+            sp = dataclasses.replace(sp, node_ip=node.ip, node_id=node.node_id, node_memory_bytes=node.memory_bytes)
+            self.placement.stages[k] = sp
+            print(f"ggml-dist: {self._describe(k)}: a new stage actor", file=sys.stderr, flush=True)
+        self.actors[k] = self.actor_cls.options(**stage_options(sp, self.threads)).remote(self.specs[k])
+        self.proxies[k].call = _ray_call(self.actors[k], k, sp.layers, self.watch)
+        self.watch.addresses[k] = ""
+
+    def _node_for(self, k: int, bad_nodes: set[str]) -> NodeInfo | None:
+        sp = self.placement.stages[k]
+        others = {s.node_id for j, s in enumerate(self.placement.stages) if j != k}
+        fits = []
+        for n in cluster_nodes(available=True):
+            free = n.memory_bytes + (sp.total_bytes if n.node_id == sp.node_id else 0)   # its own, freed
+            if n.node_id not in bad_nodes | others and n.cpus >= self.threads and free >= sp.total_bytes:
+                fits.append(n)
+        return max(fits, key=lambda n: (n.node_id == sp.node_id, n.memory_bytes), default=None)
 
     def _unrecoverable(self, k: int) -> RecoveryError:
         s = self.placement.stages[k]
         return RecoveryError(
-            f"stage {k} (layers {s.layers[0]}..{s.layers[1] - 1}) did not come back within "
-            f"{self.recover_timeout_s:.0f} s: no node could take it (it needs "
-            f"{(s.weight_bytes + s.kv_bytes) / 2**20:.1f} MiB: weights {s.weight_bytes / 2**20:.1f}, "
-            f"KV {s.kv_bytes / 2**20:.1f}); add a node with that much memory and retry")
+            f"{self._describe(k)} did not come back within {self.recover_timeout_s:.0f} s: no node could "
+            f"take it (it needs {s.total_bytes / 2**20:.1f} MiB: weights {s.weight_bytes / 2**20:.1f}, "
+            f"KV {s.kv_bytes / 2**20:.1f}, compute {s.compute_bytes / 2**20:.1f}, process "
+            f"{s.overhead_bytes / 2**20:.1f}); add a node with that much memory and retry")
 
     def stats(self) -> list[dict]:
         import ray
@@ -271,61 +387,3 @@ class Pipeline:
         for a in self.actors:
             ray.kill(a)
         self.actors.clear()
-
-
-def _send_weights(model: LlamaModel, spec: StageSpec, actor: Any) -> None:
-    """Send a stage the bytes of its layers' weights, once, as one wire message (quantized as stored)."""
-    import ray
-    from ..backends.base import tensor_array
-    from .wire import WireTensor, encode
-    names = spec.weight_names(list(model.weights), "output.weight" not in model.weights)
-    msg = encode([WireTensor(n, model.weights[n].type, model.weights[n].ne, tensor_array(model.weights[n]))
-                  for n in names])
-    ray.get(actor.receive_weights.remote(np.frombuffer(msg, dtype=np.uint8)))
-
-
-def _strategy(node_ids: list[str] | None, stage: int) -> Any:
-    """SPREAD over the cluster's nodes, or node_ids[stage] (soft: if that node is lost, Ray may restart
-    the stage on another node that has room)."""
-    if not node_ids:
-        return "SPREAD"
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return NodeAffinitySchedulingStrategy(node_id=node_ids[stage % len(node_ids)], soft=True)
-
-
-def _bind_exports(sched: Any, graph: Graph, proxies: list[StageProxy]) -> None:
-    ex = Exports.of(sched, graph)
-    for p in proxies:
-        p.exports = ex
-
-
-def _driver_weights(model: LlamaModel, placement: Placement, proxies: list[StageProxy]) -> dict[str, Tensor]:
-    """The weights as the driver's graph sees them: metadata bound to the owning stage's buffer type
-    (usage WEIGHTS), so the scheduler's weight rule sends each layer's ops to its stage."""
-    n = len(proxies)
-    ctx = Context(len(model.weights) * 400 + 4096, no_alloc=True, name="driver-weights")
-    bufs = [RemoteBuffer(p.device.buft, 0, BufferUsage.WEIGHTS) for p in proxies]
-    owner = {il: k for k, s in enumerate(placement.stages) for il in range(*s.layers)}
-    out: dict[str, Tensor] = {}
-    for name, w in model.weights.items():
-        if name.startswith("blk."):
-            k = owner[int(name.split(".")[1])]
-        elif name == "token_embd.weight":
-            k = 0
-        else:
-            k = n - 1
-        t = ctx.new_tensor(w.type, w.ne).set_name(name)
-        t.buffer, t.data = bufs[k], w.data
-        out[name] = t
-    if "output.weight" not in out:                # tied head: the last stage's own mapping of it
-        w = model.weights["token_embd.weight"]
-        t = ctx.new_tensor(w.type, w.ne).set_name("output.weight")
-        t.buffer, t.data = bufs[n - 1], w.data
-        out["output.weight"] = t
-    return out
-
-
-def wait_ready(actors: list[Any], timeout_s: float = 120.0) -> None:
-    import ray
-    t0 = time.time()
-    ray.get([a.ping.remote() for a in actors], timeout=max(1.0, timeout_s - (time.time() - t0)))

@@ -1,21 +1,50 @@
-"""Placement: contiguous layer ranges per stage, sized by each stage's memory budget.
+"""Placement: contiguous layer ranges per stage, sized by each stage's memory and put on nodes.
 
 A stage's need = its weights (the first also holds the token embeddings, the last the output norm and
-head) + its layers' KV cache + its compute buffer x n_copies. The compute buffer is the allocator's
-reserve of the whole model's worst-case graph, an upper bound for any one stage's share. Layers are
-split to balance the bytes each stage reads per token (its layers, plus the head on the last stage:
-the embeddings are only gathered from), then checked against the budgets.
+head) + its layers' KV cache + its compute buffer (the largest plan of its splits, as the driver's
+scheduler plans it, which is what the stage allocates: its plans share one buffer, and the n_copies
+input copies live in the driver's plan only) + the fixed overhead of a stage process
+(STAGE_OVERHEAD_BYTES).
+
+    place(...)           K stages against optional per-stage budgets (`plan --budget-gib`, one machine)
+    place_on_nodes(...)  K stages (or the fewest that fit: `--stages auto`) on a cluster's nodes, one
+                         stage per node, each range sized to fit its node; among the splits that fit,
+                         the one whose largest stage reads the fewest bytes per token
+
+Bytes read per token are a stage's layer weights plus, on the last stage, the head: the embeddings
+are only gathered from.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 from ..model.gguf import GGUFFile
 from ..model.hparams import LlamaHParams
 
+MIB = 2**20
+
+# The private (anonymous) memory of a stage actor's process besides its weights, KV cache and compute
+# buffer: the Ray core worker (~50 MiB), numpy and numba/llvmlite (~30 MiB), the compiled kernels and
+# the interpreter's heap after decoding. Measured by `python benchmarks/stage_overhead.py` (a 2-layer
+# model, so weights, KV and compute are < 2 MiB): 115-116 MiB on x86-64 Linux, Python 3.11, Ray 2.60.
+# Shared library pages (~120 MiB, file-backed and shared by every process on a node) are not counted.
+STAGE_OVERHEAD_BYTES = 120 * MIB
+
 
 class PlacementError(RuntimeError):
-    """The model does not fit the stages' budgets."""
+    """The model does not fit the stages' budgets or the cluster's nodes."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One alive Ray node as the placement sees it (workers/resources.py reads them from Ray)."""
+    node_id: str
+    ip: str
+    memory_bytes: int
+    cpus: float
+    gpus: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -26,11 +55,14 @@ class StagePlan:
     kv_bytes: int
     compute_bytes: int
     budget_bytes: int | None
-    node: str = ""
+    overhead_bytes: int = 0
+    node_ip: str = ""
+    node_id: str = ""
+    node_memory_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.compute_bytes
+        return self.weight_bytes + self.kv_bytes + self.compute_bytes + self.overhead_bytes
 
 
 @dataclass(frozen=True)
@@ -38,19 +70,61 @@ class Placement:
     stages: list[StagePlan]
 
     def table(self) -> str:
-        rows = [f"{'stage':>5} {'node':<12} {'layers':<9} {'weights MiB':>12} {'KV MiB':>8} "
-                f"{'compute MiB':>12} {'total MiB':>10} {'budget MiB':>11}"]
+        rows = [f"{'stage':>5} {'node':<15} {'layers':<9} {'weights MiB':>12} {'KV MiB':>8} "
+                f"{'compute MiB':>12} {'overhead MiB':>13} {'total MiB':>10} {'node/budget MiB':>16}"]
         for s in self.stages:
-            b = f"{s.budget_bytes / 2**20:11.1f}" if s.budget_bytes else f"{'-':>11}"
-            rows.append(f"{s.stage:>5} {s.node or '-':<12} {s.layers[0]:>3}..{s.layers[1] - 1:<4} "
-                        f"{s.weight_bytes / 2**20:12.1f} {s.kv_bytes / 2**20:8.1f} "
-                        f"{s.compute_bytes / 2**20:12.1f} {s.total_bytes / 2**20:10.1f} {b}")
+            cap = s.node_memory_bytes if s.node_memory_bytes is not None else s.budget_bytes
+            c = f"{cap / MIB:16.1f}" if cap else f"{'-':>16}"
+            rows.append(f"{s.stage:>5} {s.node_ip or '-':<15} {s.layers[0]:>3}..{s.layers[1] - 1:<4} "
+                        f"{s.weight_bytes / MIB:12.1f} {s.kv_bytes / MIB:8.1f} "
+                        f"{s.compute_bytes / MIB:12.1f} {s.overhead_bytes / MIB:13.1f} "
+                        f"{s.total_bytes / MIB:10.1f} {c}")
         return "\n".join(rows)
 
     def to_json(self) -> list[dict]:
-        return [{"stage": s.stage, "node": s.node, "layers": list(s.layers), "weight_bytes": s.weight_bytes,
-                 "kv_bytes": s.kv_bytes, "compute_bytes": s.compute_bytes, "budget_bytes": s.budget_bytes}
+        return [{"stage": s.stage, "node_ip": s.node_ip, "node_id": s.node_id, "layers": list(s.layers),
+                 "weight_bytes": s.weight_bytes, "kv_bytes": s.kv_bytes, "compute_bytes": s.compute_bytes,
+                 "overhead_bytes": s.overhead_bytes, "total_bytes": s.total_bytes,
+                 "node_memory_bytes": s.node_memory_bytes, "budget_bytes": s.budget_bytes}
                 for s in self.stages]
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What placement needs to know of a model: bytes per layer and of the first/last stage's extras."""
+    per_layer: list[int]           # weight bytes of each layer
+    first: int                     # the token embeddings
+    last: int                      # output norm + head (+ the embeddings again when the head is tied)
+    tied: bool
+    kv_per_layer: int              # KV cache bytes of one layer at the planned context
+
+    def __post_init__(self) -> None:
+        acc = [0]
+        for b in self.per_layer:
+            acc.append(acc[-1] + b)
+        object.__setattr__(self, "_prefix", acc)     # layer sums in O(1): placement tries many splits
+
+    def layer_bytes(self, lo: int, hi: int) -> int:
+        return self._prefix[hi] - self._prefix[lo]   # type: ignore[attr-defined]
+
+    @classmethod
+    def of(cls, f: GGUFFile, hp: LlamaHParams, n_ctx: int, kv_type_size: int = 2) -> "ModelSizes":
+        per, first, last = layer_weight_bytes(f, hp.n_layer)
+        return cls(per, first, last, "output.weight" not in f.tensors,
+                   (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size)
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.per_layer)
+
+    def weights(self, lo: int, hi: int, first: bool, last: bool) -> int:
+        w = self.layer_bytes(lo, hi) + (self.first if first else 0) + (self.last if last else 0)
+        if first and last and self.tied:
+            w -= self.first                           # one stage maps the tied embeddings once
+        return w
+
+    def read_per_token(self, lo: int, hi: int, last: bool) -> int:
+        return self.layer_bytes(lo, hi) + (self.last if last else 0)
 
 
 def layer_weight_bytes(f: GGUFFile, n_layer: int) -> tuple[list[int], int, int]:
@@ -70,73 +144,207 @@ def layer_weight_bytes(f: GGUFFile, n_layer: int) -> tuple[list[int], int, int]:
     return per, first, last
 
 
+def _stage(m: ModelSizes, k: int, n: int, rng: tuple[int, int], compute: int, overhead: int,
+           budget: int | None = None, node: NodeInfo | None = None) -> StagePlan:
+    return StagePlan(k, rng, m.weights(*rng, k == 0, k == n - 1), m.kv_per_layer * (rng[1] - rng[0]),
+                     compute, budget, overhead, node.ip if node else "", node.node_id if node else "",
+                     node.memory_bytes if node else None)
+
+
+def _need_text(s: StagePlan) -> str:
+    return (f"stage {s.stage} (layers {s.layers[0]}..{s.layers[1] - 1}) needs {s.total_bytes / MIB:.1f} MiB "
+            f"(weights {s.weight_bytes / MIB:.1f}, KV {s.kv_bytes / MIB:.1f}, compute "
+            f"{s.compute_bytes / MIB:.1f}, process {s.overhead_bytes / MIB:.1f})")
+
+
 def place(f: GGUFFile, hp: LlamaHParams, n_stages: int, n_ctx: int, kv_type_size: int = 2,
-          compute_bytes: int = 0, n_copies: int = 1, budgets: list[int] | None = None,
-          layers: list[tuple[int, int]] | None = None, nodes: list[str] | None = None) -> Placement:
-    """Split hp.n_layer layers over n_stages (or take explicit `layers`) and check the budgets."""
+          compute_bytes: int | Sequence[int] = 0, n_copies: int = 1, budgets: list[int] | None = None,
+          layers: list[tuple[int, int]] | None = None, overhead_bytes: int = 0) -> Placement:
+    """Split hp.n_layer layers over n_stages (or take explicit `layers`) and check the budgets.
+    compute_bytes: one figure for every stage (times n_copies), or the planned one per stage."""
     if n_stages < 1:
         raise PlacementError(f"need at least one stage, got {n_stages}")
     if n_stages > hp.n_layer:
         raise PlacementError(f"{n_stages} stages for {hp.n_layer} layers: every stage needs a layer")
     if budgets is not None and len(budgets) not in (1, n_stages):
         raise PlacementError(f"give one budget or one per stage ({n_stages}), got {len(budgets)}")
-    per, first, last = layer_weight_bytes(f, hp.n_layer)
-    kv_per_layer = (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size
-    # balance the work: get_rows reads a few embedding rows, while the head reads all of its weight
-    ranges = layers if layers is not None else _balance(per, 0, last, n_stages)
+    m = ModelSizes.of(f, hp, n_ctx, kv_type_size)
+    compute = _per_stage(compute_bytes, n_stages, n_copies)
+    ranges = layers if layers is not None else _balance(m, n_stages)
     _check_ranges(ranges, hp.n_layer, n_stages)
-    out = []
-    for k, (lo, hi) in enumerate(ranges):
-        w = sum(per[lo:hi]) + (first if k == 0 else 0) + (last if k == n_stages - 1 else 0)
-        if n_stages == 1 and "output.weight" not in f.tensors:
-            w -= first                               # one stage maps the tied embeddings once
-        budget = None if budgets is None else (budgets[k] if len(budgets) > 1 else budgets[0])
-        out.append(StagePlan(k, (lo, hi), w, kv_per_layer * (hi - lo), compute_bytes * n_copies, budget,
-                             nodes[k] if nodes and k < len(nodes) else ""))
+    out = [_stage(m, k, n_stages, r, compute[k], overhead_bytes,
+                  None if budgets is None else budgets[k if len(budgets) > 1 else 0])
+           for k, r in enumerate(ranges)]
     for s in out:
         if s.budget_bytes is not None and s.total_bytes > s.budget_bytes:
-            raise PlacementError(
-                f"stage {s.stage} (layers {s.layers[0]}..{s.layers[1] - 1}) needs "
-                f"{s.total_bytes / 2**20:.1f} MiB (weights {s.weight_bytes / 2**20:.1f}, KV "
-                f"{s.kv_bytes / 2**20:.1f}, compute {s.compute_bytes / 2**20:.1f}) but its budget is "
-                f"{s.budget_bytes / 2**20:.1f} MiB; add stages, shorten --ctx, or raise the budget")
+            raise PlacementError(f"{_need_text(s)} but its budget is {s.budget_bytes / MIB:.1f} MiB; add "
+                                 f"stages, shorten --ctx, or raise the budget")
     return Placement(out)
 
 
-def _balance(per: list[int], first: int, last: int, k: int) -> list[tuple[int, int]]:
-    """Contiguous ranges minimising the largest stage's weight bytes (binary search on the bound)."""
-    n = len(per)
-    cost = list(per)
-    cost[0] += first
-    cost[-1] += last
+def _per_stage(compute: int | Sequence[int], n: int, n_copies: int = 1) -> list[int]:
+    if isinstance(compute, int):
+        return [compute * n_copies] * n
+    if len(compute) != n:
+        raise PlacementError(f"{len(compute)} compute sizes for {n} stages")
+    return list(compute)
 
-    def fits(limit: int) -> list[tuple[int, int]] | None:
-        """Greedy packing under `limit`; None if it needs more than k ranges."""
-        ranges, lo, acc = [], 0, 0
-        for i, c in enumerate(cost):
-            if c > limit:
-                return None
-            if acc + c > limit:
-                ranges.append((lo, i))
-                lo, acc = i, 0
-            acc += c
-        ranges.append((lo, n))
-        return ranges if len(ranges) <= k else None
 
-    lo_b, hi_b = max(cost), sum(cost)
-    while lo_b < hi_b:
+# -- on a cluster -------------------------------------------------------------------------------------
+ComputeOf = Callable[[int], Sequence[int]]          # n_stages -> planned compute bytes per stage
+
+
+def place_on_nodes(m: ModelSizes, nodes: Sequence[NodeInfo], n_stages: int | None, compute_of: ComputeOf,
+                   overhead_bytes: int = STAGE_OVERHEAD_BYTES, threads: int = 1,
+                   layers: list[tuple[int, int]] | None = None) -> Placement:
+    """One stage per node. n_stages None: the fewest stages that fit. Nodes need `threads` CPUs."""
+    fit = sorted((n for n in nodes if n.cpus >= threads and n.memory_bytes > 0),
+                 key=lambda n: (-n.memory_bytes, n.ip, n.node_id))
+    if not fit:
+        raise PlacementError(f"no alive node has {threads} CPU{'s' if threads > 1 else ''} and memory for a "
+                             f"stage (nodes: {_nodes_text(nodes)})")
+    if layers is not None:
+        _check_ranges(layers, m.n_layer, len(layers))
+        return _assign_ranges(m, fit, layers, compute_of(len(layers)), overhead_bytes)
+    if n_stages is not None:
+        if n_stages < 1 or n_stages > m.n_layer:
+            raise PlacementError(f"{n_stages} stages for {m.n_layer} layers: every stage needs a layer")
+        if n_stages > len(fit):
+            raise PlacementError(f"{n_stages} stages need {n_stages} nodes with {threads} CPU(s); the cluster "
+                                 f"has {len(fit)} ({_nodes_text(nodes)})")
+        got = _fit_k(m, fit[:n_stages], compute_of(n_stages), overhead_bytes)
+        if got is None:
+            raise PlacementError(_no_fit_text(m, fit, n_stages, compute_of, overhead_bytes))
+        return got
+    for k in range(1, min(len(fit), m.n_layer) + 1):
+        got = _fit_k(m, fit[:k], compute_of(k), overhead_bytes)
+        if got is not None:
+            return got
+    raise PlacementError(_no_fit_text(m, fit, None, compute_of, overhead_bytes))
+
+
+def _fit_k(m: ModelSizes, nodes: Sequence[NodeInfo], compute: Sequence[int],
+           overhead: int) -> Placement | None:
+    """The best split over these k nodes (one stage each): for every order of up to 5 nodes (the first
+    stage holds the embeddings, the last the head, so the order matters), else for descending memory,
+    the largest last and ascending."""
+    k = len(nodes)
+    if k <= 5:
+        orders = set(itertools.permutations(nodes))
+    else:
+        orders = {tuple(nodes), tuple(nodes[1:]) + (nodes[0],), tuple(reversed(nodes))}
+    best: tuple[int, Placement] | None = None
+    for order in sorted(orders, key=lambda o: [n.node_id for n in o]):      # deterministic ties
+        caps = [n.memory_bytes - overhead - compute[i] for i, n in enumerate(order)]
+        ranges = _fit_ranges(m, caps)
+        if ranges is None:
+            continue
+        bound = max(m.read_per_token(lo, hi, i == k - 1) for i, (lo, hi) in enumerate(ranges))
+        if best is None or bound < best[0]:
+            best = (bound, Placement([_stage(m, i, k, r, compute[i], overhead, node=order[i])
+                                      for i, r in enumerate(ranges)]))
+    return None if best is None else best[1]
+
+
+def _fit_ranges(m: ModelSizes, caps: list[int]) -> list[tuple[int, int]] | None:
+    """Contiguous ranges, one per cap (bytes left for weights + KV), minimising the largest stage's
+    bytes read per token; None if no split fits the caps."""
+    k, n = len(caps), m.n_layer
+    if k > n:
+        return None
+
+    def solve(bound: int | None) -> list[tuple[int, int]] | None:
+        """Which ends each stage can reach, stage by stage (O(k n)): stage i can end at e iff the
+        largest reachable start j < e gives a range [j, e) that fits (a smaller j only adds layers)."""
+        starts = [True] + [False] * n
+        parents = []
+        for i, cap in enumerate(caps):
+            limit = n if i == k - 1 else n - (k - 1 - i)      # leave a layer for each stage after it
+            ends, par, j = [False] * (n + 1), [-1] * (n + 1), -1
+            for e in range(1, limit + 1):
+                if starts[e - 1]:
+                    j = e - 1
+                if j >= 0 and _fits(m, j, e, i, k, cap, bound):
+                    ends[e], par[e] = True, j
+            parents.append(par)
+            starts = ends
+        if not starts[n]:
+            return None
+        ranges, e = [], n
+        for par in reversed(parents):
+            ranges.append((par[e], e))
+            e = par[e]
+        return ranges[::-1]
+
+    if solve(None) is None:
+        return None
+    lo_b, hi_b = 0, m.read_per_token(0, n, True)
+    while lo_b < hi_b:                            # the smallest bound under which the caps still fit
         mid = (lo_b + hi_b) // 2
-        if fits(mid) is not None:
+        if solve(mid) is not None:
             hi_b = mid
         else:
             lo_b = mid + 1
-    ranges = fits(lo_b)
-    assert ranges is not None
-    while len(ranges) < k:                       # split the widest range until there are k
-        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
-        a, b = ranges[i]
-        m = (a + b) // 2
-        ranges[i:i + 1] = [(a, m), (m, b)]
+    return solve(lo_b)
+
+
+def _fits(m: ModelSizes, lo: int, hi: int, i: int, k: int, cap: int, bound: int | None) -> bool:
+    if m.weights(lo, hi, i == 0, i == k - 1) + m.kv_per_layer * (hi - lo) > cap:
+        return False
+    return bound is None or m.read_per_token(lo, hi, i == k - 1) <= bound
+
+
+def _assign_ranges(m: ModelSizes, nodes: Sequence[NodeInfo], ranges: list[tuple[int, int]],
+                   compute: Sequence[int], overhead: int) -> Placement:
+    """Explicit --layers: the neediest stage on the largest node, and so on down (the sorted pairing
+    fits whenever any pairing does)."""
+    k = len(ranges)
+    if k > len(nodes):
+        raise PlacementError(f"{k} layer ranges need {k} nodes; the cluster has {len(nodes)} that can "
+                             f"run a stage ({_nodes_text(nodes)})")
+    stages = [_stage(m, i, k, r, compute[i], overhead) for i, r in enumerate(ranges)]
+    by_need = sorted(stages, key=lambda s: -s.total_bytes)
+    placed = {}
+    for s, node in zip(by_need, nodes):
+        if s.total_bytes > node.memory_bytes:
+            raise PlacementError(f"{_need_text(s)} but the largest node left ({node.ip}) has "
+                                 f"{node.memory_bytes / MIB:.1f} MiB; choose other --layers or add memory")
+        placed[s.stage] = replace(s, node_ip=node.ip, node_id=node.node_id,
+                                  node_memory_bytes=node.memory_bytes)
+    return Placement([placed[i] for i in range(k)])
+
+
+def _no_fit_text(m: ModelSizes, fit: Sequence[NodeInfo], n_stages: int | None, compute_of: ComputeOf,
+                 overhead: int) -> str:
+    """One line: what the largest stage of the best split needs, the largest node, what would fit."""
+    largest = fit[0].memory_bytes
+    k0 = n_stages or min(len(fit), m.n_layer)
+    ranges = _balance(m, k0)
+    comp = compute_of(k0)
+    worst = max((_stage(m, i, k0, r, comp[i], overhead) for i, r in enumerate(ranges)),
+                key=lambda s: s.total_bytes)
+    head = f"--stages {n_stages}" if n_stages else "--stages auto"
+    want = ""
+    for k in range(k0 + 1, m.n_layer + 1):        # equal nodes: how many, of what size, would hold it
+        comp = compute_of(k)
+        need = max(_stage(m, i, k, r, comp[i], overhead).total_bytes for i, r in enumerate(_balance(m, k)))
+        if need <= largest or k == m.n_layer:
+            want = f"; needs {k} nodes of >= {need / MIB:.0f} MiB"
+            break
+    return (f"{head}: the model does not fit: {_need_text(worst)}, the largest node has "
+            f"{largest / MIB:.1f} MiB{want}; the cluster has {len(fit)} node{'s' if len(fit) != 1 else ''} "
+            f"that can run a stage ({_nodes_text(fit)})")
+
+
+def _nodes_text(nodes: Sequence[NodeInfo]) -> str:
+    return ", ".join(f"{n.ip} {n.memory_bytes / MIB:.0f} MiB {n.cpus:g} CPU" for n in nodes) or "none"
+
+
+def _balance(m: ModelSizes, k: int) -> list[tuple[int, int]]:
+    """Contiguous ranges minimising the largest stage's bytes read per token (no memory caps)."""
+    ranges = _fit_ranges(m, [2**62] * k)
+    if ranges is None:
+        raise PlacementError(f"{k} stages for {m.n_layer} layers: every stage needs a layer")
     return ranges
 
 

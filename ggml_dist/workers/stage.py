@@ -21,15 +21,15 @@ import numpy as np
 
 from ..alloc.gallocr import Gallocr
 from ..backends.base import BufferUsage, tensor_array
-from ..backends.cpu import CPUDevice, compute_graph
+from ..backends.cpu import CPUBuffer, CPUDevice, compute_graph
 from ..backends.cpu_ops import ComputeOptions
-from ..core.context import Context
-from ..core.tensor import Tensor
+from ..core.tensor import Tensor, nbytes
 from ..core.types import GGMLType
 from ..model.gguf import load_gguf
 from ..model.kv_cache import KVCache
-from ..model.weights import MAPPED_BUFT, MappedBuffer, load_weights
+from ..model.weights import MappedBuffer, load_weights
 from .plan import PlanError, RebuiltPlan, rebuild
+from .shipping import WeightManifest, WeightReceiver
 from .wire import WireTensor, decode, encode
 
 MAX_PLANS = 32           # plans a stage keeps (LRU); its proxy mirrors the same LRU
@@ -76,15 +76,29 @@ class StageSpec:
         return out
 
 
-class ReceivedBuffer:
-    """Weights sent by the driver: a read-only host buffer over the received message."""
+class StageArena:
+    """One compute buffer for every plan of a stage (a buffer type whose buffers are views of it).
+
+    A stage runs its calls one at a time and a plan's buffer is scratch between calls (its exports are
+    encoded before the call returns), so the plans can share memory: the stage holds its largest
+    plan's buffer, not the sum of its plans' (a prompt of each length is a plan of its own)."""
     is_host = True
 
-    def __init__(self, msg: Any) -> None:
-        self.base = np.frombuffer(msg, dtype=np.uint8)
-        self.size = self.base.nbytes
-        self.buft = MAPPED_BUFT
-        self.usage = BufferUsage.WEIGHTS
+    def __init__(self, name: str, alignment: int) -> None:
+        self.name = name
+        self.alignment = alignment
+        self.max_size = 2**62
+        self.base = np.zeros(1, dtype=np.uint8)
+
+    def alloc_buffer(self, size: int) -> CPUBuffer:
+        if size > self.base.nbytes:
+            self.base = np.zeros(size, dtype=np.uint8)          # plans bound to the old one are redone
+        buf = CPUBuffer.__new__(CPUBuffer)
+        buf.buft, buf.size, buf.usage, buf.base = self, size, BufferUsage.ANY, self.base[:max(size, 1)]
+        return buf
+
+    def get_alloc_size(self, t: Tensor) -> int:
+        return nbytes(t)
 
 
 @dataclass
@@ -109,7 +123,7 @@ class StageWorker:
             except (ImportError, ValueError):
                 pass
         self.weights: dict[str, Tensor] = {}
-        self._weight_msg: Any = None                 # keeps received weight bytes alive
+        self._receiver = WeightReceiver()
         if os.access(spec.model_path, os.R_OK):      # map our layers from the file, zero-copy
             f = load_gguf(spec.model_path)
             names = spec.weight_names(list(f.tensors), "output.weight" not in f.tensors)
@@ -119,6 +133,7 @@ class StageWorker:
         self.kv = KVCache(spec.n_embd_k_gqa, spec.n_embd_v_gqa, spec.n_ctx, range(*spec.layers),
                           GGMLType(spec.type_kv), GGMLType(spec.type_kv), spec.n_seq_max, spec.kv_unified)
         self.kv.allocate(self.buft)
+        self.arena = StageArena(f"stage{spec.stage_id}-compute", self.buft.alignment)
         self.kv_tensors = {t.name: t for t in self.kv.tensors()}
         self.opts = ComputeOptions(exact=spec.exact)
         self.plans: OrderedDict[str, tuple[RebuiltPlan, Gallocr]] = OrderedDict()
@@ -133,21 +148,22 @@ class StageWorker:
     def needs_weights(self) -> bool:
         return not self.weights
 
-    def receive_weights(self, msg: Any) -> int:
-        """This node cannot read the GGUF path: take the layers' weights from the driver, once. They
-        stay as received (quantized blocks), in one host buffer over the message's bytes."""
-        tensors, _ = decode(msg)
-        buf = ReceivedBuffer(msg)
-        ctx = Context(len(tensors) * 400 + 1024, no_alloc=True, name="received-weights")
-        weights = {}
-        base = np.frombuffer(msg, dtype=np.uint8)
-        for wt in tensors:
-            t = ctx.new_tensor(wt.type, wt.ne).set_name(wt.name)
-            t.buffer, t.data = buf, int(wt.data.ctypes.data - base.ctypes.data)
-            weights[wt.name] = t
-        self._weight_msg = msg
-        self._set_weights(weights)
-        return sum(t.nbytes for t in weights.values())
+    # -- weights sent by the driver (this node cannot read the GGUF path): workers/shipping.py ------
+    def open_weights(self, manifest: dict) -> bool:
+        """True if the node's cache holds these weights (now mapped); else chunks are to follow."""
+        m = WeightManifest.from_dict(manifest)
+        if self._receiver.open(m):
+            self._set_weights(self._receiver.mapped())
+            return True
+        return False
+
+    def weights_chunk(self, offset: int, data: Any) -> int:
+        return self._receiver.write(offset, data)
+
+    def finish_weights(self) -> int:
+        self._receiver.finish()
+        self._set_weights(self._receiver.mapped())
+        return sum(t.nbytes for t in self.weights.values())
 
     # -- info ---------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -164,7 +180,7 @@ class StageWorker:
                 "kv_bytes": self.kv.nbytes, "compute_bytes": self.compute_bytes()}
 
     def compute_bytes(self) -> int:
-        return max((g.get_buffer_size(0) for _, g in self.plans.values()), default=0)
+        return self.arena.base.nbytes if self.plans else 0
 
     def get_stats(self) -> dict[str, Any]:
         s = self.stats
@@ -184,14 +200,25 @@ class StageWorker:
             raise PlanMissingError(f"stage {self.spec.stage_id}: unknown plan {pid} (restarted?) and no "
                                    f"description sent")
         plan = rebuild(desc, self.weights, self.kv_tensors)
-        galloc = Gallocr([self.buft])
-        galloc.reserve(plan.graph)
-        galloc.alloc_graph(plan.graph)
+        arena = self.arena.base
+        galloc = self._allocate(plan)
+        if self.arena.base is not arena:             # it grew: the other plans move into the new one
+            for k, (p, _) in self.plans.items():
+                self.plans[k] = (p, self._allocate(p))
         self.plans[pid] = (plan, galloc)
         self.stats.n_plans += 1
         while len(self.plans) > MAX_PLANS:
             self.plans.popitem(last=False)
         return plan, galloc
+
+    def _allocate(self, plan: RebuiltPlan) -> Gallocr:
+        for t in (*plan.graph.nodes, *plan.graph.leafs):   # a plan moving to a grown arena is redone
+            if t.buffer is not None and t.buffer.buft is self.arena:
+                t.buffer = t.data = None
+        galloc = Gallocr([self.arena])
+        galloc.reserve(plan.graph)
+        galloc.alloc_graph(plan.graph)
+        return galloc
 
     def compute(self, pid: str, desc: dict | None, inputs: bytes, *upstream: bytes) -> bytearray:
         if self.needs_weights:

@@ -4,13 +4,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_dist.backends.cpu import CPUDevice
 from ggml_dist.model.context import ContextParams, LlamaContext
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
 from ggml_dist.model.ubatch import Batch
 from ggml_dist.workers import stage as stage_mod
-from ggml_dist.workers.cluster import _bind_exports, _driver_weights
+from ggml_dist.workers.driver import driver_context
 from ggml_dist.workers.placement import place
 from ggml_dist.workers.proxy import Call, StageDevice, StageProxy
 from ggml_dist.workers.stage import StageSpec, StageWorker
@@ -29,11 +28,7 @@ def local_pipeline(path, n_stages: int, params: ContextParams):
         call = Call(submit=lambda pid, desc, inp, *ups, w=w: w.compute(pid, desc, inp, *ups),
                     get=lambda hs: hs, wait=lambda hs: None)
         proxies.append(StageProxy(sp.stage, sp.layers, call, StageDevice(f"stage{sp.stage}")))
-    stage_of = {il: p for p in proxies for il in range(*p.layers)}
-    ctx = LlamaContext(model, params, backends=[*proxies, CPUDevice().init_backend()],
-                       weights=_driver_weights(model, pl, proxies),
-                       layer_buft=lambda il: stage_of[il].device.buft,
-                       after_alloc=lambda sched, g: _bind_exports(sched, g, proxies))
+    ctx = driver_context(model, params, pl, proxies, n_copies=1)
     return model, ctx, workers
 
 
@@ -65,3 +60,32 @@ def test_plan_lru_mirrored(path, monkeypatch):
         pos += n
     assert all(len(w.plans) <= 2 for w in workers)
     assert all(w.stats.n_plans > 2 for w in workers)   # evicted plans were described again
+
+
+# a stage's plans share one compute buffer, the size of its largest plan's: shapes that grow it move
+# the earlier plans into the new buffer, and every shape still gives the single-process logits
+def test_plans_share_one_compute_buffer(path):
+    model, ctx, workers = local_pipeline(path, 2, ContextParams(n_ctx=256, n_batch=64))
+    ref = LlamaContext(model, ContextParams(n_ctx=256, n_batch=64))
+    pos = 0
+    for n in [1, 4, 2, 9, 1, 4, 2, 9]:             # grows twice, then revisits the earlier shapes
+        toks = list(range(20, 20 + n))
+        assert np.array_equal(ctx.decode(Batch.from_tokens(toks, pos0=pos, all_outputs=True)),
+                              ref.decode(Batch.from_tokens(toks, pos0=pos, all_outputs=True)))
+        pos += n
+    for w in workers:
+        sizes = [g.get_buffer_size(0) for _, g in w.plans.values()]
+        assert len(sizes) == 4 and w.compute_bytes() == max(sizes) < sum(sizes)
+        assert all(g.buffers[0].chunks[0].base.base is w.arena.base for _, g in w.plans.values())
+
+
+# what placement counts for a stage's compute buffer (the driver's plan of its splits, one copy) is
+# what the stage allocates for the worst-case ubatch (every token an output, over the whole cache)
+def test_planned_compute_is_what_the_stage_allocates(path):
+    from ggml_dist.workers.driver import planned_compute
+    params = ContextParams(n_ctx=256, n_batch=64, n_ubatch=64)
+    model, ctx, workers = local_pipeline(path, 3, params)
+    ctx.decode(Batch.from_tokens(list(range(30, 94)), pos0=0, all_outputs=True))       # 64 tokens
+    planned = planned_compute(model, params, 3, 1)
+    got = [w.compute_bytes() for w in workers]
+    assert got == planned
