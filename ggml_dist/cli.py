@@ -90,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching)")
     p.add_argument("--model", required=True, help="a GGUF path or a known name (smollm2-135m)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages (Ray actors); 1 without "
-                   "--address serves from this process")
+    p.add_argument("--stages", type=_stages_arg, default=1, help="pipeline stages (Ray actors), or auto: "
+                   "the fewest that fit the cluster's nodes; 1 without --address serves from this process")
     p.add_argument("--address", default=None, help="Ray cluster address to join")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8080)
@@ -365,7 +365,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from .model.pull import resolve_model
     from .serve import EngineConfig, serve
-    cfg = EngineConfig(str(resolve_model(args.model)), n_stages=args.stages, address=args.address,
+    cfg = EngineConfig(str(resolve_model(args.model)), n_stages=0 if args.stages == "auto" else args.stages,
+                       address=args.address,
                        n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
                        max_queue=args.max_queue, threads_per_stage=args.threads,
                        kv_unified={"auto": None, "on": True, "off": False}[args.kv_unified],

@@ -112,7 +112,7 @@ class MicroBatch:
 @dataclass(slots=True)
 class EngineConfig:
     model_path: str
-    n_stages: int = 1
+    n_stages: int = 1                       # 0: auto, the fewest stages that fit the cluster's nodes
     address: str | None = None
     n_parallel: int = 4
     n_ctx: int = 2048
@@ -134,15 +134,17 @@ class EngineConfig:
             raise ValueError(f"--ctx {self.n_ctx} over --parallel {self.n_parallel} leaves "
                              f"{self.n_ctx // self.n_parallel} cells per slot; raise --ctx")
         if self.kv_unified is None:
-            self.kv_unified = self.n_stages > 1 or self.address is not None
+            self.kv_unified = self.n_stages != 1 or self.address is not None
         if not 1 <= self.n_replicas <= self.n_parallel:
             raise ValueError(f"--replicas must be 1..--parallel ({self.n_parallel}), got {self.n_replicas}")
-        if self.n_replicas > 1 and (self.n_stages > 1 or self.address is not None):
+        if self.n_replicas > 1 and (self.n_stages != 1 or self.address is not None):
             raise ValueError("--replicas runs engines side by side in one machine; it does not combine "
                              "with a pipeline (--stages > 1 or --address)")
-        if self.n_stages < 1 or self.max_queue < 0:
-            raise ValueError(f"--stages must be >= 1 and the queue bound >= 0 "
+        if self.n_stages < 0 or self.max_queue < 0:
+            raise ValueError(f"--stages must be >= 1 (or auto) and the queue bound >= 0 "
                              f"({self.n_stages}, {self.max_queue})")
+        if self.n_stages == 0 and self.address is None:
+            raise ValueError("--stages auto places the model on a cluster's nodes: give --address")
 
 
 class Engine:
@@ -254,10 +256,12 @@ class Engine:
             from ..workers.cluster import Pipeline, connect
             print(f"ggml-dist serve: {connect(cfg.address, num_cpus=max(2, cfg.n_stages * cfg.threads_per_stage))}",
                   file=sys.stderr)
-            self.depth = cfg.n_copies or cfg.n_stages
             # Pipeline.launch returns once every stage actor has mapped its weights
-            self.pipeline = Pipeline.launch(cfg.model_path, cfg.n_stages, params, n_copies=self.depth,
-                                            threads_per_stage=cfg.threads_per_stage)
+            self.pipeline = Pipeline.launch(cfg.model_path, cfg.n_stages or None, params,
+                                            n_copies=cfg.n_copies or cfg.n_stages or None,
+                                            threads_per_stage=cfg.threads_per_stage,
+                                            on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True))
+            self.depth = self.pipeline.ctx.n_copies
             self.model, self.ctx = self.pipeline.model, self.pipeline.ctx
         # one token through every stage: compiles kernels and plans before the first request
         self.ctx.decode(Batch.from_tokens([self.model.tokenizer.bos_id or 0]))

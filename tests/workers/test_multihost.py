@@ -137,6 +137,49 @@ def test_ray_job_submit_auto(cluster, model, reference):
     assert {s["node_ip"] for s in out["plan"]} == {cluster.ips[2], cluster.ips[3]}
 
 
+# the README's command for a job that brings its own code (`--runtime-env-json` py_modules from the
+# repository's root): the driver leaves the job's runtime env alone, and host 2 runs that copy
+def test_ray_job_submit_with_job_py_modules(cluster, model, reference):
+    ray_cli = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([ray_cli, "job", "submit", "--address", cluster.dashboard_url, "--runtime-env-json",
+                        json.dumps({"py_modules": ["ggml_dist"], "excludes": ["__pycache__"]}), "--",
+                        "python", "-m", "ggml_dist.cli", "run", "--model", str(model), "--stages", "auto", "--ctx",
+                        str(CTX), "--prompt", PROMPT, "-n", "4", "--temp", "0", "--json"],
+                       capture_output=True, text=True, timeout=600, env=cluster.env_for(0, driver=False),
+                       cwd=str(repo))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith('{"prompt_tokens"')))
+    assert out["tokens"] == reference[1][:4]
+
+
+# `ggml-dist serve --stages auto` on the head, reached over the bridge by the official client
+def test_serve_auto_over_hosts(cluster, model, reference):
+    import openai
+    port = 18080
+    p = cluster.popen_in(0, [CLI, "serve", "--address", cluster.gcs_address, "--model", str(model), "--stages",
+                             "auto", "--ctx", str(CTX), "--parallel", "2", "--host", cluster.head_ip, "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://{cluster.head_ip}:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert p.poll() is None, p.stderr.read().decode()[-3000:]
+            try:
+                import httpx
+                if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
+                    break
+            except Exception:
+                pass
+            time.sleep(1)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        got = c.completions.create(model="m", prompt=PROMPT, max_tokens=N_PREDICT, temperature=0)
+        assert got.choices[0].text == reference[2]
+    finally:
+        p.terminate()
+        p.wait(timeout=60)
+
+
 # the link of the host holding stage 1 cut mid-generation: found within seconds (not Ray's node-death
 # timeout), the stage placed again on the spare host, the same text
 def test_link_cut_mid_generation(cluster, model, reference):
