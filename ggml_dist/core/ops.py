@@ -187,7 +187,8 @@ def rope_ext(ctx: Context, a: Tensor, pos: Tensor, freq_factors: Tensor | None, 
     _check(a.ne[2] == pos.ne[0], "ROPE", "one position per a.ne[2] (token)", a, pos)
     _check(0 < n_dims <= a.ne[0] and n_dims % 2 == 0, "ROPE", f"n_dims={n_dims} must be even and <= ne[0]", a)
     _check(mode in (ROPE_TYPE_NORM, ROPE_TYPE_NEOX), "ROPE", f"mode {mode} is not NORM(0) or NEOX(2)", a)
-    if freq_factors is not None:
+    if freq_factors is not None:                # theta of pair i is divided by freq_factors[i]
+        _check(freq_factors.type == GGMLType.F32, "ROPE", "frequency factors must be F32", freq_factors)
         _check(freq_factors.ne[0] >= n_dims // 2, "ROPE", "need n_dims/2 frequency factors", freq_factors)
     params = (0, int(n_dims), int(mode), 0, int(n_ctx_orig), float(freq_base), float(freq_scale),
               float(ext_factor), float(attn_factor), float(beta_fast), float(beta_slow))

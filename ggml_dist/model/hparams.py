@@ -1,8 +1,15 @@
-"""Model hyperparameters from GGUF metadata, and a check that the tensors match them (llama, qwen2).
+"""Model hyperparameters from GGUF metadata, and a check that the tensors match them (llama, qwen2, qwen3).
 
-Mirrors llama_model::load_hparams and the tensor-creation checks of llama_model::load_tensors: keys are
-`{arch}.*`, and every tensor the graph builder will use is checked for presence and shape up front, so a
-bad file fails at load time with a message naming the tensor instead of deep inside a graph.
+Mirrors llama_model_base::load_hparams, the per-arch load_arch_hparams / load_arch_tensors and the
+tensor-count check of llama_model_loader: keys are `{arch}.*`, and every tensor the graph builder will
+use is checked for presence and shape up front, so a bad file fails at load time with a message naming
+the tensor instead of deep inside a graph.
+
+Nothing in a file is silently ignored, because an ignored key or tensor gives plausible but wrong logits
+(a Llama 3.1 file run without its rope_freqs.weight does). Every `{arch}.*` key is read (ARCH_KEYS),
+known to leave the forward pass unchanged at its value (NEUTRAL_KEYS), or refused; every tensor is one
+the graph reads (expected_tensors) or is on KNOWN_UNUSED_TENSORS, or the file is refused. Keys outside
+`{arch}.*` (general.*, tokenizer.*, quantize.*) do not describe the forward pass.
 """
 from __future__ import annotations
 
@@ -10,11 +17,72 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from ggml_dist.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORM
 from ggml_dist.core.types import TYPE_TRAITS, GGMLType
 from ggml_dist.model.gguf import GGUFError, GGUFFile
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
 LLAMA_MAX_LAYERS = 512      # llama.cpp's limit; also bounds the work check_tensors does per layer
+
+
+# -- the architectures ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    """What sets one architecture apart (llama_model_rope_type, load_arch_tensors, its graph)."""
+    rope_type: int          # NORM rotates adjacent pairs (the converter permuted Q/K rows), NEOX halves
+    qkv_bias: bool          # attn_q/k/v.bias: required if True, refused if False
+    qk_norm: bool           # attn_q_norm/attn_k_norm: an RMS norm of every Q and K head before rope
+    rope_freqs: bool        # may carry rope_freqs.weight (llama3 rope scaling's frequency factors)
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(ROPE_TYPE_NORM, qkv_bias=False, qk_norm=False, rope_freqs=True),
+    "qwen2": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=True, qk_norm=False, rope_freqs=False),
+    "qwen3": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False),
+}
+SUPPORTED_ARCHS = tuple(ARCHS)
+
+# tensors llama.cpp loads for an architecture but never reads when it computes logits (each says why)
+KNOWN_UNUSED_TENSORS: dict[str, frozenset[str]] = {
+    "qwen3": frozenset({"cls.output.weight"}),   # a reranker's head: read only by rank pooling, and a
+                                                 # qwen3.pooling_type other than none is refused
+}
+
+
+# -- the metadata keys ------------------------------------------------------------------------------
+# `{arch}.` keys that hparams_from_gguf reads (llama_model_base::load_hparams, for these archs)
+ARCH_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base", "rope.scaling.type",
+    "rope.scaling.factor", "rope.scale_linear", "rope.scaling.attn_factor",
+    "rope.scaling.original_context_length",
+})
+
+# `{arch}.` keys that leave the forward pass as it is at the value given (None: at any value)
+NEUTRAL_KEYS: dict[str, Any] = {
+    "rope.scaling.finetuned": None,    # a note for tools: llama.cpp stores it and never reads it
+    "expert_count": 0,                 # a dense model (mixture of experts is not implemented)
+    "expert_used_count": 0,
+    "attention.causal": True,          # the causal mask, the only one built
+    "pooling_type": 0,                 # LLAMA_POOLING_TYPE_NONE: logits, not pooled embeddings
+}
+
+# common `{arch}.` keys that change the math and are not implemented: what each would do
+REFUSED_KEYS: dict[str, str] = {
+    "attention.scale": "a KQ scale other than 1/sqrt(head size)",
+    "attn_logit_softcapping": "a tanh cap on the attention scores",
+    "final_logit_softcapping": "a tanh cap on the output logits",
+    "attention.sliding_window": "sliding-window attention",
+    "attention.sliding_window_pattern": "sliding-window attention",
+    "attention.clamp_kqv": "clamping of Q, K and V",
+    "logit_scale": "a scale on the output logits",
+    "embedding_scale": "a scale on the token embeddings",
+    "residual_scale": "a scale on the residual branches",
+    "rope.freq_base_swa": "sliding-window attention",
+    "rope.dimension_sections": "multimodal rope (mrope)",
+}
 
 
 @dataclass(slots=True)
@@ -29,12 +97,21 @@ class LlamaHParams:
     n_ff: int
     n_embd_head_k: int          # attention.key_length, default n_embd / n_head
     n_embd_head_v: int          # attention.value_length, default n_embd / n_head
-    n_rot: int                  # rope.dimension_count, default n_embd_head_k
+    n_rot: int                  # rope.dimension_count, default n_embd_head_k (must equal it)
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0    # 1 / rope.scaling.factor for linear scaling
+    rope_attn_factor: float = 1.0   # rope.scaling.attn_factor: scales cos and sin
+    n_ctx_orig_yarn: int = 0        # rope.scaling.original_context_length; 0: n_ctx_train
     f_norm_rms_eps: float = 1e-5
     tie_word_embeddings: bool = False   # no output.weight: the output projection reuses token_embd
-    use_qkv_bias: bool = False          # qwen2: attn_q/k/v have biases
+    rope_freqs: bool = False            # rope_freqs.weight: frequency factors for every layer's rope
+
+    def __post_init__(self) -> None:
+        self.n_ctx_orig_yarn = self.n_ctx_orig_yarn or self.n_ctx_train
+
+    @property
+    def spec(self) -> ArchSpec:
+        return ARCHS[self.arch]
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -61,15 +138,79 @@ def _key(f: GGUFFile, key: str, kind: type, default: Any = None, required: bool 
         return float(v)
     if kind is str and isinstance(v, str):
         return v
+    if kind is bool and isinstance(v, bool):
+        return v
     raise GGUFError(f"{f.path}: metadata key '{key}' has value {v!r} ({type(v).__name__}), "
                     f"expected {kind.__name__}")
 
 
+def check_keys(f: GGUFFile, arch: str) -> None:
+    """Every `{arch}.*` key is read, or neutral at its value; any other one may change the math."""
+    a = arch + "."
+    for key, v in f.metadata.items():
+        if not key.startswith(a) or key[len(a):] in ARCH_KEYS:
+            continue
+        k = key[len(a):]
+        if k in NEUTRAL_KEYS and NEUTRAL_KEYS[k] in (None, v):
+            continue
+        if k in NEUTRAL_KEYS:
+            raise GGUFError(f"{f.path}: {key} = {v!r} is not supported (only {NEUTRAL_KEYS[k]!r} is)")
+        what = f" ({REFUSED_KEYS[k]})" if k in REFUSED_KEYS else ""
+        raise GGUFError(f"{f.path}: metadata key '{key}' = {_short(v)}{what} is not implemented; the file "
+                        f"is refused rather than run with it ignored")
+
+
+def _short(v: Any) -> str:
+    return f"[{len(v)} values]" if isinstance(v, list) else repr(v)
+
+
+def _head_sizes(f: GGUFFile, a: str, n_embd: int, n_head: int) -> tuple[int, int, int]:
+    """(n_embd_head_k, n_embd_head_v, n_rot). The three graphs rotate whole heads of one size."""
+    if n_embd % n_head and (a + "attention.key_length") not in f.metadata:
+        raise GGUFError(f"{f.path}: embedding_length {n_embd} is not a multiple of head_count {n_head}")
+    head_k = _key(f, a + "attention.key_length", int, default=n_embd // n_head)
+    head_v = _key(f, a + "attention.value_length", int, default=n_embd // n_head)
+    n_rot = _key(f, a + "rope.dimension_count", int, default=head_k)
+    if head_k <= 0 or head_v != head_k:
+        raise GGUFError(f"{f.path}: {a}attention.key_length = {head_k} and {a}attention.value_length = "
+                        f"{head_v} must be equal and positive")
+    if n_rot != head_k or n_rot % 2:
+        raise GGUFError(f"{f.path}: {a}rope.dimension_count = {n_rot} must equal the head size {head_k} "
+                        f"(an even number)")
+    return head_k, head_v, n_rot
+
+
+def _rope_freq_scale(f: GGUFFile, a: str) -> float:
+    """load_hparams and llama_context: the scaling type defaults to linear; 'none' never scales, 'linear'
+    divides positions by rope.scaling.factor (or the older rope.scale_linear), f32 1.0f/factor."""
+    scaling = _key(f, a + "rope.scaling.type", str, default="linear")
+    if scaling not in ("none", "linear"):
+        raise GGUFError(f"{f.path}: {a}rope.scaling.type = '{scaling}' is not supported (none, linear): "
+                        f"yarn and longrope rope scaling are not implemented")
+    factor = _key(f, a + "rope.scaling.factor", float, required=False)
+    if factor is None:
+        factor = _key(f, a + "rope.scale_linear", float, default=0.0)
+    if scaling == "none" or factor == 0.0:
+        return 1.0
+    return float(np.float32(1.0) / np.float32(factor))
+
+
+def _n_vocab(f: GGUFFile, a: str) -> int:
+    if a + "vocab_size" in f.metadata:
+        return _key(f, a + "vocab_size", int)
+    if "tokenizer.ggml.tokens" in f.metadata:
+        return len(f.metadata["tokenizer.ggml.tokens"])
+    if "token_embd.weight" in f.tensors:
+        return f.tensors["token_embd.weight"].ne[1]
+    raise GGUFError(f"{f.path}: cannot tell the vocabulary size (no {a}vocab_size, no tokens)")
+
+
 def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
     arch = _key(f, "general.architecture", str)
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in ARCHS:
         raise GGUFError(f"{f.path}: unknown or unsupported architecture '{arch}'; "
                         f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    check_keys(f, arch)
     a = arch + "."
     n_embd = _key(f, a + "embedding_length", int)
     n_head = _key(f, a + "attention.head_count", int)
@@ -87,47 +228,28 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise GGUFError(f"{f.path}: {a}attention.head_count_kv = {n_head_kv} must be positive and divide "
                         f"head_count = {n_head}")
-    if n_embd % n_head and (a + "attention.key_length") not in f.metadata:
-        raise GGUFError(f"{f.path}: embedding_length {n_embd} is not a multiple of head_count {n_head}")
-    n_embd_head_k = _key(f, a + "attention.key_length", int, default=n_embd // n_head)
-    n_embd_head_v = _key(f, a + "attention.value_length", int, default=n_embd // n_head)
-    n_rot = _key(f, a + "rope.dimension_count", int, default=n_embd_head_k)
-    if not 0 < n_rot <= n_embd_head_k or n_rot % 2:
-        raise GGUFError(f"{f.path}: {a}rope.dimension_count = {n_rot} must be even and in "
-                        f"1..{n_embd_head_k} (head size)")
-
-    if a + "vocab_size" in f.metadata:
-        n_vocab = _key(f, a + "vocab_size", int)
-    elif "tokenizer.ggml.tokens" in f.metadata:
-        n_vocab = len(f.metadata["tokenizer.ggml.tokens"])
-    elif "token_embd.weight" in f.tensors:
-        n_vocab = f.tensors["token_embd.weight"].ne[1]
-    else:
-        raise GGUFError(f"{f.path}: cannot tell the vocabulary size (no {a}vocab_size, no tokens)")
-
-    freq_scale = 1.0
-    scaling = _key(f, a + "rope.scaling.type", str, default="none", required=False)
-    factor = _key(f, a + "rope.scaling.factor", float, default=0.0, required=False)
-    if scaling == "linear" and factor:
-        freq_scale = 1.0 / factor
-    elif scaling not in ("none", "linear"):
-        raise GGUFError(f"{f.path}: {a}rope.scaling.type '{scaling}' is not supported (none, linear)")
-
+    head_k, head_v, n_rot = _head_sizes(f, a, n_embd, n_head)
+    n_ctx_orig = _key(f, a + "rope.scaling.original_context_length", int, default=n_ctx_train)
+    if n_ctx_orig <= 0:
+        raise GGUFError(f"{f.path}: {a}rope.scaling.original_context_length = {n_ctx_orig} must be positive")
     return LlamaHParams(
-        arch=arch, n_vocab=n_vocab, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
-        n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_head_k=n_embd_head_k,
-        n_embd_head_v=n_embd_head_v, n_rot=n_rot,
+        arch=arch, n_vocab=_n_vocab(f, a), n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
+        n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_head_k=head_k, n_embd_head_v=head_v,
+        n_rot=n_rot,
         rope_freq_base=_key(f, a + "rope.freq_base", float, default=10000.0),
-        rope_freq_scale=freq_scale,
-        f_norm_rms_eps=_key(f, a + "attention.layer_norm_rms_epsilon", float, default=1e-5),
+        rope_freq_scale=_rope_freq_scale(f, a),
+        rope_attn_factor=_key(f, a + "rope.scaling.attn_factor", float, default=1.0),
+        n_ctx_orig_yarn=n_ctx_orig,
+        f_norm_rms_eps=_key(f, a + "attention.layer_norm_rms_epsilon", float),
         tie_word_embeddings="output.weight" not in f.tensors,
-        use_qkv_bias=arch == "qwen2",
+        rope_freqs=ARCHS[arch].rope_freqs and "rope_freqs.weight" in f.tensors,
     )
 
 
+# -- the tensors ------------------------------------------------------------------------------------
 def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> ne (ggml order, unpadded) that the graph builder needs."""
-    n_embd, n_vocab = hp.n_embd, hp.n_vocab
+    """Tensor name -> ne (ggml order, unpadded): every tensor the graph builder reads, and no other."""
+    spec, n_embd, n_vocab = hp.spec, hp.n_embd, hp.n_vocab
     q_out = hp.n_embd_head_k * hp.n_head
     v_out = hp.n_embd_head_v * hp.n_head
     want: dict[str, tuple[int, ...]] = {
@@ -136,6 +258,8 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
     }
     if not hp.tie_word_embeddings:
         want["output.weight"] = (n_embd, n_vocab)
+    if hp.rope_freqs:                                 # one per-pair divisor, shared by all layers
+        want["rope_freqs.weight"] = (hp.n_rot // 2,)
     for i in range(hp.n_layer):
         b = f"blk.{i}."
         want[b + "attn_norm.weight"] = (n_embd,)
@@ -143,10 +267,13 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         want[b + "attn_k.weight"] = (n_embd, hp.n_embd_k_gqa)
         want[b + "attn_v.weight"] = (n_embd, hp.n_embd_v_gqa)
         want[b + "attn_output.weight"] = (v_out, n_embd)
-        if hp.use_qkv_bias:
+        if spec.qkv_bias:
             want[b + "attn_q.bias"] = (q_out,)
             want[b + "attn_k.bias"] = (hp.n_embd_k_gqa,)
             want[b + "attn_v.bias"] = (hp.n_embd_v_gqa,)
+        if spec.qk_norm:
+            want[b + "attn_q_norm.weight"] = (hp.n_embd_head_k,)
+            want[b + "attn_k_norm.weight"] = (hp.n_embd_head_k,)
         want[b + "ffn_norm.weight"] = (n_embd,)
         want[b + "ffn_gate.weight"] = (n_embd, hp.n_ff)
         want[b + "ffn_up.weight"] = (n_embd, hp.n_ff)
@@ -156,14 +283,24 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(f: GGUFFile, hp: LlamaHParams,
                   supported_types: Collection[GGMLType] | None = None) -> None:
-    """Every tensor the model needs exists with the expected shape and a supported type."""
-    for name, shape in expected_tensors(hp).items():
+    """Every tensor the model needs exists with the expected shape and a supported type, and the file
+    holds no tensor the graph would skip (llama_model_loader's "wrong number of tensors")."""
+    want = expected_tensors(hp)
+    for name, shape in want.items():
         ti = f.tensors.get(name)
         if ti is None:
             raise GGUFError(f"{f.path}: missing tensor '{name}' (expected ne={list(shape)})")
-        want = shape + (1,) * (4 - len(shape))
-        if ti.ne != want:
-            raise GGUFError(f"{f.path}: tensor '{name}' has ne={list(ti.ne)}, expected {list(want)}")
+        ne = shape + (1,) * (4 - len(shape))
+        if ti.ne != ne:
+            raise GGUFError(f"{f.path}: tensor '{name}' has ne={list(ti.ne)}, expected {list(ne)}")
         ok = ti.type in TYPE_TRAITS if supported_types is None else ti.type in supported_types
         if not ok:
             raise GGUFError(f"{f.path}: tensor '{name}' has unsupported type {ti.type.name}")
+    if hp.rope_freqs and f.tensors["rope_freqs.weight"].type != GGMLType.F32:
+        raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight' has type "
+                        f"{f.tensors['rope_freqs.weight'].type.name}; ROPE reads F32 frequency factors")
+    unused = KNOWN_UNUSED_TENSORS.get(hp.arch, frozenset())
+    for name, ti in f.tensors.items():
+        if name not in want and name not in unused:
+            raise GGUFError(f"{f.path}: tensor '{name}' (ne={list(ti.ne)}) is not used by the {hp.arch} "
+                            f"graph; the file is refused rather than run with it ignored")

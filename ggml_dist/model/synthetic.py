@@ -1,13 +1,16 @@
-"""Synthetic LLaMA / Qwen2 GGUF files with random weights, written with the gguf package.
+"""Synthetic LLaMA / Qwen2 / Qwen3 GGUF files with random weights, written with the gguf package.
 
 Used by tests (small shapes, every weight type), by the reference-data script (llama.cpp's logits on the
 same files) and by benchmarks (a TinyLlama-shaped 1.1B model). Output is a pure function of the spec:
 the same SyntheticSpec always gives the same bytes, so references stay valid across machines.
 Block types gguf cannot quantize (the K-quants) get random blocks with sane scales directly.
+Options beyond the plain llama shape: a head size other than n_embd / n_head (attention.key_length, as
+Qwen3 has), and llama3 rope scaling (rope_freqs.weight, computed as llama.cpp's converter does).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +35,55 @@ class SyntheticSpec:
     tied: bool = True
     rope_freq_base: float = 10000.0
     seed: int = 0
+    head_dim: int = 0            # attention.key_length/value_length; 0: n_embd / n_head, keys not written
+    rope_scaling: str = ""       # "llama3": write rope_freqs.weight (Llama 3.1's factor 8, 1, 4, 8192)
 
     @property
     def name(self) -> str:
         tie = "tied" if self.tied else "untied"
+        extra = (f"-hd{self.head_dim}" if self.head_dim else "") + \
+            (f"-{self.rope_scaling}" if self.rope_scaling else "")
         return (f"{self.arch}-{self.wtype.lower()}-e{self.n_embd}-l{self.n_layer}-h{self.n_head}"
-                f"-kv{self.n_head_kv}-{tie}-s{self.seed}")
+                f"-kv{self.n_head_kv}-{tie}-s{self.seed}{extra}")
+
+    @property
+    def n_embd_head(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+
+# fields added after references were stored: left out of general.synthetic_spec at their defaults, so
+# the files of older specs keep their bytes
+_LATER_FIELDS = ("head_dim", "rope_scaling")
+
+
+def _spec_repr(s: SyntheticSpec) -> str:
+    defaults = {f.name: f.default for f in fields(SyntheticSpec)}
+    return repr({k: v for k, v in asdict(s).items() if k not in _LATER_FIELDS or v != defaults[k]})
+
+
+def llama3_rope_factors(n_embd_head: int, base: float, factor: float = 8.0, low_freq_factor: float = 1.0,
+                        high_freq_factor: float = 4.0, old_context_len: int = 8192) -> np.ndarray:
+    """rope_freqs.weight for rope_type llama3, as convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors
+    computes it: pairs whose wavelength is below old_context_len / high_freq_factor keep their frequency
+    (1), those above old_context_len / low_freq_factor are slowed by `factor`, the ones between are
+    blended. Torch float32 there, numpy float32 step by step here (an ulp apart at most; the file holds
+    the result, so llama.cpp and ggml_dist read the same factors)."""
+    f32 = np.float32
+    freqs = f32(1.0) / (f32(base) ** (np.arange(0, n_embd_head, 2, dtype=f32) / f32(n_embd_head)))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = f32(2 * math.pi) / freq
+        if wavelen < high_freq_wavelen:
+            out.append(f32(1))
+        elif wavelen > low_freq_wavelen:
+            out.append(f32(factor))
+        else:
+            smooth = (f32(old_context_len) / wavelen - f32(low_freq_factor)) / \
+                f32(high_freq_factor - low_freq_factor)
+            out.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
+    return np.array(out, np.float32)
 
 
 def _spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
@@ -97,10 +143,13 @@ def _weight(rng: np.random.Generator, type_name: str, rows: int, ne0: int, std: 
 def write_synthetic(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> Path:
     """Write the model described by spec to path (overwriting) and return the path."""
     s = spec
-    if s.arch not in ("llama", "qwen2"):
-        raise ValueError(f"synthetic models are llama or qwen2, not '{s.arch}'")
+    if s.arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"synthetic models are llama, qwen2 or qwen3, not '{s.arch}'")
+    if s.rope_scaling not in ("", "llama3") or (s.rope_scaling and s.arch != "llama"):
+        raise ValueError(f"rope_scaling '{s.rope_scaling}': only llama3, on a llama model")
     rng = np.random.default_rng(s.seed)
-    head_dim = s.n_embd // s.n_head
+    head_dim = s.n_embd_head
+    q_out = head_dim * s.n_head
     n_kv = head_dim * s.n_head_kv
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,11 +162,14 @@ def write_synthetic(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> 
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
     w.add_rope_dimension_count(head_dim)
+    if s.head_dim:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(s.rope_freq_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(s.n_vocab)
     w.add_file_type(1)
-    w.add_string("general.synthetic_spec", repr(asdict(s)))
+    w.add_string("general.synthetic_spec", _spec_repr(s))
     tokens, scores, types = _spm_vocab(s.n_vocab)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
@@ -133,21 +185,26 @@ def write_synthetic(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> 
         arr, raw = _weight(rng, type_name, rows, ne0, std)
         w.add_tensor(name, arr, raw_dtype=raw)
 
-    def add_norm(name: str) -> None:
-        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(s.n_embd)).astype(np.float32))
+    def add_norm(name: str, n: int = s.n_embd) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
 
     std = 1.0 / np.sqrt(s.n_embd)
+    if s.rope_scaling == "llama3":                    # the converter's extra tensors come first
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, s.rope_freq_base))
     add("token_embd.weight", s.n_vocab, s.n_embd, s.embd_type, 1.0)
     for il in range(s.n_layer):
         b = f"blk.{il}."
         add_norm(b + "attn_norm.weight")
-        add(b + "attn_q.weight", s.n_embd, s.n_embd, s.wtype, std)
+        add(b + "attn_q.weight", q_out, s.n_embd, s.wtype, std)
         add(b + "attn_k.weight", n_kv, s.n_embd, s.wtype, std)
         add(b + "attn_v.weight", n_kv, s.n_embd, s.wtype, std)
         if s.arch == "qwen2":
-            for nm, n in (("attn_q", s.n_embd), ("attn_k", n_kv), ("attn_v", n_kv)):
+            for nm, n in (("attn_q", q_out), ("attn_k", n_kv), ("attn_v", n_kv)):
                 w.add_tensor(b + nm + ".bias", (0.1 * rng.standard_normal(n)).astype(np.float32))
-        add(b + "attn_output.weight", s.n_embd, s.n_embd, s.wtype, std)
+        if s.arch == "qwen3":
+            add_norm(b + "attn_q_norm.weight", head_dim)
+            add_norm(b + "attn_k_norm.weight", head_dim)
+        add(b + "attn_output.weight", s.n_embd, q_out, s.wtype, 1.0 / np.sqrt(q_out))
         add_norm(b + "ffn_norm.weight")
         add(b + "ffn_gate.weight", s.n_ff, s.n_embd, s.wtype, std)
         add(b + "ffn_up.weight", s.n_ff, s.n_embd, s.wtype, std)

@@ -226,13 +226,17 @@ def test_soft_max_sparse_rows_bits(ctx, rng, monkeypatch, max_bias):
 # -- rope --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", [ops.ROPE_TYPE_NORM, ops.ROPE_TYPE_NEOX])
 @pytest.mark.parametrize("n_dims", [64, 48])
-def test_rope_bits(ctx, rng, monkeypatch, mode, n_dims):
+@pytest.mark.parametrize("with_ff", [False, True], ids=["", "freq_factors"])
+def test_rope_bits(ctx, rng, monkeypatch, mode, n_dims, with_ff):
     a, pos = ctx.new_tensor(F32, (64, 3, 7)), ctx.new_tensor(I32, (7,))
     x = randn(rng, 7, 3, 64, scale=2.0)
     p = np.array([0, 1, 5, 31, 700, 4000, 30000], np.int32)
-    out = ops.rope_ext(ctx, a, pos, None, n_dims, mode, 4096, freq_base=10000.0)
-    run_both(monkeypatch, out, {a: x, pos: p})
-    kernel_both(monkeypatch, out, lambda: (lambda y: (y, [y, p]))(x.reshape(1, 7, 3, 64).copy()))  # in place
+    ff_t = ctx.new_tensor(F32, (n_dims // 2,)) if with_ff else None     # llama3 rope scaling's divisors
+    f = rng.uniform(1, 8, n_dims // 2).astype(np.float32)
+    out = ops.rope_ext(ctx, a, pos, ff_t, n_dims, mode, 4096, freq_base=500000.0)
+    run_both(monkeypatch, out, {a: x, pos: p} | ({ff_t: f} if with_ff else {}))
+    srcs = (lambda y: [y, p, f] if with_ff else [y, p])
+    kernel_both(monkeypatch, out, lambda: (lambda y: (y, srcs(y)))(x.reshape(1, 7, 3, 64).copy()))  # in place
 
 
 # -- set_rows ----------------------------------------------------------------------------------------

@@ -157,6 +157,10 @@ def test_rope_ext(ctx):
     assert t.op_params == (0, 32, 2, 0, 4096, 500000.0, 0.5, 0.0, 1.0, 32.0, 1.0)
     ff = _new(ctx, F32, 16)
     assert ops.rope_ext(ctx, a, pos, ff, 32, 0, 4096).src == [a, pos, ff]
+    with pytest.raises(ShapeError, match="need n_dims/2 frequency factors"):
+        ops.rope_ext(ctx, a, pos, _new(ctx, F32, 8), 32, 0, 4096)
+    with pytest.raises(ShapeError, match="frequency factors must be F32"):
+        ops.rope_ext(ctx, a, pos, _new(ctx, F16, 16), 32, 0, 4096)
     with pytest.raises(ShapeError, match="one position per"):
         ops.rope_ext(ctx, a, _new(ctx, I32, 4), None, 32, 0, 4096)
     with pytest.raises(ShapeError, match="n_dims=33"):

@@ -5,9 +5,12 @@
 llama-cpp-python must be built for AVX2 without AVX-512/AMX, the numerics ggml-numerics.md describes:
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
                 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" pip install llama-cpp-python
+(0.3.36, the version the stored references come from; ../shared/wheels holds such a build, prebuilt).
 Writes:
-- synthetic_refs.npz: for every spec in SYNTHETIC_SPECS, top-k logits of each position of TOKENS, evaluated
-  (a) as one batch and (b) one token at a time. The GGUF files are rebuilt from their specs by the tests.
+- synthetic_refs.npz: for every spec in SYNTHETIC_SPECS, top-k logits of each position of its tokens
+  (refs.tokens_of: TOKENS, or the 320 LONG_TOKENS for LONG_SPECS, in a context of refs.n_ctx_of cells),
+  evaluated (a) as one batch and (b) one token at a time. The GGUF files are rebuilt from their specs by
+  the tests.
 - streams_refs.npz: for every spec in STREAM_SPECS and SmolLM2, the top-k logits of every output of
   refs.stream_batches(), decoded with a KV stream per sequence (kv_unified=False), in batch order.
 - smollm2_refs.json: for each prompt, llama.cpp's free-running greedy continuation (prompt as one batch,
@@ -26,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.model.refs import (N_STREAMS, SMOLLM2_PROMPTS, STREAM_SPECS, SYNTHETIC_SPECS,  # noqa: E402
-                              TOKENS, N_GEN, TOP_K, kv_type_of, stream_batches)
+                              N_GEN, TOP_K, kv_type_of, n_ctx_of, stream_batches, tokens_of)
 from ggml_dist.model.synthetic import write_synthetic  # noqa: E402
 
 
@@ -48,13 +51,14 @@ def synthetic_refs(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for spec in SYNTHETIC_SPECS:
             path = write_synthetic(Path(tmp) / f"{spec.name}.gguf", spec)
-            llm = _llama(path, 256, kv_type_of(spec) == "f32")
+            tokens = tokens_of(spec)
+            llm = _llama(path, n_ctx_of(spec), kv_type_of(spec) == "f32")
             llm.reset()
-            llm.eval(TOKENS)
-            batched = np.array(llm.scores[: len(TOKENS)], dtype=np.float32)
+            llm.eval(tokens)
+            batched = np.array(llm.scores[: len(tokens)], dtype=np.float32)
             llm.reset()
             single = []
-            for tok in TOKENS:
+            for tok in tokens:
                 llm.eval([tok])
                 single.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
             for mode, logits in (("batch", batched), ("single", np.stack(single))):

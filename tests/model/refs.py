@@ -21,6 +21,27 @@ SYNTHETIC_SPECS = [
                   seed=7),
 ]
 
+# Llama 3.1's rope (base 500000, rope_freqs.weight: 4 of the 8 pairs slowed, one blended) and qwen3 with
+# heads of 24 (not 64/4: Wq and Wo are not square; 1/sqrtf(24) is one f32 ulp from a double 1/sqrt), over
+# LONG_TOKENS: the slow pairs' angles, and so the frequency factors, need long positions to show
+LONG_SPECS = [
+    SyntheticSpec(wtype="Q4_0", embd_type="Q8_0", tied=False, n_ctx_train=131072, rope_freq_base=500000.0,
+                  rope_scaling="llama3", seed=9),
+    SyntheticSpec(arch="qwen3", wtype="Q8_0", embd_type="Q8_0", tied=True, n_head=4, n_head_kv=2,
+                  head_dim=24, rope_freq_base=1000000.0, seed=10),
+]
+SYNTHETIC_SPECS += LONG_SPECS
+LONG_TOKENS = [1] + [3 + (7919 * i) % 509 for i in range(1, 320)]     # 320 positions, ids 3..511
+
+
+def tokens_of(spec: SyntheticSpec) -> list[int]:
+    return LONG_TOKENS if spec in LONG_SPECS else TOKENS
+
+
+def n_ctx_of(spec: SyntheticSpec) -> int:
+    """The context both sides run in: the KV cells llama.cpp attends over (n_kv) follow from it."""
+    return 512 if spec in LONG_SPECS else 256
+
 
 # several sequences, each in its own KV stream (kv_unified=False, n_seq_max=3): the batches, in order,
 # each a list of (token, pos, seq, output). The prompts differ in length (split_equal leaves ubatches of

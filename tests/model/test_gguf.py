@@ -11,7 +11,7 @@ import pytest
 
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.gguf import GGUFError, GGUFFile, GGUFValueType, TensorInfo, load_gguf
-from ggml_dist.model.hparams import LlamaHParams, check_tensors, expected_tensors, hparams_from_gguf
+from ggml_dist.model.hparams import check_tensors, hparams_from_gguf
 
 # ---------------------------------------------------------------------------------------------------
 # synthetic files
@@ -253,96 +253,6 @@ def test_smollm2_hparams(smollm2_gguf: GGUFFile) -> None:
     assert hp.f_norm_rms_eps == pytest.approx(1e-5)
     assert hp.tie_word_embeddings and hp.n_embd_k_gqa == 192 and hp.n_gqa == 3
     check_tensors(smollm2_gguf, hp)
-
-
-# ---------------------------------------------------------------------------------------------------
-# hparams on synthetic models
-
-
-def write_model(path: Path, arch: str = "llama", n_embd: int = 8, n_head: int = 2, n_head_kv: int = 1,
-                n_ff: int = 16, n_layer: int = 2, n_vocab: int = 32, tied: bool = False,
-                skip: tuple[str, ...] = (), reshape: dict[str, tuple[int, ...]] | None = None,
-                extra_kv: dict[str, float] | None = None, rope_scaling: tuple[str, float] | None = None,
-                skip_kv: tuple[str, ...] = ()) -> Path:
-    w = gguf.GGUFWriter(str(path), arch)
-    kv = {
-        "context_length": 64, "embedding_length": n_embd, "block_count": n_layer,
-        "feed_forward_length": n_ff, "attention.head_count": n_head, "attention.head_count_kv": n_head_kv,
-    }
-    for k, v in kv.items():
-        if k not in skip_kv:
-            w.add_uint32(f"{arch}.{k}", v)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(f"{arch}.rope.freq_base", 500000.0)
-    for k, v in (extra_kv or {}).items():
-        w.add_float32(f"{arch}.{k}", v)
-    if rope_scaling:
-        w.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
-        w.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
-    w.add_token_list([f"t{i}" for i in range(n_vocab)])
-    hp = LlamaHParams(arch=arch, n_vocab=n_vocab, n_ctx_train=64, n_embd=n_embd, n_layer=n_layer,
-                      n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_head_k=n_embd // n_head,
-                      n_embd_head_v=n_embd // n_head, n_rot=n_embd // n_head, tie_word_embeddings=tied,
-                      use_qkv_bias=arch == "qwen2")
-    for name, ne in expected_tensors(hp).items():
-        if name in skip:
-            continue
-        ne = (reshape or {}).get(name, ne)
-        w.add_tensor(name, np.zeros(tuple(reversed(ne)), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def test_hparams_synthetic_llama(tmp_path: Path) -> None:
-    f = load_gguf(write_model(tmp_path / "m.gguf"))
-    hp = hparams_from_gguf(f)
-    assert (hp.n_vocab, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_layer) == (32, 8, 2, 1, 16, 2)
-    assert hp.n_rot == 4 and hp.rope_freq_base == 500000.0 and not hp.tie_word_embeddings
-    assert hp.f_norm_rms_eps == pytest.approx(1e-6)
-    check_tensors(f, hp)
-    check_tensors(f, hp, supported_types={GGMLType.F32})
-    with pytest.raises(GGUFError, match="unsupported type F32"):
-        check_tensors(f, hp, supported_types={GGMLType.Q4_0})
-
-
-def test_hparams_tied_and_qwen2_and_rope_scaling(tmp_path: Path) -> None:
-    f = load_gguf(write_model(tmp_path / "t.gguf", tied=True))
-    hp = hparams_from_gguf(f)
-    assert hp.tie_word_embeddings
-    check_tensors(f, hp)
-    f = load_gguf(write_model(tmp_path / "q.gguf", arch="qwen2", rope_scaling=("linear", 4.0)))
-    hp = hparams_from_gguf(f)
-    assert hp.arch == "qwen2" and hp.use_qkv_bias and hp.rope_freq_scale == 0.25
-    check_tensors(f, hp)
-    f = load_gguf(write_model(tmp_path / "q2.gguf", arch="qwen2", skip=("blk.1.attn_k.bias",)))
-    with pytest.raises(GGUFError, match=r"missing tensor 'blk.1.attn_k.bias'"):
-        check_tensors(f, hparams_from_gguf(f))
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(skip_kv=("embedding_length",)), "missing metadata key 'llama.embedding_length'"),
-    (dict(arch="gptneox"), "unsupported architecture 'gptneox'"),
-    (dict(n_head=4, n_head_kv=3), "head_count_kv = 3"),
-])
-def test_hparams_errors(tmp_path: Path, kwargs: dict, match: str) -> None:
-    f = load_gguf(write_model(tmp_path / "e.gguf", **kwargs))
-    with pytest.raises(GGUFError, match=match):
-        hparams_from_gguf(f)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(skip=("blk.1.ffn_up.weight",)), r"missing tensor 'blk.1.ffn_up.weight'"),
-    (dict(reshape={"blk.0.attn_k.weight": (8, 8)}), r"'blk.0.attn_k.weight' has ne=\[8, 8, 1, 1\], "
-                                                     r"expected \[8, 4, 1, 1\]"),
-    (dict(reshape={"token_embd.weight": (8, 31)}), r"token_embd.weight"),
-])
-def test_check_tensors_errors(tmp_path: Path, kwargs: dict, match: str) -> None:
-    f = load_gguf(write_model(tmp_path / "e.gguf", **kwargs))
-    with pytest.raises(GGUFError, match=match):
-        check_tensors(f, hparams_from_gguf(f))
 
 
 def test_tensor_info_is_frozen() -> None:

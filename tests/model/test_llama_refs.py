@@ -14,7 +14,8 @@ from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import write_synthetic
 from ggml_dist.model.ubatch import Batch
 
-from .refs import N_STREAMS, STREAM_SPECS, SYNTHETIC_SPECS, TOKENS, kv_type_of, stream_batches
+from .refs import (LONG_SPECS, N_STREAMS, STREAM_SPECS, SYNTHETIC_SPECS, TOKENS, kv_type_of, n_ctx_of,
+                   stream_batches, tokens_of)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SYN = np.load(DATA / "synthetic_refs.npz")
@@ -26,9 +27,10 @@ SMOL = json.loads((DATA / "smollm2_refs.json").read_text())
 TOL = {"F32": 2e-5}
 
 
-def _ctx(path: Path, spec=None, **kw) -> LlamaContext:
-    kv = GGMLType.F32 if spec is not None and kv_type_of(spec) == "f32" else GGMLType.F16
-    return LlamaContext(LlamaModel.load(path), ContextParams(n_ctx=256, type_k=kv, type_v=kv, **kw))
+def _ctx(path: Path, spec, model: LlamaModel | None = None, **kw) -> LlamaContext:
+    kv = GGMLType.F32 if kv_type_of(spec) == "f32" else GGMLType.F16
+    return LlamaContext(model or LlamaModel.load(path),
+                        ContextParams(n_ctx=n_ctx_of(spec), type_k=kv, type_v=kv, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +49,33 @@ def _check(spec, mode: str, logits: np.ndarray) -> float:
     return d
 
 
-# every synthetic type/arch, all positions as one batch: llama.cpp's logits
+# every synthetic type/arch (llama3 rope scaling and qwen3 over 320 positions), all positions as one
+# batch: llama.cpp's logits
 @pytest.mark.parametrize("spec", SYNTHETIC_SPECS, ids=lambda s: s.name)
 def test_synthetic_batch(spec, synthetic_models):
     ctx = _ctx(synthetic_models[spec.name], spec)
-    _check(spec, "batch", ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)))
+    _check(spec, "batch", ctx.decode(Batch.from_tokens(tokens_of(spec), all_outputs=True)))
 
 
 # the same tokens one at a time (the n=1 vec_dot paths): llama.cpp's one-token logits
 @pytest.mark.parametrize("spec", SYNTHETIC_SPECS, ids=lambda s: s.name)
 def test_synthetic_one_token(spec, synthetic_models):
     ctx = _ctx(synthetic_models[spec.name], spec)
-    rows = [ctx.decode(Batch.from_tokens([t], pos0=i))[0] for i, t in enumerate(TOKENS)]
+    rows = [ctx.decode(Batch.from_tokens([t], pos0=i))[0] for i, t in enumerate(tokens_of(spec))]
     _check(spec, "single", np.stack(rows))
+
+
+# the llama3 file run with its rope_freqs.weight ignored (what loading did before) is far from
+# llama.cpp: the reference does depend on the frequency factors
+def test_llama3_rope_freqs_matter(synthetic_models):
+    spec = LONG_SPECS[0]
+    model = LlamaModel.load(synthetic_models[spec.name])
+    assert model.hp.rope_freqs
+    model.hp.rope_freqs = False
+    lg = _ctx(synthetic_models[spec.name], spec, model).decode(Batch.from_tokens(tokens_of(spec),
+                                                                               all_outputs=True))
+    ids = SYN[f"{spec.name}/batch/ids"].astype(np.int64)
+    assert np.abs(np.take_along_axis(lg, ids, 1) - SYN[f"{spec.name}/batch/vals"]).max() > 1e-2
 
 
 # a KV stream per sequence (kv_unified=False): llama.cpp's logits for every output of batches that mix
