@@ -25,7 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a "
                    "local Ray, or join the cluster of a `ray job submit` job)")
     p.add_argument("--layers", default=None, help="explicit layer ranges per stage, e.g. 0-14,15-29")
-    p.add_argument("--n-copies", type=int, default=None, help="micro-batches in flight (default: stages)")
+    p.add_argument("--n-copies", type=int, default=None, help="micro-batches in flight (default: 4, as "
+                   "llama.cpp's pipeline parallelism)")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads (per stage with --stages; default: the cores available, 1 per stage)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the stages here")
@@ -288,7 +289,7 @@ def _stage_summary(pl) -> list[dict]:
     out = []
     for k, st in enumerate(pl.stats()):
         tl = st["timeline"]
-        span = (tl[-1][1] - tl[0][0]) if tl else 0.0
+        span = (tl[-1][3] - tl[0][0]) if tl else 0.0
         out.append({"stage": k, "layers": list(pl.placement.stages[k].layers), "calls": st["n_calls"],
                     "plans": st["n_plans"], "compute_s": round(st["compute_s"], 4),
                     "transfer_s": round(st["decode_s"], 4),

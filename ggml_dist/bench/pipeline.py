@@ -5,14 +5,19 @@
 
 prefill: one prompt of micro_batches x ubatch tokens, decoded as micro_batches ubatches with up to
          n_copies of them in flight (only the last token's logits are read).
-decode:  micro_batches sequences, one per micro-batch; every step submits each sequence's next token as
-         its own micro-batch, then samples all of them.
+decode:  micro_batches sequences, one per micro-batch, decoding continuously: each sequence's next
+         step is submitted as soon as its token is sampled, while the other sequences' steps are in
+         flight (the pipeline is never drained between steps).
 The bound comes from the single-stage times t_k of one micro-batch on stage k, measured by the
 actors' own clocks in a run of the same micro-batches with n_copies=1 (one in flight: no overlap,
 so no contention between stages):
-GPipe time = sum_k t_k + (M - 1) * max_k t_k. efficiency = tok_s / ideal_tok_s. ideal_inrun_tok_s
-uses the stage times measured during the run itself (inflated by stages sharing cores).
-bubble_frac = 1 - (busy time summed over stages) / (stages x wall time).
+GPipe time = sum_k t_k + (M - 1) * max_k t_k over the M micro-batches of the run (in decode, every
+step of every sequence: continuous decode is one long stream, so the bound tends to 1 / max_k t_k).
+efficiency = tok_s / ideal_tok_s. ideal_inrun_tok_s uses the stage times measured during the run
+itself (inflated by stages sharing cores). bubble_frac = 1 - (busy time summed over stages) / (stages x
+wall time), next to the GPipe formula (p - 1) / (m + p - 1) for m micro-batches in flight.
+bytes_per_hop: per token, driver -> each stage (its graph inputs) and each stage -> the next (the last:
+-> the driver); bytes_per_token is their sum, each hop counted once.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from collections import deque
 from typing import Any, Sequence
 
 import numpy as np
@@ -59,11 +65,10 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
                 p = rng.integers(3, vocab, 4).tolist()
                 last.append(int(np.argmax(ctx.decode(Batch.from_tokens(p, seq_id=s))[-1])))
             pos = [4] * n_seq
-            last = _decode_step(ctx, last, pos)
+            _decode_continuous(ctx, last, pos, n_seq)                # warm-up: one step each
             before = pl.stats()
             t0 = time.perf_counter()
-            for _ in range(n_steps):
-                last = _decode_step(ctx, last, pos)
+            _decode_continuous(ctx, last, pos, n_steps * n_seq)
             wall = time.perf_counter() - t0
             processed = n_steps * n_seq
         after = pl.stats()
@@ -74,14 +79,20 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
     t_k = [bz / max(c, 1) for bz, c in zip(busy, calls)]          # one micro-batch on stage k
     n_mb = max(calls) if calls else 0
     ideal = _gpipe(t_k, n_mb)
-    moved = sum(a["bytes_in"] - b["bytes_in"] + a["bytes_out"] - b["bytes_out"] for a, b in zip(after, before))
+    hops = [a["bytes_in_host"] - b["bytes_in_host"] for a, b in zip(after, before)] + \
+        [a["bytes_out"] - b["bytes_out"] for a, b in zip(after, before)]
+    moved = sum(hops)
     tok_s = processed / wall
     ideal_tok_s = processed / ideal if ideal > 0 else 0.0
     return {"_t_k": t_k, "_n_mb": n_mb, "_processed": processed, "ideal_inrun_tok_s": round(ideal_tok_s, 3),"stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch,
             "mode": mode, "tok_s": round(tok_s, 3), "ideal_tok_s": round(ideal_tok_s, 3),
             "efficiency": round(tok_s / ideal_tok_s, 3) if ideal_tok_s else None,
             "bubble_frac": round(1 - sum(busy) / (stages * wall), 3),
-            "bytes_per_token": round(moved / processed, 1), "stage_ms": [round(t * 1e3, 2) for t in t_k],
+            "gpipe_bubble_frac": round((stages - 1) / (min(n_copies, micro_batches) + stages - 1), 3),
+            "bytes_per_token": round(moved / processed, 1),
+            "bytes_per_hop": {"driver_to_stage": [round(h / processed, 1) for h in hops[:stages]],
+                              "stage_out": [round(h / processed, 1) for h in hops[stages:]]},
+            "stage_ms": [round(t * 1e3, 2) for t in t_k],
             "wall_s": round(wall, 3)}
 
 
@@ -89,12 +100,25 @@ def _gpipe(t_k: list[float], n_mb: int) -> float:
     return sum(t_k) + (n_mb - 1) * max(t_k) if n_mb and t_k else 0.0
 
 
-def _decode_step(ctx, last: list[int], pos: list[int]) -> list[int]:
-    """One token for every sequence, each its own micro-batch; all submitted before any is read."""
-    pending = [ctx.submit(Batch.from_tokens([t], pos0=pos[s], seq_id=s)) for s, t in enumerate(last)]
-    for s in range(len(pos)):
+def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int) -> None:
+    """n_tokens decode steps over the sequences, each its own micro-batch: every sequence has one step in
+    flight; the oldest is read (micro-batches finish in order), sampled, and that sequence's next step
+    submitted at once. `last` and `pos` are advanced in place."""
+    assert n_tokens >= len(last), "at least one step per sequence"
+    pending: deque = deque()
+
+    def step(s: int) -> None:
+        pending.append((s, ctx.submit(Batch.from_tokens([last[s]], pos0=pos[s], seq_id=s))))
         pos[s] += 1
-    return [int(np.argmax(p.result()[-1])) for p in pending]
+    for s in range(len(last)):
+        step(s)
+    submitted = len(last)
+    for _ in range(n_tokens):
+        s, p = pending.popleft()
+        last[s] = int(np.argmax(p.result()[-1]))
+        if submitted < n_tokens:                             # the sequence goes on at once
+            step(s)
+            submitted += 1
 
 
 def plot(runs: list[dict], path: str) -> str | None:
@@ -124,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--micro-batches", default="1,4")
-    ap.add_argument("--n-copies", default=None, help="comma list; default: the number of stages")
+    ap.add_argument("--n-copies", default=None, help="comma list; default: 4, as llama.cpp")
     ap.add_argument("--ubatch", type=int, default=64)
     ap.add_argument("--mode", choices=["prefill", "decode"], default="prefill")
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured (decode mode)")
@@ -133,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from ..workers.cluster import connect
+    from ..workers.driver import default_copies
     path = str(resolve_model(a.model))
     stages = _ints(a.stages)
     connect(num_cpus=max(2, max(stages) * a.threads))
@@ -141,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mb in _ints(a.micro_batches):
             # the single-stage times: the same micro-batches with one in flight (no overlap, no contention)
             solo = run_one(path, k, mb, 1, a.ubatch, a.mode, a.steps, a.threads)
-            for nc in (_ints(a.n_copies) if a.n_copies else [max(1, min(4, k))]):
+            for nc in (_ints(a.n_copies) if a.n_copies else [default_copies(k)]):
                 r = solo if nc == 1 else run_one(path, k, mb, nc, a.ubatch, a.mode, a.steps, a.threads)
                 r = dict(r)
                 r.pop("_t_k")                     # the bound uses the solo run's stage times

@@ -368,7 +368,9 @@ class Pipeline:
         return ray.get([a.stats.remote() for a in self.actors], timeout=30)
 
     def write_trace(self, path: str) -> None:
-        """Chrome/Perfetto trace: one track per stage actor, one slice per micro-batch split it ran."""
+        """Chrome/Perfetto trace: one track per stage actor; per micro-batch it ran, an `inputs` slice
+        (plan lookup, decoding the driver's and upstream messages into the graph's inputs), the compute
+        slice, and an `outputs` slice (encoding the exports). Gaps are waits for inputs to arrive."""
         import json
         stats = self.stats()
         t0 = min((e[0] for st in stats for e in st["timeline"]), default=0.0)
@@ -376,9 +378,10 @@ class Pipeline:
         for k, st in enumerate(stats):
             events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": k,
                            "args": {"name": f"stage{k} layers {self.placement.stages[k].layers}"}})
-            for i, (a, b, label) in enumerate(st["timeline"]):
-                events.append({"name": f"mb{i} plan {label}", "ph": "X", "pid": 1, "tid": k,
-                               "ts": round((a - t0) * 1e6, 1), "dur": round((b - a) * 1e6, 1)})
+            for i, (a, b, c, d, label) in enumerate(st["timeline"]):
+                for name, lo, hi in (("inputs", a, b), (f"mb{i} plan {label}", b, c), ("outputs", c, d)):
+                    events.append({"name": name, "ph": "X", "pid": 1, "tid": k, "cat": name.split()[0],
+                                   "ts": round((lo - t0) * 1e6, 1), "dur": round((hi - lo) * 1e6, 1)})
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)
 

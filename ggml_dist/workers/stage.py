@@ -33,6 +33,9 @@ from .shipping import WeightManifest, WeightReceiver
 from .wire import WireTensor, decode, encode
 
 MAX_PLANS = 32           # plans a stage keeps (LRU); its proxy mirrors the same LRU
+# non-layer tensors every stage's layers read: llama3 rope scaling's frequency factors (llama.cpp gives
+# each layer its own copy, blk.{il}.rope_freqs.weight, so that it lives with the layer's backend)
+EVERY_STAGE = frozenset({"rope_freqs.weight"})
 
 
 class PlanMissingError(RuntimeError):
@@ -71,7 +74,7 @@ class StageSpec:
             elif n == "token_embd.weight":
                 if self.first or (self.last and tied):
                     out.append(n)
-            elif self.last:
+            elif self.last or n in EVERY_STAGE:
                 out.append(n)
         return out
 
@@ -107,9 +110,11 @@ class StageStats:
     n_plans: int = 0
     compute_s: float = 0.0
     decode_s: float = 0.0
-    bytes_in: int = 0
+    bytes_in: int = 0            # every message received: the driver's inputs and upstream results
+    bytes_in_host: int = 0       # of which from the driver (tokens, positions, masks, KV slots)
     bytes_out: int = 0
-    timeline: list = field(default_factory=list)   # (start, end, label) wall times of computes
+    timeline: list = field(default_factory=list)   # per call, wall times: (start, compute start,
+                                                   # compute end, end, plan label)
 
 
 class StageWorker:
@@ -143,6 +148,9 @@ class StageWorker:
         self.weights = weights
         if self.spec.last and "output.weight" not in weights:   # tied head: token_embd under its name
             self.weights["output.weight"] = weights["token_embd.weight"]
+        for name in EVERY_STAGE & set(weights):                  # each layer's copy, under its own name
+            for il in range(*self.spec.layers):
+                self.weights[f"blk.{il}.{name}"] = weights[name]
 
     @property
     def needs_weights(self) -> bool:
@@ -185,7 +193,8 @@ class StageWorker:
     def get_stats(self) -> dict[str, Any]:
         s = self.stats
         return {"n_calls": s.n_calls, "n_plans": s.n_plans, "compute_s": s.compute_s,
-                "decode_s": s.decode_s, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+                "decode_s": s.decode_s, "bytes_in": s.bytes_in, "bytes_in_host": s.bytes_in_host,
+                "bytes_out": s.bytes_out,
                 "timeline": list(s.timeline)}
 
     def ping(self) -> int:
@@ -229,6 +238,7 @@ class StageWorker:
         if not galloc.alloc_graph(plan.graph):       # replay: binds the recorded addresses
             raise RuntimeError(f"stage {self.spec.stage_id}: plan {pid} no longer fits its buffer")
         got: dict[str, np.ndarray] = {}
+        self.stats.bytes_in_host += len(inputs)
         for msg in (inputs, *upstream):
             self.stats.bytes_in += len(msg)
             tensors, _ = decode(msg)
@@ -248,8 +258,8 @@ class StageWorker:
         s.compute_s += t2 - t1
         s.decode_s += (t1 - t0)
         s.bytes_out += len(out)
-        s.timeline.append((time.time() - (time.perf_counter() - t1), time.time() - (time.perf_counter() - t2),
-                           pid[:6]))
+        wall = time.time() - time.perf_counter()     # perf_counter -> wall clock, comparable across stages
+        s.timeline.append((wall + t0, wall + t1, wall + t2, wall + time.perf_counter(), pid[:6]))
         if len(s.timeline) > 10000:
             del s.timeline[:5000]
         return out

@@ -13,6 +13,7 @@ from ggml_dist.workers.driver import driver_context
 from ggml_dist.workers.placement import place
 from ggml_dist.workers.proxy import Call, StageDevice, StageProxy
 from ggml_dist.workers.stage import StageSpec, StageWorker
+from tests.model.refs import LONG_SPECS, LONG_TOKENS
 
 
 def local_pipeline(path, n_stages: int, params: ContextParams):
@@ -89,3 +90,17 @@ def test_planned_compute_is_what_the_stage_allocates(path):
     planned = planned_compute(model, params, 3, 1)
     got = [w.compute_bytes() for w in workers]
     assert got == planned
+
+
+# llama3 rope scaling (rope_freqs.weight, read by every layer) and qwen3 (QK-norm, heads of 24) over 2 and
+# 3 in-process stages: each stage holds the factors under its layers' names; same logits as one process
+@pytest.mark.parametrize("spec", LONG_SPECS, ids=lambda s: s.arch + ("-llama3" if s.rope_scaling else ""))
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_llama3_and_qwen3_stages_bitwise(tmp_path, spec, n_stages):
+    from dataclasses import replace
+    p = write_synthetic(tmp_path / "m.gguf", replace(spec, n_layer=3))
+    toks = LONG_TOKENS[:40]
+    model, ctx, _ = local_pipeline(p, n_stages, ContextParams(n_ctx=256))
+    ref = LlamaContext(model, ContextParams(n_ctx=256))
+    assert np.array_equal(ctx.decode(Batch.from_tokens(toks, all_outputs=True)),
+                          ref.decode(Batch.from_tokens(toks, all_outputs=True)))
