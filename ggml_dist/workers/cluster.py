@@ -379,8 +379,9 @@ class Pipeline:
             events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": k,
                            "args": {"name": f"stage{k} layers {self.placement.stages[k].layers}"}})
             for i, (a, b, c, d, label) in enumerate(st["timeline"]):
-                for name, lo, hi in (("inputs", a, b), (f"mb{i} plan {label}", b, c), ("outputs", c, d)):
-                    events.append({"name": name, "ph": "X", "pid": 1, "tid": k, "cat": name.split()[0],
+                for name, cat, lo, hi in (("inputs", "inputs", a, b), (f"mb{i} plan {label}", "compute", b, c),
+                                          ("outputs", "outputs", c, d)):
+                    events.append({"name": name, "ph": "X", "pid": 1, "tid": k, "cat": cat,
                                    "ts": round((lo - t0) * 1e6, 1), "dur": round((hi - lo) * 1e6, 1)})
         with open(path, "w") as f:
             json.dump({"traceEvents": events}, f)

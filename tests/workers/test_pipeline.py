@@ -1,6 +1,8 @@
 """A pipeline of Ray stage actors gives bitwise the single-process logits and tokens."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -109,13 +111,20 @@ def test_pipeline_recalls_graphs(local_ray, model_path):
 
 
 # greedy generation through the pipeline gives the single-process tokens
-def test_pipeline_generate(local_ray, model_path):
+def test_pipeline_generate(local_ray, model_path, tmp_path):
     m = LlamaModel.load(model_path)
     want = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, TOKENS, 12)
     pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256))
     try:
         got = generate(pl.ctx, m.tokenizer, TOKENS, 12)
         assert got.tokens == want.tokens
+        trace = tmp_path / "trace.json"                # a track per stage: inputs, compute, outputs slices
+        pl.write_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+        for k in range(2):
+            cats = [e["cat"] for e in events if e["tid"] == k]
+            assert cats.count("inputs") == cats.count("compute") == cats.count("outputs") >= 12
+            assert all(e["dur"] >= 0 for e in events)
     finally:
         pl.shutdown()
 
