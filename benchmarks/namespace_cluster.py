@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.workers.hosts import HostSpec, NamespaceCluster, netns_available  # noqa: E402
+from tests.workers.hosts import HostSpec, NamespaceCluster, netns_available, run_with_link_cut  # noqa: E402
 
 PROMPT = "The capital of France is"
 
@@ -39,32 +37,12 @@ def _single(model: str, a: argparse.Namespace) -> list[int]:
 
 
 def _cut_run(c: NamespaceCluster, model: str, a: argparse.Namespace) -> dict:
-    p = c.popen_in(0, ["ggml-dist", "run", "--address", c.gcs_address, "--model", model, "--stages", "auto",
-                       "--ctx", str(a.ctx), "--ubatch", str(a.ubatch), "--prompt", PROMPT, "-n", str(a.n),
-                       "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    err: list[str] = []
-    th = threading.Thread(target=lambda: err.extend(ln.decode() for ln in p.stderr), daemon=True)
-    th.start()
-    text, cut_at, victim = b"", None, None
-    try:
-        while b := p.stdout.read1(64):
-            text += b
-            if cut_at is None and len(text) >= 12:
-                row = next(ln for ln in err if re.match(r"\s+1 ", ln))
-                victim = c.ips.index(row.split()[1])
-                c.link_down(victim)
-                cut_at = time.perf_counter()
-        p.wait(timeout=900)
-        th.join(10)
-        cut_to_end = time.perf_counter() - cut_at if cut_at else None
-    finally:
-        if victim is not None:
-            c.link_up(victim)
-    log = "".join(err)
-    m = re.search(r"recoveries (\d+), recovery_s \[([\d.]+)", log)
-    return {"returncode": p.returncode, "text": text.decode(), "victim_ip": c.ips[victim] if victim else None,
-            "recoveries": int(m.group(1)) if m else 0, "recovery_s": float(m.group(2)) if m else None,
-            "cut_to_end_s": cut_to_end, "log_tail": log[-1500:]}
+    r = run_with_link_cut(c, ["ggml-dist", "run", "--address", c.gcs_address, "--model", model, "--stages", "auto",
+                              "--ctx", str(a.ctx), "--ubatch", str(a.ubatch), "--prompt", PROMPT, "-n", str(a.n),
+                              "--temp", "0"], after_chars=12)
+    return {"returncode": r.returncode, "text": r.text, "victim_ip": c.ips[r.victim] if r.victim else None,
+            "recoveries": r.recoveries, "recovery_s": r.recovery_s, "cut_to_end_s": r.cut_to_end_s,
+            "log_tail": r.log[-1500:]}
 
 
 def main(argv: list[str] | None = None) -> int:

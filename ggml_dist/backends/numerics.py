@@ -94,13 +94,47 @@ def silu(x: np.ndarray) -> np.ndarray:
         return (x / (F32(1) + exp_chunked(-x)).astype(F32)).astype(F32)
 
 
+_GELU_TABLE: np.ndarray | None = None
+
+
+def _tanhf():
+    """glibc's tanhf (what ggml's table is built with: numpy's f32 tanh differs in ~235 f16 entries)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        f = libm.tanhf
+    except (OSError, AttributeError):
+        return None
+    f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+    return f
+
+
+def gelu_table() -> np.ndarray:
+    """ggml_table_gelu_f16 (ggml_cpu_init): f16(ggml_gelu_f32(x)) for every f16 bit pattern x, where
+    ggml_gelu_f32(x) = 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))) in f32."""
+    global _GELU_TABLE
+    if _GELU_TABLE is None:
+        h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(F32)
+        c, a = F32(0.79788456080286535587989211986876), F32(0.044715)
+        with np.errstate(all="ignore"):
+            inner = (c * h * (F32(1) + a * h * h).astype(F32)).astype(F32)
+            tanhf = _tanhf()
+            if tanhf is None:
+                th = np.tanh(inner).astype(F32)
+            else:
+                th = np.array([tanhf(float(v)) if np.isfinite(v) else float("nan") for v in inner.tolist()],
+                              dtype=F32)
+            g = (F32(0.5) * h * (F32(1) + th).astype(F32)).astype(F32)
+            _GELU_TABLE = g.astype(np.float16).astype(F32)
+    return _GELU_TABLE
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
-    """ggml_gelu with GGML_GELU_FP16: tanh approximation, input and output rounded to f16."""
+    """ggml_vec_gelu_f32 with GGML_GELU_FP16: 0 for x <= -10, x for x >= 10, else the f16 table entry of
+    f16(x) (ggml_table_gelu_f16). ggml_vec_geglu_f32 is gelu(x) * g with the same three cases."""
     x = np.asarray(x, F32)
-    xh = x.astype(np.float16).astype(F32)
-    c = F32(0.7978845608028654)
-    g = (F32(0.5) * xh * (F32(1) + np.tanh(c * xh * (F32(1) + F32(0.044715) * xh * xh)))).astype(F32)
-    g = g.astype(np.float16).astype(F32)
+    g = gelu_table()[x.astype(np.float16).view(np.uint16)]
     return np.where(x <= -10, F32(0), np.where(x >= 10, x, g)).astype(F32)
 
 

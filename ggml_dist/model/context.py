@@ -364,6 +364,9 @@ class LlamaContext:
         tensor_set(inp.tokens, ub.tokens.astype(np.int32))
         tensor_set(inp.pos, ub.pos.astype(np.int32))
         tensor_set(inp.kq_mask, self.kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs))
+        if inp.kq_mask_swa is not None:
+            tensor_set(inp.kq_mask_swa, self.kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs,
+                                                              self.model.hp.n_swa))
         tensor_set(inp.k_idxs, self.kv.k_idxs(slot))
         tensor_set(inp.v_idxs, self.kv.v_idxs(slot))
         if inp.out_ids is not None:

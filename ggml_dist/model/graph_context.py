@@ -17,7 +17,7 @@ import numpy as np
 from ..core import ops
 from ..core.context import Context, graph_overhead, tensor_overhead
 from ..core.graph import Graph
-from ..core.tensor import Tensor
+from ..core.tensor import GLUOp, Tensor
 from ..core.types import GGMLType
 from .hparams import LlamaHParams
 from .kv_cache import KVCache
@@ -44,6 +44,7 @@ class GraphInputs:
     k_idxs: Tensor
     v_idxs: Tensor
     out_ids: Tensor | None = None
+    kq_mask_swa: Tensor | None = None     # the sliding-window layers' mask (llm_graph_input_attn_kv_iswa)
 
 
 @dataclass
@@ -90,7 +91,10 @@ class GraphContext:
         out_ids = None
         if key.n_outputs < n:
             out_ids = ctx.new_tensor(GGMLType.I32, (key.n_outputs,)).set_name("inp_out_ids").set_input()
-        return GraphInputs(tokens, pos, mask, k_idxs, v_idxs, out_ids)
+        mask_swa = None
+        if self.hp.n_swa:
+            mask_swa = ctx.new_tensor(GGMLType.F32, mask_ne).set_name("kq_mask_swa").set_input()
+        return GraphInputs(tokens, pos, mask, k_idxs, v_idxs, out_ids, mask_swa)
 
     def build_inp_embd(self, ctx: Context, inp: GraphInputs) -> Tensor:
         return ops.get_rows(ctx, self.w["token_embd.weight"], inp.tokens).set_name("inp_embd")
@@ -124,16 +128,24 @@ class GraphContext:
             return None
         return self.w.get(f"blk.{il}.rope_freqs.weight", self.w["rope_freqs.weight"])
 
-    def build_rope(self, ctx: Context, x: Tensor, pos: Tensor, freq_factors: Tensor | None) -> Tensor:
-        """ggml_rope_ext with the model's rope: ext_factor 0 (no YaRN), so beta_fast/slow are inert."""
+    def build_rope(self, ctx: Context, x: Tensor, pos: Tensor, freq_factors: Tensor | None,
+                   il: int | None = None) -> Tensor:
+        """ggml_rope_ext with the model's rope: ext_factor 0 (no YaRN), so beta_fast/slow are inert. With
+        il, a sliding-window layer's base and scale (get_rope_freq_base/scale: rope.freq_base_swa, 1)."""
         hp = self.hp
+        base, scale = hp.rope_freq_base, hp.rope_freq_scale
+        if il is not None and hp.is_swa(il):
+            base, scale = hp.rope_freq_base_swa, 1.0
         return ops.rope_ext(ctx, x, pos, freq_factors, hp.n_rot, hp.spec.rope_type, hp.n_ctx_orig_yarn,
-                            hp.rope_freq_base, hp.rope_freq_scale, 0.0, hp.rope_attn_factor, 32.0, 1.0)
+                            base, scale, 0.0, hp.rope_attn_factor, 32.0, 1.0)
 
     def build_attn(self, ctx: Context, gf: Graph, il: int, q: Tensor, k_cur: Tensor, v_cur: Tensor,
-                   inp: GraphInputs, key: GraphKey) -> Tensor:
-        """build_attn with a KV cache, flash attention off (build_attn_mha), then Wo. ne = (n_embd, n_tokens)"""
+                   inp: GraphInputs, key: GraphKey, scale: float | None = None) -> Tensor:
+        """build_attn with a KV cache, flash attention off (build_attn_mha), then Wo. ne = (n_embd, n_tokens)
+        scale: kq_scale (default 1/sqrtf(head size)); a sliding-window layer uses the SWA mask."""
         hp = self.hp
+        mask = inp.kq_mask_swa if hp.is_swa(il) else inp.kq_mask
+        scale = kq_scale(hp.n_embd_head_k) if scale is None else scale
         # K/V rows go into the cache first; attention then reads them back from the (f16) cache
         gf.build_forward_expand(self.kv.cpy_k(ctx, il, k_cur, inp.k_idxs))
         gf.build_forward_expand(self.kv.cpy_v(ctx, il, v_cur, inp.v_idxs))
@@ -144,18 +156,21 @@ class GraphContext:
             q = ops.reshape(ctx, q, hp.n_embd_head_k, hp.n_head, n // ns, ns)
         q = ops.permute(ctx, q, 0, 2, 1, 3)                         # ne = (head_dim, n_tokens/ns, n_head, ns)
         kq = ops.mul_mat(ctx, k, q).set_name(f"kq-{il}")            # ne = (n_kv, n_tokens/ns, n_head, ns)
-        kq = ops.soft_max_ext(ctx, kq, inp.kq_mask, kq_scale(hp.n_embd_head_k), 0.0) \
+        kq = ops.soft_max_ext(ctx, kq, mask, scale, 0.0) \
             .set_name(f"kq_soft_max-{il}")
         kqv = ops.mul_mat(ctx, v, kq)                               # ne = (head_dim, n_tokens/ns, n_head, ns)
         cur = ops.permute(ctx, kqv, 0, 2, 1, 3)                     # ne = (head_dim, n_head, n_tokens/ns, ns)
         cur = ops.cont(ctx, cur, (hp.n_embd_head_v * hp.n_head, n)).set_name(f"kqv_out-{il}")
         return ops.mul_mat(ctx, self.w[f"blk.{il}.attn_output.weight"], cur).set_name(f"attn_out-{il}")
 
-    def build_ffn(self, ctx: Context, x: Tensor, il: int) -> Tensor:
-        """build_ffn, LLM_FFN_SILU + LLM_FFN_PAR: Wdown · swiglu(Wgate·x, Wup·x)."""
+    def build_ffn(self, ctx: Context, x: Tensor, il: int, gelu: bool = False) -> Tensor:
+        """build_ffn, LLM_FFN_SILU (or LLM_FFN_GELU) + LLM_FFN_PAR: Wdown · swiglu/geglu(Wgate·x, Wup·x)."""
         gate = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_gate.weight"], x)
         up = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_up.weight"], x)
-        cur = ops.swiglu(ctx, gate, up).set_name(f"ffn_swiglu-{il}")
+        if gelu:
+            cur = ops.glu(ctx, gate, up, GLUOp.GEGLU).set_name(f"ffn_geglu-{il}")
+        else:
+            cur = ops.swiglu(ctx, gate, up).set_name(f"ffn_swiglu-{il}")
         return ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_down.weight"], cur)
 
     def build_ffn_block(self, ctx: Context, il: int, attn_out: Tensor, inp_l: Tensor,

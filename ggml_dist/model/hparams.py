@@ -34,12 +34,15 @@ class ArchSpec:
     qkv_bias: bool          # attn_q/k/v.bias: required if True, refused if False
     qk_norm: bool           # attn_q_norm/attn_k_norm: an RMS norm of every Q and K head before rope
     rope_freqs: bool        # may carry rope_freqs.weight (llama3 rope scaling's frequency factors)
+    gemma: bool = False     # Gemma 3: embeddings * sqrt(n_embd), Q * attention scale, post-attention and
+                            # post-FFN norms, GEGLU, sliding-window layers (il % 6 < 5) with their own rope
 
 
 ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(ROPE_TYPE_NORM, qkv_bias=False, qk_norm=False, rope_freqs=True),
     "qwen2": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=True, qk_norm=False, rope_freqs=False),
     "qwen3": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False),
+    "gemma3": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False, gemma=True),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 
@@ -59,6 +62,12 @@ ARCH_KEYS = frozenset({
     "rope.scaling.factor", "rope.scale_linear", "rope.scaling.attn_factor",
     "rope.scaling.original_context_length",
 })
+
+# `{arch}.` keys read for one architecture only (llama_model_gemma3::load_arch_hparams)
+ARCH_EXTRA_KEYS: dict[str, frozenset[str]] = {
+    "gemma3": frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
+                         "rope.freq_base_swa", "final_logit_softcapping"}),
+}
 
 # `{arch}.` keys that leave the forward pass as it is at the value given (None: at any value)
 NEUTRAL_KEYS: dict[str, Any] = {
@@ -105,6 +114,14 @@ class LlamaHParams:
     f_norm_rms_eps: float = 1e-5
     tie_word_embeddings: bool = False   # no output.weight: the output projection reuses token_embd
     rope_freqs: bool = False            # rope_freqs.weight: frequency factors for every layer's rope
+    # Gemma 3 (zero / empty elsewhere)
+    n_swa: int = 0                      # attention.sliding_window: a SWA layer's token sees n_swa positions
+    swa_layers: tuple[bool, ...] = ()   # is_swa(il): il % pattern < pattern - 1 (pattern 6 by default)
+    rope_freq_base_swa: float = 10000.0     # rope.freq_base_swa (llama.cpp's default 10000) on SWA layers
+    f_attention_scale: float = 0.0      # Q is scaled by it before attention (then kq_scale 1)
+
+    def is_swa(self, il: int) -> bool:
+        return bool(self.swa_layers) and self.swa_layers[il]
 
     def __post_init__(self) -> None:
         self.n_ctx_orig_yarn = self.n_ctx_orig_yarn or self.n_ctx_train
@@ -148,7 +165,7 @@ def check_keys(f: GGUFFile, arch: str) -> None:
     """Every `{arch}.*` key is read, or neutral at its value; any other one may change the math."""
     a = arch + "."
     for key, v in f.metadata.items():
-        if not key.startswith(a) or key[len(a):] in ARCH_KEYS:
+        if not key.startswith(a) or key[len(a):] in ARCH_KEYS or key[len(a):] in ARCH_EXTRA_KEYS.get(arch, ()):
             continue
         k = key[len(a):]
         if k in NEUTRAL_KEYS and NEUTRAL_KEYS[k] in (None, v):
@@ -232,7 +249,7 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
     n_ctx_orig = _key(f, a + "rope.scaling.original_context_length", int, default=n_ctx_train)
     if n_ctx_orig <= 0:
         raise GGUFError(f"{f.path}: {a}rope.scaling.original_context_length = {n_ctx_orig} must be positive")
-    return LlamaHParams(
+    hp = LlamaHParams(
         arch=arch, n_vocab=_n_vocab(f, a), n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
         n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_head_k=head_k, n_embd_head_v=head_v,
         n_rot=n_rot,
@@ -244,6 +261,33 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
         tie_word_embeddings="output.weight" not in f.tensors,
         rope_freqs=ARCHS[arch].rope_freqs and "rope_freqs.weight" in f.tensors,
     )
+    if ARCHS[arch].gemma:
+        _gemma3_hparams(f, a, hp)
+    return hp
+
+
+def _gemma3_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
+    """llama_model_gemma3::load_arch_hparams: the sliding window and its layers, the SWA rope base, the
+    attention scale (1/sqrtf(head size), or 1/sqrtf(n_embd / n_head) for the 62-layer 27B)."""
+    softcap = _key(f, a + "final_logit_softcapping", float, default=0.0)
+    if softcap != 0.0:
+        raise GGUFError(f"{f.path}: {a}final_logit_softcapping = {softcap} (a tanh cap on the output "
+                        f"logits) is not implemented")
+    n_swa = _key(f, a + "attention.sliding_window", int, default=0)
+    if n_swa < 0:
+        raise GGUFError(f"{f.path}: {a}attention.sliding_window = {n_swa} must not be negative")
+    if n_swa > 0:
+        pat = f.metadata.get(a + "attention.sliding_window_pattern", 6)
+        if isinstance(pat, bool) or not isinstance(pat, int) or pat <= 0:
+            raise GGUFError(f"{f.path}: {a}attention.sliding_window_pattern = {_short(pat)} is not supported "
+                            f"(only a positive layer period is)")
+        hp.n_swa = n_swa
+        hp.swa_layers = tuple(il % pat < pat - 1 for il in range(hp.n_layer))   # set_swa_pattern
+        hp.rope_freq_base_swa = _key(f, a + "rope.freq_base_swa", float, default=10000.0)
+    elif a + "attention.sliding_window_pattern" in f.metadata or a + "rope.freq_base_swa" in f.metadata:
+        raise GGUFError(f"{f.path}: a sliding-window pattern or rope base without {a}attention.sliding_window")
+    d = hp.n_embd // hp.n_head if hp.n_layer == 62 else hp.n_embd_head_k
+    hp.f_attention_scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))
 
 
 # -- the tensors ------------------------------------------------------------------------------------
@@ -274,6 +318,9 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         if spec.qk_norm:
             want[b + "attn_q_norm.weight"] = (hp.n_embd_head_k,)
             want[b + "attn_k_norm.weight"] = (hp.n_embd_head_k,)
+        if spec.gemma:
+            want[b + "post_attention_norm.weight"] = (n_embd,)
+            want[b + "post_ffw_norm.weight"] = (n_embd,)
         want[b + "ffn_norm.weight"] = (n_embd,)
         want[b + "ffn_gate.weight"] = (n_embd, hp.n_ff)
         want[b + "ffn_up.weight"] = (n_embd, hp.n_ff)

@@ -211,10 +211,11 @@ class KVCells:
 
     # -- graph inputs ----------------------------------------------------------------------------------
     def kq_mask(self, n_kv: int, pos: np.ndarray, seq_ids: list[frozenset[int]],
-                n_seqs: int = 1) -> np.ndarray:
+                n_seqs: int = 1, n_swa: int = 0) -> np.ndarray:
         """[n_tokens, n_kv] f32 (numpy order), or with streams [n_seqs, n_tokens / n_seqs, n_kv] (one
         group of tokens per stream): 0 where the cell of the token's stream holds the token's sequence at a
-        position <= the token's, -inf elsewhere (empty cells and padding included)."""
+        position <= the token's, -inf elsewhere (empty cells and padding included). n_swa > 0: also -inf
+        where the token's position minus the cell's is >= n_swa (is_masked_swa, LLAMA_SWA_TYPE_STANDARD)."""
         mask = np.full((len(pos), n_kv), -np.inf, dtype=np.float32)
         seq_of = np.array([min(s) for s in seq_ids])
         for q in np.unique(seq_of):                     # all the rows of one sequence at once
@@ -222,7 +223,11 @@ class KVCells:
             c0 = self.stream_of(int(q)) * self.size
             cpos, cseq = self.pos[c0:c0 + n_kv], self.seq[c0:c0 + n_kv]
             held = (cpos >= 0) & ((cseq & np.uint64(1 << int(q))) != 0)
-            mask[rows] = np.where(held[None, :] & (cpos[None, :] <= np.asarray(pos)[rows, None]), 0.0, -np.inf)
+            p1 = np.asarray(pos)[rows, None]
+            ok = held[None, :] & (cpos[None, :] <= p1)
+            if n_swa:
+                ok &= (p1 - cpos[None, :]) < n_swa
+            mask[rows] = np.where(ok, 0.0, -np.inf)
         return mask if self.n_stream == 1 else mask.reshape(n_seqs, -1, n_kv)
 
 

@@ -88,7 +88,8 @@ def _code_runtime_env() -> dict | None:
     if job.get("py_modules") or job.get("pip"):
         return None
     import ggml_dist
-    return {"py_modules": [os.path.dirname(os.path.abspath(ggml_dist.__file__))], "excludes": ["__pycache__", "*.pyc", "*.nbi", "*.nbc"]}
+    return {"py_modules": [os.path.dirname(os.path.abspath(ggml_dist.__file__))],
+            "excludes": ["__pycache__", "*.pyc", "*.nbi", "*.nbc"]}
 
 
 def started_local() -> bool:

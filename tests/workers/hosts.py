@@ -1013,3 +1013,48 @@ def _stop_live_clusters() -> None:          # a with-block cut short by interpre
     for c in list(_live):
         with contextlib.suppress(Exception):
             c.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# a streaming `ggml-dist run` whose stage-1 host loses its link mid-generation
+
+@dataclass
+class CutRun:
+    returncode: int
+    text: str                     # what the run streamed on stdout
+    log: str                      # its stderr
+    victim: int | None            # the host whose link was cut
+    cut_to_end_s: float | None    # from the cut to the run's exit
+    recoveries: int               # from the run's closing line
+    recovery_s: float | None
+
+
+def run_with_link_cut(c: "NamespaceCluster", argv: Sequence[str], after_chars: int,
+                      timeout: float = 900.0) -> CutRun:
+    """Run `argv` (a `ggml-dist run` without --json, so text streams) in the head's namespace; once
+    `after_chars` characters have streamed, cut the link of the host that holds stage 1 (read from the
+    plan table the run prints on stderr before it loads); restore it when the run ends."""
+    import re
+    import threading
+    p = c.popen_in(0, list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(ln.decode() for ln in p.stderr), daemon=True)
+    reader.start()
+    text, cut_at, victim = b"", None, None
+    try:
+        while b := p.stdout.read1(64):
+            text += b
+            if cut_at is None and len(text) >= after_chars:
+                row = next(ln for ln in err if re.match(r"\s+1 ", ln))
+                victim = c.ips.index(row.split()[1])
+                c.link_down(victim)
+                cut_at = time.perf_counter()
+        p.wait(timeout=timeout)
+        reader.join(10)
+    finally:
+        if victim is not None:
+            c.link_up(victim)
+    log = "".join(err)
+    m = re.search(r"recoveries (\d+), recovery_s \[([\d.]+)", log)
+    return CutRun(p.returncode, text.decode(), log, victim, time.perf_counter() - cut_at if cut_at else None,
+                  int(m.group(1)) if m else 0, float(m.group(2)) if m else None)

@@ -12,11 +12,9 @@ Their Ray `memory` lies between what a 2-stage split's largest stage and a singl
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,7 +31,8 @@ from ggml_dist.model.ubatch import Batch  # noqa: E402
 from ggml_dist.workers.driver import plan_on_nodes  # noqa: E402
 from ggml_dist.workers.placement import NodeInfo  # noqa: E402
 
-from .hosts import HostSpec, NamespaceCluster, VenvError, netns_available, venv_without_ggml_dist  # noqa: E402
+from .hosts import (HostSpec, NamespaceCluster, VenvError, netns_available, run_with_link_cut,  # noqa: E402
+                    venv_without_ggml_dist)
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -183,34 +182,11 @@ def test_serve_auto_over_hosts(cluster, model, reference):
 # the link of the host holding stage 1 cut mid-generation: found within seconds (not Ray's node-death
 # timeout), the stage placed again on the spare host, the same text
 def test_link_cut_mid_generation(cluster, model, reference):
-    p = cluster.popen_in(0, [CLI, "run", "--address", cluster.gcs_address, "--model", str(model), "--stages",
-                             "auto", "--ctx", str(CTX), "--prompt", PROMPT, "-n", str(N_PREDICT), "--temp", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(ln.decode() for ln in p.stderr), daemon=True)
-    reader.start()
-    text, cut_at, victim = b"", None, None
-    try:
-        while True:
-            b = p.stdout.read1(64)
-            if not b:
-                break
-            text += b
-            if cut_at is None and len(text) >= 8:          # a few tokens in
-                row = next(ln for ln in err if re.match(r"\s+1 ", ln))
-                victim = cluster.ips.index(row.split()[1])
-                cluster.link_down(victim)
-                cut_at = time.perf_counter()
-        p.wait(timeout=300)
-        reader.join(10)
-        after = time.perf_counter() - cut_at
-    finally:
-        if victim is not None:
-            cluster.link_up(victim)
-    log = "".join(err)
-    assert p.returncode == 0 and cut_at is not None, log[-4000:]
-    assert text.decode().rstrip("\n") == reference[2], log[-3000:]
-    m = re.search(r"recoveries (\d+), recovery_s \[([\d.]+)", log)
-    assert m and int(m.group(1)) >= 1, log[-3000:]
-    assert float(m.group(2)) <= 30 and after < 60, log[-3000:]
-    assert "stopped answering" in log and f"on {cluster.ips[1]}" in log     # replaced on the spare
+    r = run_with_link_cut(cluster, [CLI, "run", "--address", cluster.gcs_address, "--model", str(model), "--stages",
+                                    "auto", "--ctx", str(CTX), "--prompt", PROMPT, "-n", str(N_PREDICT), "--temp",
+                                    "0"], after_chars=8)                     # a few tokens in
+    assert r.returncode == 0 and r.victim is not None, r.log[-4000:]
+    assert r.text.rstrip("\n") == reference[2], r.log[-3000:]
+    assert r.recoveries >= 1 and r.recovery_s is not None, r.log[-3000:]
+    assert r.recovery_s <= 30 and r.cut_to_end_s < 60, r.log[-3000:]
+    assert "stopped answering" in r.log and f"on {cluster.ips[1]}" in r.log   # replaced on the spare
