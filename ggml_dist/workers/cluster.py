@@ -124,8 +124,10 @@ class StageActor:
     def ping(self) -> int:
         return self.worker.ping()
 
-    def compute(self, pid: str, desc: dict | None, inputs: np.ndarray, *upstream: np.ndarray) -> np.ndarray:
-        return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream), dtype=np.uint8)
+    def compute(self, pid: str, desc: dict | None, inputs: np.ndarray, *upstream: np.ndarray,
+                incarnation: str | None = None) -> np.ndarray:
+        return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream, incarnation=incarnation),
+                             dtype=np.uint8)
 
 
 def _pinned(placement: Placement, node_ids: list[str], overhead: int) -> Placement:
@@ -158,9 +160,11 @@ def _lost(e: BaseException) -> bool:
     return False
 
 
-def _ray_call(actor: Any, stage: int, layers: tuple[int, int], watch: StageWatch) -> Call:
+def _ray_call(actor: Any, stage: int, layers: tuple[int, int], watch: StageWatch,
+              incarnation: Callable[[], str | None]) -> Call:
     def submit(pid: str, desc: dict | None, inputs: bytearray, *ups: Any) -> Any:
-        return actor.compute.remote(pid, desc, np.frombuffer(inputs, dtype=np.uint8), *ups)
+        return actor.compute.remote(pid, desc, np.frombuffer(inputs, dtype=np.uint8), *ups,
+                                    incarnation=incarnation())
 
     def guarded(handles: list) -> list:
         try:
@@ -230,8 +234,7 @@ class Pipeline:
                                       model.hp.n_embd_v_gqa, int(params.type_k), params.n_seq_max, params.exact,
                                       threads_per_stage, params.kv_unified))
             pl.actors.append(actor_cls.options(**stage_options(sp, threads_per_stage)).remote(pl.specs[-1]))
-            pl.proxies.append(StageProxy(sp.stage, sp.layers, _ray_call(pl.actors[-1], sp.stage, sp.layers,
-                                                                       pl.watch), StageDevice(f"stage{sp.stage}")))
+            pl.proxies.append(StageProxy(sp.stage, sp.layers, pl._call(sp.stage), StageDevice(f"stage{sp.stage}")))
         pl.infos = [{}] * n
         pl.watch.addresses = [""] * n
         for k in range(n):
@@ -242,6 +245,12 @@ class Pipeline:
                                       for sp, p in zip(placement.stages, pl.proxies)])
         pl.ctx.recovery = pl.recover_stages
         return pl
+
+    def _call(self, k: int) -> Call:
+        """How stage k's proxy reaches its current actor; each call names the incarnation the driver
+        last saw (info()), so a restarted process refuses calls meant for the one before it."""
+        return _ray_call(self.actors[k], k, self.placement.stages[k].layers, self.watch,
+                         lambda: self.infos[k].get("incarnation") if k < len(self.infos) else None)
 
     def _describe(self, k: int) -> str:
         s = self.placement.stages[k]
@@ -343,7 +352,7 @@ class Pipeline:
             self.placement.stages[k] = sp
             print(f"ggml-dist: {self._describe(k)}: a new stage actor", file=sys.stderr, flush=True)
         self.actors[k] = self.actor_cls.options(**stage_options(sp, self.threads)).remote(self.specs[k])
-        self.proxies[k].call = _ray_call(self.actors[k], k, sp.layers, self.watch)
+        self.proxies[k].call = self._call(k)
         self.watch.addresses[k] = ""
 
     def _node_for(self, k: int, bad_nodes: set[str]) -> NodeInfo | None:

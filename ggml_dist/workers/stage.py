@@ -42,6 +42,12 @@ class PlanMissingError(RuntimeError):
     """A call names a plan this stage never received: it was restarted and lost its plans."""
 
 
+class StateLostError(PlanMissingError):
+    """A call meant for an earlier incarnation of this stage: the process was restarted, and its KV
+    cache is empty. Without this check a call that carries a new plan's description would be computed
+    over the empty cache, silently wrong."""
+
+
 class WeightsMissingError(PlanMissingError):
     """The stage cannot read the GGUF and holds no weights: restarted, it needs them sent again (the
     driver's recovery does that, as for any lost stage)."""
@@ -142,6 +148,7 @@ class StageWorker:
         self.kv_tensors = {t.name: t for t in self.kv.tensors()}
         self.opts = ComputeOptions(exact=spec.exact)
         self.plans: OrderedDict[str, tuple[RebuiltPlan, Gallocr]] = OrderedDict()
+        self.incarnation = os.urandom(8).hex()       # this process's life: a restart gets another
         self.stats = StageStats()
 
     def _set_weights(self, weights: dict[str, Tensor]) -> None:
@@ -182,7 +189,8 @@ class StageWorker:
                 node_id = ray.get_runtime_context().get_node_id()
         except ImportError:
             pass
-        return {"stage": self.spec.stage_id, "pid": os.getpid(), "node": os.uname().nodename,
+        return {"stage": self.spec.stage_id, "pid": os.getpid(), "incarnation": self.incarnation,
+                "node": os.uname().nodename,
                 "node_id": node_id, "needs_weights": self.needs_weights,
                 "layers": list(self.spec.layers), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
                 "kv_bytes": self.kv.nbytes, "compute_bytes": self.compute_bytes()}
@@ -229,7 +237,12 @@ class StageWorker:
         galloc.alloc_graph(plan.graph)
         return galloc
 
-    def compute(self, pid: str, desc: dict | None, inputs: bytes, *upstream: bytes) -> bytearray:
+    def compute(self, pid: str, desc: dict | None, inputs: bytes, *upstream: bytes,
+                incarnation: str | None = None) -> bytearray:
+        """incarnation: the one the driver last saw in info(); a call for another is refused."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise StateLostError(f"stage {self.spec.stage_id} was restarted (incarnation {self.incarnation}, the "
+                                 f"call was for {incarnation}): its KV cache is gone")
         if self.needs_weights:
             raise WeightsMissingError(f"stage {self.spec.stage_id} cannot read {self.spec.model_path} and "
                                       f"was sent no weights")

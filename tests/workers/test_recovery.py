@@ -59,6 +59,19 @@ def test_kill_stage_actor(local_ray, model_path, want, stage):
         pl.shutdown()
 
 
+# a kill right after the first token, with 4 copies: the next steps use copy slots whose plans the
+# restarted stage is sent for the first time; it must refuse them (another incarnation), not compute
+# them over its empty KV cache (which gave wrong tokens in bench faults)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_kill_before_every_copy_slot_was_used(local_ray, model_path, want, stage):
+    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), n_copies=4)
+    try:
+        assert _run_with_fault(pl, 1, lambda p: p.kill_stage(stage)) == want
+        assert pl.ctx.n_recoveries == 1
+    finally:
+        pl.shutdown()
+
+
 # SIGKILL of the actor's process (found by its pid), twice in one run
 def test_kill_stage_process_by_pid(local_ray, model_path, want):
     pl = Pipeline.launch(model_path, 3, ContextParams(n_ctx=256))

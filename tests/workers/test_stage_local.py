@@ -104,3 +104,14 @@ def test_llama3_and_qwen3_stages_bitwise(tmp_path, spec, n_stages):
     ref = LlamaContext(model, ContextParams(n_ctx=256))
     assert np.array_equal(ctx.decode(Batch.from_tokens(toks, all_outputs=True)),
                           ref.decode(Batch.from_tokens(toks, all_outputs=True)))
+
+
+# a call meant for an earlier incarnation of a stage (it was restarted: its KV cache is empty) is refused
+def test_call_for_another_incarnation_refused(path):
+    from ggml_dist.workers.stage import StateLostError
+    _, ctx, workers = local_pipeline(path, 2, ContextParams(n_ctx=256))
+    ctx.decode(Batch.from_tokens([1, 2, 3]))
+    w = workers[0]
+    pid, (plan, _) = next(iter(w.plans.items()))
+    with pytest.raises(StateLostError, match="restarted"):
+        w.compute(pid, None, b"", incarnation="0" * 16)
