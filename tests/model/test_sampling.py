@@ -21,6 +21,10 @@ def test_seeded():
     s = Sampler(p)
     b = [s.sample(LOGITS) for _ in range(50)]
     assert len(set(a)) == 1 and len(set(b)) > 1
+    again = Sampler(p)                                  # the whole sequence repeats with the seed
+    assert [again.sample(LOGITS) for _ in range(50)] == b
+    greedy = Sampler(SamplingParams(temperature=0)).sample(LOGITS)
+    assert any(x != greedy for x in b)                  # temperature > 0 is not greedy
 
 
 # top_k=1 always picks the best token whatever the temperature

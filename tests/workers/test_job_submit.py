@@ -21,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# a job submitted to the cluster joins it (RAY_ADDRESS) and runs its stages on both nodes
+# a job submitted to the cluster joins it (RAY_ADDRESS) and runs its stages on both nodes, one each
 def test_ray_job_submit_two_nodes(tmp_path):
     from ray.cluster_utils import Cluster
     if ray.is_initialized():
@@ -43,5 +43,6 @@ def test_ray_job_submit_two_nodes(tmp_path):
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith('{"prompt_tokens"'))
         out = json.loads(line)
         assert len(out["tokens"]) == 4 and len(out["stages"]) == 2
+        assert len({s["node_id"] for s in out["plan"]}) == 2             # on both nodes, one stage each
     finally:
         cluster.shutdown()
