@@ -191,7 +191,7 @@ def _load(args: argparse.Namespace):
         print("ggml-dist: --stages auto without a cluster (--address, or a ray job): one stage, in this "
               "process", file=sys.stderr)
         args.stages = 1
-    if args.stages == 1 and not _on_cluster(args):
+    if args.stages == 1 and not args.address:         # one stage: this process (also inside a job)
         if getattr(args, "threads_given", False):
             from .backends import qkernels
             qkernels.set_threads(args.threads)
