@@ -1,7 +1,10 @@
 """Pipeline study: throughput against stages, micro-batches and n_copies, next to the GPipe bound.
 
     ggml-dist bench pipeline --model M [--stages 1,2,3] [--micro-batches 1,4] [--n-copies K]
-                             [--ubatch 64] [--mode prefill|decode] [--plot out.png] --json
+                             [--ubatch 32,64] [--mode prefill|decode] [--plot out.png] --json
+
+Every (ubatch, stages, micro-batches) point of the sweep is run; decode runs report TTFT and the
+inter-token latency (p50/p90/p99 ms) next to the throughput.
 
 prefill: one prompt of micro_batches x ubatch tokens, decoded as micro_batches ubatches with up to
          n_copies of them in flight (only the last token's logits are read).
@@ -59,18 +62,22 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             ctx.decode(Batch.from_tokens(toks))
             wall = time.perf_counter() - t0
             processed = n_tok
+            latency = {"ttft_ms": _pcts([wall])}
         else:
-            last = []
+            last, ttft = [], []
             for s in range(n_seq):                                  # short prompts, then warm-up
                 p = rng.integers(3, vocab, 4).tolist()
+                t = time.perf_counter()
                 last.append(int(np.argmax(ctx.decode(Batch.from_tokens(p, seq_id=s))[-1])))
+                ttft.append(time.perf_counter() - t)
             pos = [4] * n_seq
             _decode_continuous(ctx, last, pos, n_seq)                # warm-up: one step each
             before = pl.stats()
             t0 = time.perf_counter()
-            _decode_continuous(ctx, last, pos, n_steps * n_seq)
+            itl = _decode_continuous(ctx, last, pos, n_steps * n_seq)
             wall = time.perf_counter() - t0
             processed = n_steps * n_seq
+            latency = {"ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl)}
         after = pl.stats()
     finally:
         pl.shutdown()
@@ -84,7 +91,8 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
     moved = sum(hops)
     tok_s = processed / wall
     ideal_tok_s = processed / ideal if ideal > 0 else 0.0
-    return {"_t_k": t_k, "_n_mb": n_mb, "_processed": processed, "ideal_inrun_tok_s": round(ideal_tok_s, 3),"stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch,
+    return {"_t_k": t_k, "_n_mb": n_mb, "_processed": processed, "ideal_inrun_tok_s": round(ideal_tok_s, 3),
+            "stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch,
             "mode": mode, "tok_s": round(tok_s, 3), "ideal_tok_s": round(ideal_tok_s, 3),
             "efficiency": round(tok_s / ideal_tok_s, 3) if ideal_tok_s else None,
             "bubble_frac": round(1 - sum(busy) / (stages * wall), 3),
@@ -92,7 +100,7 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             "bytes_per_token": round(moved / processed, 1),
             "bytes_per_hop": {"driver_to_stage": [round(h / processed, 1) for h in hops[:stages]],
                               "stage_out": [round(h / processed, 1) for h in hops[stages:]]},
-            "stage_ms": [round(t * 1e3, 2) for t in t_k],
+            "stage_ms": [round(t * 1e3, 2) for t in t_k], **latency,
             "wall_s": round(wall, 3)}
 
 
@@ -100,10 +108,19 @@ def _gpipe(t_k: list[float], n_mb: int) -> float:
     return sum(t_k) + (n_mb - 1) * max(t_k) if n_mb and t_k else 0.0
 
 
-def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int) -> None:
+def _pcts(xs: list[float]) -> dict[str, float]:
+    """p50/p90/p99 of durations in seconds, as milliseconds."""
+    if not xs:
+        return {}
+    q = np.percentile(np.asarray(xs) * 1e3, [50, 90, 99])
+    return {"p50": round(float(q[0]), 2), "p90": round(float(q[1]), 2), "p99": round(float(q[2]), 2)}
+
+
+def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int) -> list[float]:
     """n_tokens decode steps over the sequences, each its own micro-batch: every sequence has one step in
     flight; the oldest is read (micro-batches finish in order), sampled, and that sequence's next step
-    submitted at once. `last` and `pos` are advanced in place."""
+    submitted at once. `last` and `pos` are advanced in place. Returns the inter-token latencies: per
+    sequence, the time between two of its tokens (TPOT's samples)."""
     assert n_tokens >= len(last), "at least one step per sequence"
     pending: deque = deque()
 
@@ -113,12 +130,19 @@ def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int) -> N
     for s in range(len(last)):
         step(s)
     submitted = len(last)
+    seen: dict[int, float] = {}
+    itl: list[float] = []
     for _ in range(n_tokens):
         s, p = pending.popleft()
         last[s] = int(np.argmax(p.result()[-1]))
+        now = time.perf_counter()
+        if s in seen:
+            itl.append(now - seen[s])
+        seen[s] = now
         if submitted < n_tokens:                             # the sequence goes on at once
             step(s)
             submitted += 1
+    return itl
 
 
 def plot(runs: list[dict], path: str) -> str | None:
@@ -129,11 +153,11 @@ def plot(runs: list[dict], path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'ggml-dist[bench]'); no plot written"
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mb in sorted({r["micro_batches"] for r in runs}):
-        rs = sorted((r for r in runs if r["micro_batches"] == mb), key=lambda r: r["stages"])
-        ax.plot([r["stages"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"{mb} micro-batches")
+    for mb, ub in sorted({(r["micro_batches"], r["ubatch"]) for r in runs}):
+        rs = sorted((r for r in runs if (r["micro_batches"], r["ubatch"]) == (mb, ub)), key=lambda r: r["stages"])
+        ax.plot([r["stages"] for r in rs], [r["tok_s"] for r in rs], "o-", label=f"{mb} micro-batches, ub {ub}")
         ax.plot([r["stages"] for r in rs], [r["ideal_tok_s"] for r in rs], "x--", alpha=0.5,
-                label=f"GPipe bound, {mb}")
+                label=f"GPipe bound, {mb}, ub {ub}")
     ax.set_xlabel("stages")
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{runs[0]['mode']} throughput")
@@ -149,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--micro-batches", default="1,4")
     ap.add_argument("--n-copies", default=None, help="comma list; default: 4, as llama.cpp")
-    ap.add_argument("--ubatch", type=int, default=64)
+    ap.add_argument("--ubatch", default="64", help="comma list: the sweep takes every value")
     ap.add_argument("--mode", choices=["prefill", "decode"], default="prefill")
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured (decode mode)")
     ap.add_argument("--threads", type=int, default=1, help="threads per stage actor")
@@ -162,22 +186,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = _ints(a.stages)
     connect(num_cpus=max(2, max(stages) * a.threads))
     runs = []
-    for k in stages:
-        for mb in _ints(a.micro_batches):
-            # the single-stage times: the same micro-batches with one in flight (no overlap, no contention)
-            solo = run_one(path, k, mb, 1, a.ubatch, a.mode, a.steps, a.threads)
-            for nc in (_ints(a.n_copies) if a.n_copies else [default_copies(k)]):
-                r = solo if nc == 1 else run_one(path, k, mb, nc, a.ubatch, a.mode, a.steps, a.threads)
-                r = dict(r)
-                r.pop("_t_k")                     # the bound uses the solo run's stage times
-                n_mb, processed = r.pop("_n_mb"), r.pop("_processed")
-                ideal = _gpipe(solo["_t_k"], n_mb)
-                r["ideal_tok_s"] = round(processed / ideal, 3) if ideal else 0.0
-                r["efficiency"] = round(r["tok_s"] / r["ideal_tok_s"], 3) if r["ideal_tok_s"] else None
-                r["solo_stage_ms"] = [round(t * 1e3, 2) for t in solo["_t_k"]]
-                runs.append(r)
-                if not a.json:
-                    print(r, file=sys.stderr)
+    sweep = [(ub, k, mb) for ub in _ints(a.ubatch) for k in stages for mb in _ints(a.micro_batches)]
+    for ub, k, mb in sweep:
+        # the single-stage times: the same micro-batches with one in flight (no overlap, no contention)
+        solo = run_one(path, k, mb, 1, ub, a.mode, a.steps, a.threads)
+        for nc in (_ints(a.n_copies) if a.n_copies else [default_copies(k)]):
+            r = solo if nc == 1 else run_one(path, k, mb, nc, ub, a.mode, a.steps, a.threads)
+            r = dict(r)
+            r.pop("_t_k")                     # the bound uses the solo run's stage times
+            n_mb, processed = r.pop("_n_mb"), r.pop("_processed")
+            ideal = _gpipe(solo["_t_k"], n_mb)
+            r["ideal_tok_s"] = round(processed / ideal, 3) if ideal else 0.0
+            r["efficiency"] = round(r["tok_s"] / r["ideal_tok_s"], 3) if r["ideal_tok_s"] else None
+            r["solo_stage_ms"] = [round(t * 1e3, 2) for t in solo["_t_k"]]
+            runs.append(r)
+            if not a.json:
+                print(r, file=sys.stderr)
     out: dict[str, Any] = {"model": a.model, "runs": runs}
     if a.plot:
         note = plot(runs, a.plot)
