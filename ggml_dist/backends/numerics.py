@@ -112,13 +112,17 @@ def _tanhf():
 
 def gelu_table() -> np.ndarray:
     """ggml_table_gelu_f16 (ggml_cpu_init): f16(ggml_gelu_f32(x)) for every f16 bit pattern x, where
-    ggml_gelu_f32(x) = 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))) in f32."""
+    ggml_gelu_f32(x) = 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))) in f32, with glibc's
+    tanhf and the fma the compiler makes of 1.0f + GELU_COEF_A*x*x."""
     global _GELU_TABLE
     if _GELU_TABLE is None:
         h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(F32)
         c, a = F32(0.79788456080286535587989211986876), F32(0.044715)
         with np.errstate(all="ignore"):
-            inner = (c * h * (F32(1) + a * h * h).astype(F32)).astype(F32)
+            # gcc contracts 1.0f + GELU_COEF_A*x*x into fma(GELU_COEF_A*x, x, 1.0f) (-mfma): that decides
+            # one entry (f16 0xbfff, -1.999), which llama.cpp's logits confirm
+            ax = (a * h).astype(F32)
+            inner = (c * h * (ax.astype(np.float64) * h.astype(np.float64) + 1.0).astype(F32)).astype(F32)
             tanhf = _tanhf()
             if tanhf is None:
                 th = np.tanh(inner).astype(F32)

@@ -266,9 +266,10 @@ def _vdot(c8, y8, W, ns, part, isub):
 
 
 @njit(parallel=True, cache=True, fastmath=False)
-def _mm_q(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, n_chunks):
+def _mm_q(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, n_chunks, n_gemm):
     """w uint8 [M, row_bytes]; yw int8 [N, K] (word layout); dy f32 [N, nb]; sy f32 [N, nb] (Q8_1 s);
-    ysum int64 [N, nb] (Q8_0 block sums); bsums int64 [N, nb*16] (Q8_K); out f32 [N, M]."""
+    ysum int64 [N, nb] (Q8_0 block sums); bsums int64 [N, nb*16] (Q8_K); out f32 [N, M].
+    n_gemm: activation rows 0 .. n_gemm-1 take repacked Q4_K's gemm order (4 fma steps per superblock)."""
     M = w.shape[0]
     N, K = yw.shape
     W = 2 if kind >= 7 else 4
@@ -290,12 +291,12 @@ def _mm_q(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, n_chunks):
         accm = np.empty(_R, F32)
         for g in range(ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks):
             _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, g * _R, min(_R, M - g * _R), N, W, ns, nb,
-                   nsub, bias, cw, d1, d2, sc, mn, part32, isub, acc, accm)
+                   nsub, bias, cw, d1, d2, sc, mn, part32, isub, acc, accm, n_gemm)
 
 
 @njit(cache=True)
 def _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, r0, nr, N, W, ns, nb, nsub, bias,
-           cw, d1, d2, sc, mn, part32, isub, acc, accm):
+           cw, d1, d2, sc, mn, part32, isub, acc, accm, n_gemm):
     """Rows r0 .. r0+nr-1: decode once, then every activation row."""
     for r in range(nr):
         _dec_row(kind, w[r0 + r], lut, sp, cw[r], ns, d1[r], d2[r], sc[r], mn[r])
@@ -313,6 +314,18 @@ def _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, r0, nr, N, W, ns, nb,
                     isum = isub[r, b] - bias * ysum[n, b]
                     d = d1[r, b] * ddy                                # f32(dx*dy), exact
                     acc[r] = F32(F64(F32(isum)) * F64(d) + F64(acc[r]))
+                    continue
+                if kind == 5 and n < n_gemm:                          # ggml_gemm_q4_K_8x8_q8_K: one
+                    dm = ddy * d2[r, b]                               # fma per 64 values (2 sub-blocks)
+                    d = ddy * d1[r, b]
+                    for q in range(4):
+                        j0 = b * nsub + 2 * q
+                        isum = sc[r, j0] * isub[r, j0] + sc[r, j0 + 1] * isub[r, j0 + 1]
+                        k0 = b * 16 + 4 * q
+                        m = mn[r, b * 8 + 2 * q] * (bsums[n, k0] + bsums[n, k0 + 1]) + \
+                            mn[r, b * 8 + 2 * q + 1] * (bsums[n, k0 + 2] + bsums[n, k0 + 3])
+                        acc[r] = F32(F64(F32(isum)) * F64(d) + F64(acc[r]))
+                        accm[r] = F32(F64(F32(m)) * F64(dm) + F64(accm[r]))
                     continue
                 isum = 0
                 for j in range(nsub):
@@ -778,6 +791,12 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
+def _n_gemm(wtype: GGMLType, repacked: bool, N: int) -> int:
+    """Rows of X that repacked Q4_K multiplies in ggml_gemm_q4_K_8x8_q8_K (groups of 4 when N > 3; the
+    rest take ggml_gemv_q4_K_8x8_q8_K, one fma per superblock)."""
+    return N - N % 4 if repacked and wtype == T.Q4_K and N > 3 else 0
+
+
 def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast",
               repacked: bool = False, vec_n: int | None = None) -> np.ndarray | None:
     """quants.mul_mat(order=order, repacked=repacked) for covered types: w uint8 [M, row_bytes] (F16: uint8
@@ -857,5 +876,5 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
     yw = np.ascontiguousarray(qy.reshape(N, K // (8 * W), W, 8).transpose(0, 2, 1, 3)).reshape(N, K)
     with _launch_lock:
         apply_threads()
-        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, n_chunks)
+        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, n_chunks, _n_gemm(wtype, repacked, N))
     return out

@@ -572,6 +572,16 @@ def _mm_kq(wtype, b, xq, repacked, order):
             minsum = np.matmul(m.transpose(1, 0, 2).astype(F32), s.transpose(1, 2, 0).astype(F32))
             acc = _chain(isum, d)
             accm = _chain(minsum, dm)
+            ng = N - N % 4 if repacked and wtype == T.Q4_K and N > 3 else 0
+            if ng:                  # ggml_gemm_q4_K_8x8_q8_K: one fma per 64 values (2 sub-blocks)
+                xs4 = xs.reshape(M, nb * 4, 64)
+                qy4 = qy[:ng].reshape(ng, nb * 4, 64)
+                isum4 = _isum(xs4, qy4, dtype=F64).astype(F32)                 # [nb*4, M, ng]
+                m4 = m.reshape(M, nb * 4, 2).transpose(1, 0, 2).astype(F32)
+                s4 = s[:ng].reshape(ng, nb * 4, 2).transpose(1, 2, 0).astype(F32)
+                min4 = np.matmul(m4, s4)
+                acc[:, :ng] = _chain(isum4, np.repeat(d[:, :, :ng], 4, axis=0))
+                accm[:, :ng] = _chain(min4, np.repeat(dm[:, :, :ng], 4, axis=0))
             return (acc - accm).astype(F32)
         # lanes: lane k = sum_j sc_j * sum_{i<4} qx[j, 4k+i] qy[j, 4k+i]
         xs = (qx.astype(F32) * sc[..., None].astype(F32)).reshape(M, nb, 8, 8, 4).transpose(0, 1, 3, 2, 4)

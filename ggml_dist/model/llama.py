@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .graph_context import GraphContext, GraphInputs, GraphKey, GraphResult, graph_max_nodes
-from .gemma3 import build_gemma3
 from .qwen3 import build_qwen3
 
 __all__ = ["GraphInputs", "GraphKey", "GraphResult", "LlamaGraphBuilder", "build_llama", "graph_max_nodes"]
@@ -43,7 +42,6 @@ ARCH_GRAPHS: dict[str, Callable[[GraphContext, GraphKey], GraphResult]] = {
     "llama": build_llama,
     "qwen2": build_llama,
     "qwen3": build_qwen3,
-    "gemma3": build_gemma3,
 }
 
 

@@ -13,6 +13,8 @@ Writes:
   the tests.
 - streams_refs.npz: for every spec in STREAM_SPECS and SmolLM2, the top-k logits of every output of
   refs.stream_batches(), decoded with a KV stream per sequence (kv_unified=False), in batch order.
+- gemma3_refs.json / gemma3_tf.npz: Gemma 3 270M Q4_K_M, greedy continuations of refs.GEMMA3_PROMPTS
+  and the teacher-forced top-k logits of refs.gemma3_long_prompt() (longer than the sliding window).
 - smollm2_refs.json: for each prompt, llama.cpp's free-running greedy continuation (prompt as one batch,
   then one token at a time) with top-k logits per step, and the teacher-forced batch (prompt plus
   continuation in one ubatch) with per-position argmax, top-1/top-2 gap and top-k logits.
@@ -29,7 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.model.refs import (N_STREAMS, SMOLLM2_PROMPTS, STREAM_SPECS, SYNTHETIC_SPECS,  # noqa: E402
-                              N_GEN, TOP_K, kv_type_of, n_ctx_of, stream_batches, tokens_of)
+                              N_GEN, TOP_K, kv_type_of, n_ctx_of, stream_batches, tokens_of,
+                              GEMMA3_N_CTX, GEMMA3_N_GEN, GEMMA3_PROMPTS, gemma3_long_prompt)
 from ggml_dist.model.synthetic import write_synthetic  # noqa: E402
 
 
@@ -145,11 +148,46 @@ def smollm2_refs(model: Path, out: Path) -> None:
     (out / "smollm2_refs.json").write_text(json.dumps({"meta": meta, "prompts": entries}))
 
 
+def gemma3_refs(model: Path, out: Path) -> None:
+    """gemma3_refs.json: per prompt the greedy continuation (prompt as one batch, then one token at a
+    time; swa_full, llama.cpp's default) with top-k logits per step; gemma3_tf.npz: the top-k logits of
+    every position of the long prompt (teacher-forced, ubatches of 512)."""
+    import llama_cpp
+    llm = _llama(model, GEMMA3_N_CTX, False)
+    entries = []
+    for prompt in GEMMA3_PROMPTS:
+        ptoks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        llm.reset()
+        llm.eval(ptoks)
+        gen, steps = [], []
+        for _ in range(GEMMA3_N_GEN):
+            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+            ids, vals = _topk(row, TOP_K)
+            tok = int(np.argmax(row))
+            gen.append(tok)
+            steps.append({"ids": ids.tolist(), "vals": [round(float(v), 5) for v in vals]})
+            llm.eval([tok])
+        entries.append({"prompt": prompt, "prompt_tokens": ptoks, "tokens": gen, "steps": steps})
+        print(f"{prompt[:40]!r}: {llm.detokenize(gen).decode('utf-8', 'replace')[:60]!r}")
+    meta = {"llama_cpp_python": llama_cpp.__version__, "n_gen": GEMMA3_N_GEN, "top_k": TOP_K,
+            "n_ctx": GEMMA3_N_CTX, "swa_full": True}
+    (out / "gemma3_refs.json").write_text(json.dumps({"meta": meta, "prompts": entries}))
+    toks = llm.tokenize(gemma3_long_prompt().encode(), add_bos=True, special=True)
+    llm.reset()
+    llm.eval(toks)
+    tf = np.array(llm.scores[: len(toks)], dtype=np.float32)
+    tk = [_topk(r, TOP_K) for r in tf]
+    np.savez_compressed(out / "gemma3_tf.npz", tokens=np.array(toks, np.int32),
+                        ids=np.stack([t[0] for t in tk]), vals=np.stack([t[1] for t in tk]))
+    print(f"gemma3 long prompt: {len(toks)} tokens")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
-    ap.add_argument("--only", choices=["synthetic", "streams", "smollm2"], default=None)
+    ap.add_argument("--gemma3", type=Path, default=None, help="gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--only", choices=["synthetic", "streams", "smollm2", "gemma3"], default=None)
     a = ap.parse_args()
     if a.only in (None, "synthetic"):
         synthetic_refs(a.out)
@@ -160,6 +198,11 @@ def main() -> None:
         stream_refs(a.smollm2, a.out)
     if a.only in (None, "smollm2"):
         smollm2_refs(a.smollm2, a.out)
+    if a.only in (None, "gemma3"):
+        if a.gemma3 is None:
+            from ggml_dist.model.pull import pull
+            a.gemma3 = pull("gemma3-270m")
+        gemma3_refs(a.gemma3, a.out)
 
 
 if __name__ == "__main__":

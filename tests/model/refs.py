@@ -80,3 +80,36 @@ SMOLLM2_PROMPTS = [
     "import numpy as np\n\nx = np.arange(10)\n",
     "The quick brown fox",
 ]
+
+
+# Gemma 3 270M (Q4_K_M, `ggml-dist pull gemma3-270m`): free-running greedy continuations of these prompts
+# (BOS added, no space prefix), and the teacher-forced logits of GEMMA3_LONG_PROMPT, longer than the
+# 512-token sliding window, in a context of GEMMA3_N_CTX cells (ubatches of 512: 512 + the rest)
+GEMMA3_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "<start_of_turn>user\nWhat is 17 times 3?<end_of_turn>\n<start_of_turn>model\n",
+    "In machine learning, overfitting means",
+    "List of planets: Mercury, Venus,",
+    "import numpy as np\n\nx = np.arange(10)\n",
+    "The quick brown fox",
+]
+GEMMA3_N_CTX = 1024
+GEMMA3_N_GEN = 32
+
+
+def gemma3_long_prompt() -> str:
+    """A deterministic text of some 700 tokens (numbered sentences, so that no two windows are alike)."""
+    subjects = ["The river", "A small robot", "The old library", "Every winter", "The mathematician",
+                "A quiet train", "The city council", "My grandmother"]
+    verbs = ["remembers", "carries", "measures", "describes", "ignores", "repairs", "follows", "invents"]
+    objects = ["the first snow of the year", "a map of forgotten roads", "seventeen red apples",
+               "the sound of distant bells", "an unfinished letter", "the shape of the coastline",
+               "a theorem about prime numbers", "the last lantern in the harbour"]
+    out = []
+    for i in range(60):
+        out.append(f"{i + 1}. {subjects[i % 8]} {verbs[(3 * i + 1) % 8]} {objects[(5 * i + 2) % 8]}.")
+    return " ".join(out)
