@@ -116,22 +116,29 @@ def _stream_logits(path: Path) -> list[np.ndarray]:
     return rows
 
 
+def _greedy(llm, prompt: str, n_gen: int) -> tuple[list[int], list[int], list[dict]]:
+    """llama.cpp's free-running greedy continuation: the prompt as one batch, then a token at a time;
+    (prompt tokens, generated tokens, the top-k logits of each step)."""
+    ptoks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+    llm.reset()
+    llm.eval(ptoks)
+    gen, steps = [], []
+    for _ in range(n_gen):
+        row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+        ids, vals = _topk(row, TOP_K)
+        tok = int(np.argmax(row))
+        gen.append(tok)
+        steps.append({"ids": ids.tolist(), "vals": [round(float(v), 5) for v in vals]})
+        llm.eval([tok])
+    return ptoks, gen, steps
+
+
 def smollm2_refs(model: Path, out: Path) -> None:
     import llama_cpp
     llm = _llama(model, 512, False)
     entries = []
     for prompt in SMOLLM2_PROMPTS:
-        ptoks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-        llm.reset()
-        llm.eval(ptoks)
-        gen, steps = [], []
-        for _ in range(N_GEN):
-            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-            ids, vals = _topk(row, TOP_K)
-            tok = int(np.argmax(row))
-            gen.append(tok)
-            steps.append({"ids": ids.tolist(), "vals": [round(float(v), 5) for v in vals]})
-            llm.eval([tok])
+        ptoks, gen, steps = _greedy(llm, prompt, N_GEN)
         llm.reset()
         allt = ptoks + gen
         llm.eval(allt)
@@ -156,17 +163,7 @@ def gemma3_refs(model: Path, out: Path) -> None:
     llm = _llama(model, GEMMA3_N_CTX, False)
     entries = []
     for prompt in GEMMA3_PROMPTS:
-        ptoks = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-        llm.reset()
-        llm.eval(ptoks)
-        gen, steps = [], []
-        for _ in range(GEMMA3_N_GEN):
-            row = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-            ids, vals = _topk(row, TOP_K)
-            tok = int(np.argmax(row))
-            gen.append(tok)
-            steps.append({"ids": ids.tolist(), "vals": [round(float(v), 5) for v in vals]})
-            llm.eval([tok])
+        ptoks, gen, steps = _greedy(llm, prompt, GEMMA3_N_GEN)
         entries.append({"prompt": prompt, "prompt_tokens": ptoks, "tokens": gen, "steps": steps})
         print(f"{prompt[:40]!r}: {llm.detokenize(gen).decode('utf-8', 'replace')[:60]!r}")
     meta = {"llama_cpp_python": llama_cpp.__version__, "n_gen": GEMMA3_N_GEN, "top_k": TOP_K,
