@@ -75,7 +75,6 @@ class StageWatch:
         self.addresses: list[str] = []           # health address per stage ("" = not known)
         self.recent: list[float] = []            # the last waits' durations, seconds
         self.lost: set[int] = set()              # stages declared unreachable, for the recovery
-        self.detected_at: float | None = None    # perf_counter() of the last declaration
         self._describe = describe
 
     def deadline(self) -> float:
@@ -83,22 +82,33 @@ class StageWatch:
         return max(self.DEADLINE_MIN_S, self.DEADLINE_FACTOR * med)
 
     def wait(self, handles: list) -> list:
-        """ray.get(handles), or StageLostError for a stage that stopped answering."""
+        """ray.get(handles), or StageLostError for a stage that stopped answering. A result in time
+        costs one ray.get; the probes start only past the deadline."""
         import time
 
         import ray
+        import ray.exceptions as rex
+        t0 = time.perf_counter()
+        try:
+            out = ray.get(handles, timeout=self.deadline())
+        except rex.GetTimeoutError:
+            self._probe_until_ready(handles)
+            out = ray.get(handles)
+        self.recent = (self.recent + [time.perf_counter() - t0])[-16:]
+        return out
+
+    def _probe_until_ready(self, handles: list) -> None:
+        import ray
 
         from ..model.context import StageLostError
-        t0 = time.perf_counter()
-        ready, rest = ray.wait(handles, num_returns=len(handles), timeout=self.deadline())
         misses = [0] * len(self.addresses)
+        _, rest = ray.wait(handles, num_returns=len(handles), timeout=0)
         while rest:
             for k, addr in enumerate(self.addresses):
                 if addr and probe(addr, self.PROBE_TIMEOUT_S) is None:
                     misses[k] += 1
                     if misses[k] >= self.MISSES:
                         self.lost.add(k)
-                        self.detected_at = time.perf_counter()
                         msg = (f"{self._describe(k)} stopped answering: no reply on its health port {addr} "
                                f"for {self.MISSES} probes after a {self.deadline():.1f} s deadline")
                         print(f"ggml-dist: {msg}", file=sys.stderr, flush=True)
@@ -106,6 +116,3 @@ class StageWatch:
                 else:
                     misses[k] = 0
             _, rest = ray.wait(rest, num_returns=len(rest), timeout=1.0)
-        out = ray.get(handles)
-        self.recent = (self.recent + [time.perf_counter() - t0])[-16:]
-        return out
