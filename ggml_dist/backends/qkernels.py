@@ -12,6 +12,8 @@ so the numerics are the numpy "fast" order exactly (ggml-numerics.md §1.4; quan
   a second chain for ``minsum`` with ``dm = f32(dy*dmin)``; result ``acc - accm``.
 * Q6_K: one chain with the (exact) integer superblock sum not rounded to f32 first.
 * Q2_K/Q3_K: per superblock ``f32(f32(d*isum) - f32(dm*msum))`` summed in f32 (Q3_K without the min).
+* tiled (K-quants, order="ggml", quants.takes_tiled): ``r = f32(d*f32(isum))``, ``fnmadd(dmin, f32(msum), r)``
+  where the type has mins, one chain ``acc = fma(r, dy, acc)`` (``_group``'s ``tiled``).
 * F16: X rounded to f16; one float64 sum per output, rounded once (numpy: float64 BLAS). The float64 sum of
   f16 x f16 products is exact for any realistic data, so its order does not matter.
 Integers are exact (int64 lanes), so only the float steps above fix the result.
@@ -266,10 +268,11 @@ def _vdot(c8, y8, W, ns, part, isub):
 
 
 @njit(parallel=True, cache=True, fastmath=False)
-def _mm_q(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, n_chunks, n_gemm):
+def _mm_q(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, n_chunks, n_gemm, tiled):
     """w uint8 [M, row_bytes]; yw int8 [N, K] (word layout); dy f32 [N, nb]; sy f32 [N, nb] (Q8_1 s);
     ysum int64 [N, nb] (Q8_0 block sums); bsums int64 [N, nb*16] (Q8_K); out f32 [N, M].
-    n_gemm: activation rows 0 .. n_gemm-1 take repacked Q4_K's gemm order (4 fma steps per superblock)."""
+    n_gemm: activation rows 0 .. n_gemm-1 take repacked Q4_K's gemm order (4 fma steps per superblock).
+    tiled: the K-quants' tiled kernel order (quants.takes_tiled)."""
     M = w.shape[0]
     N, K = yw.shape
     W = 2 if kind >= 7 else 4
@@ -291,12 +294,12 @@ def _mm_q(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, n_chunks, n_gemm):
         accm = np.empty(_R, F32)
         for g in range(ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks):
             _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, g * _R, min(_R, M - g * _R), N, W, ns, nb,
-                   nsub, bias, cw, d1, d2, sc, mn, part32, isub, acc, accm, n_gemm)
+                   nsub, bias, cw, d1, d2, sc, mn, part32, isub, acc, accm, n_gemm, tiled)
 
 
 @njit(cache=True)
 def _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, r0, nr, N, W, ns, nb, nsub, bias,
-           cw, d1, d2, sc, mn, part32, isub, acc, accm, n_gemm):
+           cw, d1, d2, sc, mn, part32, isub, acc, accm, n_gemm, tiled):
     """Rows r0 .. r0+nr-1: decode once, then every activation row."""
     for r in range(nr):
         _dec_row(kind, w[r0 + r], lut, sp, cw[r], ns, d1[r], d2[r], sc[r], mn[r])
@@ -330,6 +333,19 @@ def _group(kind, w, yw, dy, sy, ysum, bsums, lut, sp, out, r0, nr, N, W, ns, nb,
                 isum = 0
                 for j in range(nsub):
                     isum += sc[r, b * nsub + j] * isub[r, b * nsub + j]
+                if tiled:                     # f32(d*f32(isum)), fnmadd(dmin, f32(minsum)), fma(., dy)
+                    res = F32(d1[r, b] * F32(isum))
+                    if kind == 5 or kind == 6 or kind == 8:
+                        m = 0
+                        if kind == 8:
+                            for j in range(16):
+                                m += mn[r, b * 16 + j] * bsums[n, b * 16 + j]
+                        else:
+                            for j in range(8):
+                                m += mn[r, b * 8 + j] * (bsums[n, b * 16 + 2 * j] + bsums[n, b * 16 + 2 * j + 1])
+                        res = F32(F64(res) - F64(d2[r, b]) * F64(F32(m)))
+                    acc[r] = F32(F64(res) * F64(ddy) + F64(acc[r]))
+                    continue
                 d = ddy * d1[r, b]                                    # f32(dy*dx), rounds
                 if kind <= 6:                                         # Q4_K, Q5_K
                     m = 0
@@ -829,7 +845,9 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
             _mm_f16(w16, y, _F16_LUT, out, mode)
         return out
     kind = _KIND[wtype]
-    ggml = order == "ggml" and kind <= 7 and not (repacked and wtype in (T.Q4_0, T.Q4_K))
+    repacked = repacked and wtype in (T.Q4_0, T.Q4_K)           # the only types x86 repacks
+    tiled = Q.takes_tiled(wtype, repacked, N if vec_n is None else vec_n, order)
+    ggml = order == "ggml" and kind <= 7 and not (repacked and wtype in (T.Q4_0, T.Q4_K)) and not tiled
     wr = _readonly(w).reshape(M, -1)
     if ggml and kind <= 4 and x.dtype == F32:
         # one numba call for quantize_q8_0/_q8_1 and the yr layout below (same bits)
@@ -876,5 +894,6 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
     yw = np.ascontiguousarray(qy.reshape(N, K // (8 * W), W, 8).transpose(0, 2, 1, 3)).reshape(N, K)
     with _launch_lock:
         apply_threads()
-        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, n_chunks, _n_gemm(wtype, repacked, N))
+        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, n_chunks, _n_gemm(wtype, repacked, N),
+              tiled)
     return out

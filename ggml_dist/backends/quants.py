@@ -31,7 +31,10 @@ Accumulation orders used by ``order="ggml"`` (§1.5):
   double (f16/bf16) or float (f32); n >= 2: tinyBLAS' single 8-lane accumulator and ``HA``.
   (BF16 uses the F16 structure; ggml's AVX2 bf16 dot may associate differently: ULP-level.)
 fma is emulated in float64 (exact product, one double rounding of the add: vanishingly rare).
-The oracle-only "tiled" K-quant path for n >= 8 (§1.6) is not emulated (ULP-level differences).
+* Tiled K-quants (``takes_tiled``: Q2_K..Q6_K not repacked, n >= 8 rows of X; llama.cpp 0.3.36's
+  ``ggml_compute_forward_mul_mat_tiled``, AVX2 microtile, §1.6): per superblock the exact integer sums, then
+  ``r = f32(d*f32(isum))``, ``r = fnmadd(dmin, f32(minsum), r)`` where the type has mins, and one chain
+  ``acc = fma(r, dy, acc)``. This is the one K-quant order in which Q2_K/Q3_K are exact too.
 """
 from __future__ import annotations
 
@@ -525,6 +528,50 @@ def _isum(qx: np.ndarray, qy: np.ndarray, dtype=F32) -> np.ndarray:
     return np.matmul(a, b)
 
 
+# ggml_tiled_matmul_supported / ggml_tiled_min_batch (llama.cpp 0.3.36, ggml-cpu/tiled/tiled.cpp): the
+# K-quant weights that are not in the repack buffer, from 8 rows of X on (src1->ne[1], one slice's rows)
+TILED_TYPES = frozenset({T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+TILED_MIN_ROWS = 8
+
+
+def takes_tiled(wtype: GGMLType, repacked: bool, n_rows: int, order: str) -> bool:
+    """Whether ggml computes this MUL_MAT with the tiled K-quant kernel (order="ggml" only)."""
+    return order == "ggml" and wtype in TILED_TYPES and not repacked and n_rows >= TILED_MIN_ROWS
+
+
+def _kq_sums(wtype, b, qy, bsums):
+    """Per superblock, exactly: d [M, nb], isum [nb, M, N] (with Q6_K's -32 and Q3_K's signed codes),
+    and for the types with mins dmin [M, nb] and minsum [nb, M, N] (else None, None); float64 ints."""
+    M, nb = b.shape[:2]
+    if wtype in (T.Q4_K, T.Q5_K):
+        dx, dmin, sc, m, qx = (_dec_q4_K if wtype == T.Q4_K else _dec_q5_K)(b)
+        isum = _isum((qx.astype(F64) * sc[..., None]).reshape(M, nb, 256), qy, dtype=F64)
+        s = bsums[..., 0::2].astype(F64) + bsums[..., 1::2]                      # [N, nb, 8]
+        return dx, isum, dmin, np.matmul(m.transpose(1, 0, 2).astype(F64), s.transpose(1, 2, 0))
+    if wtype == T.Q6_K:
+        dx, sc, q6 = _dec_q6_K(b)
+        isum = _isum(q6.astype(F64) * np.repeat(sc.astype(F64), 16, axis=-1), qy, dtype=F64)
+        isum -= 32 * np.matmul(sc.transpose(1, 0, 2).astype(F64), bsums.transpose(1, 2, 0).astype(F64))
+        return dx, isum, None, None
+    if wtype == T.Q2_K:
+        dx, dmin, sc, m, qx = _dec_q2_K(b)
+        isum = _isum((qx.astype(F64) * sc[..., None]).reshape(M, nb, 256), qy, dtype=F64)
+        return dx, isum, dmin, np.matmul(m.transpose(1, 0, 2).astype(F64), bsums.transpose(1, 2, 0).astype(F64))
+    dx, sc, qx = _dec_q3_K(b)
+    return dx, _isum((qx.astype(F64) * sc[..., None]).reshape(M, nb, 256), qy, dtype=F64), None, None
+
+
+def _mm_kq_tiled(wtype, b, xq):
+    """The tiled K-quant kernel's float steps (tiled_run_microtile_avx2): per superblock
+    r = f32(d*f32(isum)), minus dmin*f32(minsum) in one fnmadd, then acc = fma(r, dy, acc) in order."""
+    qy, dy, bsums = xq
+    dx, isum, dmin, msum = _kq_sums(wtype, b, qy, bsums)
+    r = dx.T.astype(F32)[:, :, None] * isum.astype(F32)                         # one f32 rounding
+    if dmin is not None:
+        r = (r.astype(F64) - dmin.T.astype(F64)[:, :, None] * msum.astype(F32)).astype(F32)
+    return _chain(r, dy.T[:, None, :])
+
+
 def _mm_q32(wtype, b, xq, repacked, order):
     """Block-32 weight types. b: [M, nb, bs] blocks; xq: quantized activations."""
     if wtype in (T.Q4_1, T.Q5_1):
@@ -699,7 +746,7 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     kernels' order, ULP-level off the vec_dot order) and, for F32/F16/BF16, a float64 BLAS product
     rounded once. None = DEFAULT_ORDER.
     vec_n: the row count of X that picks the F32/F16/BF16 order="ggml" path (vec_dot for 1, tinyBLAS for
-    >= 2); None = N. Lets a caller stack the rows of several ggml slices (each output depends only on its
+    >= 2) and the tiled K-quant path (``takes_tiled``); None = N. Lets a caller stack the rows of several ggml slices (each output depends only on its
     own row pair in every path) and keep each slice's order.
     """
     wtype = GGMLType(wtype)
@@ -767,8 +814,12 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     nb = K // TYPE_TRAITS[wtype].blck_size
     lanes_per_row = nb * max(N, 1) * (8 * 8 + 4 * 8 + 16)
     step = _chunk_rows(M, lanes_per_row + K * 8)
-    mm = _mm_q32 if vt in (T.Q8_0, T.Q8_1) else _mm_kq
+    tiled = takes_tiled(wtype, repacked, N if vec_n is None else vec_n, order)
     for m0 in range(0, M, step):
         b = _blocks(wtype, w[m0:m0 + step], K)
-        out[:, m0:m0 + step] = mm(wtype, b, xq, repacked, order).T
+        if tiled:
+            out[:, m0:m0 + step] = _mm_kq_tiled(wtype, b, xq).T
+        else:
+            mm = _mm_q32 if vt in (T.Q8_0, T.Q8_1) else _mm_kq
+            out[:, m0:m0 + step] = mm(wtype, b, xq, repacked, order).T
     return out[0] if squeeze else out

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .graph_context import GraphContext, GraphInputs, GraphKey, GraphResult, graph_max_nodes
+from .gemma3 import build_gemma3
 from .qwen3 import build_qwen3
 
 __all__ = ["GraphInputs", "GraphKey", "GraphResult", "LlamaGraphBuilder", "build_llama", "graph_max_nodes"]
@@ -39,6 +40,7 @@ def build_llama(g: GraphContext, key: GraphKey) -> GraphResult:
 
 # llama_model::build_graph's switch: each architecture's builder
 ARCH_GRAPHS: dict[str, Callable[[GraphContext, GraphKey], GraphResult]] = {
+    "gemma3": build_gemma3,
     "llama": build_llama,
     "qwen2": build_llama,
     "qwen3": build_qwen3,

@@ -458,3 +458,51 @@ def test_vec_dot_type_table():
     assert Q.VEC_DOT_TYPE[T.Q4_1] == T.Q8_1 and Q.VEC_DOT_TYPE[T.Q5_0] == T.Q8_0
     assert Q.VEC_DOT_TYPE[T.Q6_K] == T.Q8_K and Q.VEC_DOT_TYPE[T.F16] == T.F16
     assert all(Q.VEC_DOT_TYPE[t] == T.Q8_K for t in K_TYPES)
+
+
+def tiled_dot(t, wrow, xrow):
+    """The tiled K-quant kernel's value (llama.cpp 0.3.36 tiled_run_microtile_avx2), scalar, from
+    scalar_decode: per superblock r = f32(d*f32(isum)), r = fnmadd(dmin, f32(msum), r), acc = fma(r, dy)."""
+    bs = Q.TYPE_TRAITS[t].type_size
+    qy, dy, bsums = ref_q8_K(xrow)
+    acc = F32(0)
+    for b in range(len(wrow) // bs):
+        c = scalar_decode(t, wrow[b * bs:(b + 1) * bs])
+        y = [int(v) for v in qy[b]]
+        if t in (T.Q4_K, T.Q5_K):
+            isum = sum(c["sc"][e // 32] * c["q"][e] * y[e] for e in range(256))
+            msum = sum(c["m"][j] * (int(bsums[b][2 * j]) + int(bsums[b][2 * j + 1])) for j in range(8))
+        else:
+            isum = sum(c["sc"][e // 16] * c["q"][e] * y[e] for e in range(256))
+            msum = sum(c["m"][j] * int(bsums[b][j]) for j in range(16)) if t == T.Q2_K else None
+            if t == T.Q6_K:
+                isum -= 32 * sum(c["sc"][j] * int(bsums[b][j]) for j in range(16))
+        r = F32(F32(c["d"]) * F32(isum))
+        if msum is not None:           # one rounding of r - dmin*msum (the product is exact in double)
+            r = F32(float(r) - float(F32(c["dmin"])) * float(F32(msum)))
+        acc = F32(float(r) * float(F32(dy[b])) + float(acc))
+    return acc
+
+
+@pytest.mark.parametrize("t", K_TYPES)
+def test_mul_mat_tiled_kquants(t, monkeypatch):
+    # from 8 rows of X on, a K-quant weight outside the repack buffer takes ggml's tiled kernel (bit for
+    # bit the scalar formula); 7 rows still take vec_dot, and so does a slice of 7 rows stacked to 14
+    K, M = 512, 6
+    w = random_rows(t, M, K, seed=30 + int(t))
+    x = (rng(31).standard_normal((8, K)) * 2).astype(F32)
+    x[3, :256] = 0
+    assert Q.takes_tiled(t, False, 8, "ggml") and not Q.takes_tiled(t, False, 7, "ggml")
+    assert not Q.takes_tiled(t, True, 8, "ggml") and not Q.takes_tiled(t, False, 8, "fast")
+    for numba in (False, True):
+        monkeypatch.setattr(Q, "USE_NUMBA", numba)
+        out = Q.mul_mat(t, w, x, order="ggml", repacked=False)
+        ref = np.array([[tiled_dot(t, w[m], x[n]) for m in range(M)] for n in range(8)], F32)
+        np.testing.assert_array_equal(out, ref)
+        vec = Q.mul_mat(t, w, x[:7], order="ggml", repacked=False)
+        np.testing.assert_array_equal(vec, np.concatenate([Q.mul_mat(t, w, x[i:i + 1], order="ggml")
+                                                           for i in range(7)]))
+        stacked = Q.mul_mat(t, w, np.concatenate([x[:7], x[:7]]), order="ggml", repacked=False, vec_n=7)
+        np.testing.assert_array_equal(stacked, np.concatenate([vec, vec]))
+    if t in (T.Q4_K, T.Q5_K, T.Q6_K):          # the vec_dot lanes really are another order
+        assert not np.array_equal(out, Q.mul_mat(t, w, x, order="ggml", repacked=False, vec_n=1))
