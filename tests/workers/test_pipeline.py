@@ -165,3 +165,25 @@ def test_weights_sent_when_path_unreadable(local_ray, model_path):
         assert pl.ctx.n_recoveries == 1
     finally:
         pl.shutdown()
+
+
+# Gemma 3 over 2 stages: its per-layer norms travel with their layers and the sliding-window layers get
+# their mask; the last position of each 512 + 280 ubatch equals llama.cpp's (tests/data/gemma3_tf.npz)
+def test_pipeline_gemma3_sliding_window(local_ray):
+    from pathlib import Path
+
+    from ggml_dist.model.pull import ModelNotFoundError, pull
+    try:
+        path = pull("gemma3-270m", progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"gemma3-270m is not in the cache and cannot be pulled: {e}")
+    tf = np.load(Path(__file__).resolve().parents[1] / "data" / "gemma3_tf.npz")
+    toks = tf["tokens"].tolist()
+    pl = Pipeline.launch(str(path), 2, ContextParams(n_ctx=1024))
+    try:
+        rows = [pl.ctx.decode(Batch.from_tokens(toks[:512]))[-1],
+                pl.ctx.decode(Batch.from_tokens(toks[512:], pos0=512))[-1]]
+    finally:
+        pl.shutdown()
+    for row, p in zip(rows, (511, len(toks) - 1)):
+        assert np.array_equal(row[tf["ids"][p].astype(np.int64)], tf["vals"][p])
