@@ -19,6 +19,9 @@ step of every sequence: continuous decode is one long stream, so the bound tends
 efficiency = tok_s / ideal_tok_s. ideal_inrun_tok_s uses the stage times measured during the run
 itself (inflated by stages sharing cores). bubble_frac = 1 - (busy time summed over stages) / (stages x
 wall time), next to the GPipe formula (p - 1) / (m + p - 1) for m micro-batches in flight.
+cpu_ms_per_token: CPU time (all threads) of the driver and of each stage process per token; with every
+stage on this host, cpu_bound_tok_s = this host's cores / that total (on a machine with fewer cores than
+stages + driver, the bound that binds).
 bytes_per_hop: per token, driver -> each stage (its graph inputs) and each stage -> the next (the last:
 -> the driver); bytes_per_token is their sum, each hop counted once.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -35,6 +39,7 @@ import numpy as np
 
 from ..model.context import ContextParams
 from ..model.pull import resolve_model
+from ..model.sampling import GREEDY
 from ..model.ubatch import Batch
 
 
@@ -58,9 +63,9 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             ctx.decode(Batch.from_tokens(toks))                     # warm-up: plans, JIT, page cache
             ctx.clear()
             before = pl.stats()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             ctx.decode(Batch.from_tokens(toks))
-            wall = time.perf_counter() - t0
+            wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
             processed = n_tok
             latency = {"ttft_ms": _pcts([wall])}
         else:
@@ -73,12 +78,13 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             pos = [4] * n_seq
             _decode_continuous(ctx, last, pos, n_seq)                # warm-up: one step each
             before = pl.stats()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             itl = _decode_continuous(ctx, last, pos, n_steps * n_seq)
-            wall = time.perf_counter() - t0
+            wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
             processed = n_steps * n_seq
             latency = {"ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl)}
         after = pl.stats()
+        same_host = all(i["node"] == os.uname().nodename for i in pl.infos)
     finally:
         pl.shutdown()
     calls = [a["n_calls"] - b["n_calls"] for a, b in zip(after, before)]
@@ -90,6 +96,9 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
         [a["bytes_out"] - b["bytes_out"] for a, b in zip(after, before)]
     moved = sum(hops)
     tok_s = processed / wall
+    cpu = [driver_cpu] + [a["cpu_s"] - b["cpu_s"] for a, b in zip(after, before)]
+    # with every process on this host, its cores bound the throughput too: CPU seconds per token
+    cpu_bound = processed * len(os.sched_getaffinity(0)) / sum(cpu) if same_host and sum(cpu) > 0 else None
     ideal_tok_s = processed / ideal if ideal > 0 else 0.0
     return {"_t_k": t_k, "_n_mb": n_mb, "_processed": processed, "ideal_inrun_tok_s": round(ideal_tok_s, 3),
             "stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch,
@@ -101,6 +110,9 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             "bytes_per_hop": {"driver_to_stage": [round(h / processed, 1) for h in hops[:stages]],
                               "stage_out": [round(h / processed, 1) for h in hops[stages:]]},
             "stage_ms": [round(t * 1e3, 2) for t in t_k], **latency,
+            "cpu_ms_per_token": {"driver": round(cpu[0] / processed * 1e3, 2),
+                                 "stages": [round(c / processed * 1e3, 2) for c in cpu[1:]]},
+            "cpu_bound_tok_s": None if cpu_bound is None else round(cpu_bound, 1),
             "wall_s": round(wall, 3)}
 
 
@@ -124,8 +136,9 @@ def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int) -> l
     assert n_tokens >= len(last), "at least one step per sequence"
     pending: deque = deque()
 
-    def step(s: int) -> None:
-        pending.append((s, ctx.submit(Batch.from_tokens([last[s]], pos0=pos[s], seq_id=s))))
+    def step(s: int) -> None:                 # greedy on the last stage: only the token comes back
+        b = Batch.from_tokens([last[s]], pos0=pos[s], seq_id=s)
+        pending.append((s, ctx.submit(b, sampling=[GREEDY], keep_logits=False)))
         pos[s] += 1
     for s in range(len(last)):
         step(s)
@@ -134,7 +147,7 @@ def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int) -> l
     itl: list[float] = []
     for _ in range(n_tokens):
         s, p = pending.popleft()
-        last[s] = int(np.argmax(p.result()[-1]))
+        last[s] = p.tokens()[-1]
         now = time.perf_counter()
         if s in seen:
             itl.append(now - seen[s])

@@ -26,6 +26,7 @@ from ..scheduler.sched import Sched
 from .kv_cache import ContextFullError, KVCache
 from .llama import GraphKey, GraphResult, LlamaGraphBuilder
 from .model import LlamaModel
+from .sampling import RowSampling, sample_row
 from .ubatch import Batch, BatchError, BatchSplitter, Ubatch
 
 MAX_GRAPHS = 64         # graphs kept by shape (GraphKey; ~2 MB each for SmolLM2) for continuous batching
@@ -69,12 +70,44 @@ class UbatchRecord:
     n_kv: int
     fetch: Callable[[], np.ndarray] | None = None
     value: np.ndarray | None = None
+    sampling: list[RowSampling] | None = None       # one per output row: choose the tokens
+    keep_logits: bool = True                        # with sampling: also return the logits
+    fetch_tokens: Callable[[], np.ndarray] | None = None   # tokens chosen where the logits are
+    tokens: list[int] | None = None
+    done: bool = False                              # its result came back since it was last run
 
     def result(self) -> np.ndarray:
         if self.value is None:
-            assert self.fetch is not None
+            if self.fetch is None:
+                raise RuntimeError("the logits of this batch were not kept (submitted with "
+                                   "keep_logits=False): only its tokens can be read")
             self.value = self.fetch()
+            self.done = True
         return self.value
+
+    def fetched(self) -> bool:
+        """Whether this ubatch's result came back (so every stage has finished it)."""
+        return self.done
+
+    def chosen(self) -> list[int]:
+        """This ubatch's sampled tokens, one per output row: from the stage that sampled them, or
+        sampled here from the logits with the same RowSampling."""
+        if self.tokens is None:
+            assert self.sampling is not None
+            if self.fetch_tokens is not None:
+                self.tokens = [int(t) for t in np.asarray(self.fetch_tokens()).reshape(-1)]
+                self.done = True
+            else:
+                lg = self.result()
+                lg = lg.reshape(-1, lg.shape[-1])
+                self.tokens = [sample_row(lg[r], rs) for r, rs in enumerate(self.sampling)]
+        return self.tokens
+
+
+def _choose_before_free(rec: UbatchRecord) -> None:
+    """A record whose tokens are chosen here from its logits chooses them before the logits go."""
+    if rec.sampling is not None and rec.fetch_tokens is None and rec.value is not None:
+        rec.chosen()
 
 
 def _increasing(idx: np.ndarray) -> bool:
@@ -92,22 +125,40 @@ class PendingLogits:
         self._out: np.ndarray | None = None
 
     def result(self) -> np.ndarray:
+        if self._out is None:
+            self._out = self._recovering(self._collect)
+        return self._out
+
+    def tokens(self) -> list[int]:
+        """The tokens chosen for the output rows, in batch order (the batch was submitted with
+        sampling=); on a pipeline its last stage chose them, and only they crossed the wire."""
+        return self._recovering(self._collect_tokens)
+
+    def _recovering(self, collect: Callable):
         for attempt in range(self._ctx.max_recoveries + 1):
             try:
-                if self._out is None:
-                    self._out = self._collect()
-                return self._out
+                return collect()
             except StageLostError:
                 if attempt == self._ctx.max_recoveries or not self._ctx.recoverable:
                     raise
                 self._ctx.recover()
         raise AssertionError("unreachable")
 
+    def _collect_tokens(self) -> list[int]:
+        toks: dict[int, int] = {}
+        for rec in self._records:
+            if rec.sampling is None:
+                raise RuntimeError("tokens(): the batch was submitted without sampling=")
+            for r, i in enumerate(rec.ub.idx[rec.ub.output]):
+                toks[int(i)] = rec.chosen()[r]
+        return [toks[i] for i in sorted(toks)]
+
     def _collect(self) -> np.ndarray:
         rec = self._records[0] if len(self._records) == 1 else None
         if rec is not None and rec.ub.n_outputs > 0 and _increasing(rec.ub.idx[rec.ub.output]):
             out = rec.result()                  # one ubatch, rows in batch order (a decode step): no
                                                 # second copy of the logits (1.5 MB for 8 rows)
+            _choose_before_free(rec)
             rec.value = rec.fetch = None
             out = out.reshape(-1, out.shape[-1])
             return out if out.flags.writeable else out.copy()    # (a Ray object is read-only)
@@ -120,6 +171,7 @@ class PendingLogits:
         order = sorted(rows)
         out = np.stack([rows[i] for i in order]) if order else np.zeros((0, self._n_vocab), np.float32)
         for rec in self._records:          # the log keeps records for replay, not their results:
+            _choose_before_free(rec)
             rec.value = rec.fetch = None   # free the logits and the result handles they pin
         return out
 
@@ -189,10 +241,21 @@ class LlamaContext:
         """Evaluate a batch; returns the logits of its output tokens, in batch order [n_out, n_vocab]."""
         return self.submit(batch).result()
 
-    def submit(self, batch: Batch) -> PendingLogits:
-        """Queue every ubatch of a batch; the KV cells advance now, the logits come with result()."""
+    def submit(self, batch: Batch, sampling: list[RowSampling] | None = None,
+               keep_logits: bool = True) -> PendingLogits:
+        """Queue every ubatch of a batch; the KV cells advance now, the logits come with result().
+        sampling: one RowSampling per output token (batch order): result's tokens() are chosen where
+        the logits are (a pipeline's last stage), and with keep_logits=False only they come back."""
         hp = self.model.hp
         batch.validate(hp.n_vocab, self.params.n_seq_max)
+        rank = None
+        if sampling is not None:
+            out_idx = np.flatnonzero(batch.output)
+            if len(sampling) != len(out_idx):
+                raise BatchError(f"{len(sampling)} samplings for a batch of {len(out_idx)} outputs")
+            rank = {int(i): r for r, i in enumerate(out_idx)}
+        elif not keep_logits:
+            raise BatchError("keep_logits=False needs sampling= (something must come back)")
         if batch.n_tokens > self.params.n_batch:
             raise BatchError(f"batch of {batch.n_tokens} tokens exceeds n_batch={self.params.n_batch}; "
                              f"split it or raise n_batch")
@@ -211,6 +274,9 @@ class LlamaContext:
             slot = cells.find_slot_ubatch(ub.seq_ids, ub.n_seqs)
             cells.apply(slot, ub.pos, ub.seq_ids)
             rec = UbatchRecord(ub, slot, cells.n_kv(self._streams(ub)))
+            if sampling is not None and rank is not None:
+                rec.sampling = [sampling[rank[int(i)]] for i in ub.idx[ub.output]]
+                rec.keep_logits = keep_logits
             if self.recoverable:
                 self.log.append(rec)
             self._submit_recovering(rec)
@@ -338,20 +404,31 @@ class LlamaContext:
                 self.after_alloc(self.sched, res.graph)
             self.gf_res_prev = res
         self._set_inputs(res, ub, slot, key.n_kv)
+        logits = res.logits
+        remote = rec.sampling is not None and ub.n_outputs > 0 and hasattr(logits.buffer, "set_sampling")
+        if remote:                             # the stage that computes the logits samples them
+            logits.buffer.set_sampling(logits, rec.sampling, rec.keep_logits)
         if self.pipelined:                     # at most n_copies ubatches in flight
             while len(self._inflight) >= self.n_copies:
-                for ev in self._inflight.popleft():
-                    ev.wait()
+                done, events = self._inflight.popleft()
+                if not done():                 # its result already read: every stage is past it
+                    for ev in events:
+                        ev.wait()
         self.sched.graph_compute_async(res.graph)
         if self.pipelined:
-            self._inflight.append([b.event_record() for b in self.backends if hasattr(b, "inputs_by_value")])
-        logits = res.logits
+            self._inflight.append((rec.fetched, [b.event_record() for b in self.backends
+                                                 if hasattr(b, "inputs_by_value")]))
+        rec.value, rec.tokens, rec.fetch_tokens, rec.done = None, None, None, False
         if ub.n_outputs == 0:                  # nothing to read: pin no result
             if not self.pipelined:
                 self.sched.synchronize()
             rec.fetch = None
             return
         fetch_async = getattr(logits.buffer, "get_tensor_async", None)
+        if remote:
+            rec.fetch_tokens = fetch_async(logits, ":tok")
+            rec.fetch = fetch_async(logits) if rec.keep_logits else None
+            return
         if fetch_async is not None:
             rec.fetch = fetch_async(logits)
             return

@@ -1,7 +1,9 @@
 """Token sampling: llama.cpp's default chain (penalties -> top-k -> top-p -> min-p -> temperature -> dist).
 
-temperature <= 0 is greedy (argmax of the raw logits, first index on ties, as ggml_argmax). Every
-stochastic choice draws from one seeded numpy Generator, so a seed reproduces a run.
+temperature <= 0 is greedy (argmax of the raw logits, first index on ties, as ggml_argmax). The n-th
+stochastic choice of a sequence draws from a numpy Generator seeded by (seed, n), so a seed reproduces
+a run, and the choice does not depend on where it is made: a pipeline's last stage (`sample_row` with
+the same RowSampling) picks the ids the driver would. A Sampler without a seed draws one at random.
 """
 from __future__ import annotations
 
@@ -33,10 +35,72 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
 
 
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """One output row's choice, self-contained: the chain's parameters (no penalties: they need the
+    sequence's history), the sequence's seed and how many choices it made before this one."""
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    n: int
+
+    def to_list(self) -> list:
+        return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.n]
+
+    @classmethod
+    def from_list(cls, v: list) -> "RowSampling":
+        if not (isinstance(v, list) and len(v) == 6 and all(isinstance(x, (int, float)) for x in v)):
+            raise ValueError(f"a row's sampling is 6 numbers, not {str(v)[:60]}")
+        t, k, p, m, seed, n = v
+        return cls(float(t), int(k), float(p), float(m), int(seed), int(n))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+GREEDY = RowSampling(0.0, 0, 1.0, 0.0, 0, 0)
+
+
+def sample_row(logits: np.ndarray, rs: RowSampling) -> int:
+    """top-k -> top-p -> min-p -> temperature -> dist over one row of logits (greedy: argmax)."""
+    x = np.asarray(logits, dtype=np.float32)
+    if rs.greedy:
+        return int(np.argmax(x))
+    ids = _top_k(x, rs.top_k)
+    probs = _softmax(x[ids])
+    if rs.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), rs.top_p) + 1)
+        ids, probs = ids[:keep], _softmax(x[ids[:keep]])
+    if rs.min_p > 0.0:
+        keep_m = probs >= rs.min_p * probs[0]
+        ids = ids[keep_m]
+    probs = _softmax(x[ids] / rs.temperature)
+    rng = np.random.default_rng([rs.seed & (2**64 - 1), rs.n])
+    return int(ids[rng.choice(len(ids), p=probs)])
+
+
 class Sampler:
+    """A sequence's sampler: its parameters, seed and count of choices made."""
+
     def __init__(self, params: SamplingParams = SamplingParams()) -> None:
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self.n = 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.params.repeat_penalty != 1.0
+
+    def row(self) -> RowSampling:
+        """The next choice, to be made wherever the logits are (then call advance())."""
+        p = self.params
+        return RowSampling(p.temperature, p.top_k, p.top_p, p.min_p, self.seed, self.n)
+
+    def advance(self) -> None:
+        self.n += 1
 
     def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.params
@@ -46,18 +110,9 @@ class Sampler:
             recent = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
             vals = x[recent]
             x[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-        if p.temperature <= 0:
-            return int(np.argmax(x))
-        ids = _top_k(x, p.top_k)
-        probs = _softmax(x[ids])
-        if p.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-            ids, probs = ids[:keep], _softmax(x[ids[:keep]])
-        if p.min_p > 0.0:
-            keep_m = probs >= p.min_p * probs[0]
-            ids = ids[keep_m]
-        probs = _softmax(x[ids] / p.temperature)
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        tok = sample_row(x, self.row())
+        self.advance()
+        return tok
 
 
 def _top_k(x: np.ndarray, k: int) -> np.ndarray:

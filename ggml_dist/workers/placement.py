@@ -32,6 +32,14 @@ MIB = 2**20
 # Shared library pages (~120 MiB, file-backed and shared by every process on a node) are not counted.
 STAGE_OVERHEAD_BYTES = 120 * MIB
 
+# Stages are balanced by decode time, modelled as weight bytes read plus a fixed cost per layer: the
+# dispatch of its ~30 ops, which small models' decode steps are made of. Fitted by
+# `python benchmarks/layer_cost.py` (SmolLM2-135M Q4_1, one thread per stage, 2-vCPU EPYC): 0.042 ms per
+# MiB read and 0.28 ms per layer, so a layer costs what reading 6.5 MiB more would. By bytes alone the
+# 2-stage split was 22 | 8 + head (7.5 + 4.3 ms); this model gives 16 | 14 + head. For large layers
+# (TinyLlama's 28 MB) it barely moves the split.
+LAYER_DISPATCH_BYTES = 6 * MIB
+
 
 class PlacementError(RuntimeError):
     """The model does not fit the stages' budgets or the cluster's nodes."""
@@ -124,7 +132,9 @@ class ModelSizes:
         return w
 
     def read_per_token(self, lo: int, hi: int, last: bool) -> int:
-        return self.layer_bytes(lo, hi) + (self.last if last else 0)
+        """A stage's decode cost in bytes-read equivalents: its weights, plus LAYER_DISPATCH_BYTES per
+        layer (the balancing objective)."""
+        return self.layer_bytes(lo, hi) + (hi - lo) * LAYER_DISPATCH_BYTES + (self.last if last else 0)
 
 
 def layer_weight_bytes(f: GGUFFile, n_layer: int) -> tuple[list[int], int, int]:

@@ -87,15 +87,24 @@ class RemoteBuffer:
     def get_tensor(self, t: Tensor) -> np.ndarray:
         return self.get_tensor_async(t)()
 
-    def get_tensor_async(self, t: Tensor) -> Callable[[], np.ndarray]:
-        """A fetch of t's value as made by the call that last computed it (captured now)."""
+    def get_tensor_async(self, t: Tensor, suffix: str = "") -> Callable[[], np.ndarray]:
+        """A fetch of t's value as made by the call that last computed it (captured now); suffix
+        ":tok": the tokens that call sampled from it (set_sampling)."""
         proxy = self.buft.proxy
         assert proxy is not None and proxy.exports is not None
         key, handle = proxy.exports.keys.get(t), proxy.exports.handles.get(t)
         if key is None or handle is None:
             raise RuntimeError(f"'{t.name}' is not exported by {proxy.name}; only split outputs and "
                                f"OUTPUT tensors can be read back from a stage")
-        return lambda: proxy.fetch(handle, key)
+        return lambda: proxy.fetch(handle, key + suffix)
+
+    def set_sampling(self, t: Tensor, rows: list, keep_logits: bool) -> None:
+        """The next call that computes t (the logits) samples one token per row where it runs (rows:
+        model/sampling.RowSampling) and returns the tokens, and t's value only if keep_logits."""
+        proxy = self.buft.proxy
+        assert proxy is not None and proxy.exports is not None
+        proxy.pending_sample = {"export": proxy.exports.keys[t], "rows": [r.to_list() for r in rows],
+                                "keep": keep_logits}
 
     def clear(self, value: int = 0) -> None:
         pass                                   # the stage clears its own memory
@@ -150,6 +159,7 @@ class StageProxy:
         self.exports: Exports | None = None
         self.pending_host: dict[Tensor, np.ndarray] = {}
         self.pending_up: dict[Tensor, tuple[Any, str]] = {}      # input copy -> (handle, key)
+        self.pending_sample: dict | None = None                   # RemoteBuffer.set_sampling's request
         self.sent_plans: OrderedDict[str, None] = OrderedDict()   # mirrors the stage's plan LRU
         self._descs: OrderedDict[tuple, tuple[str, dict]] = OrderedDict()
         self.last_handle: Any = None
@@ -173,10 +183,12 @@ class StageProxy:
         host = [WireTensor(f"h:{t.name}", t.type, t.ne, a) for t, a in self.pending_host.items()]
         ups = list({id(h): h for h, _ in self.pending_up.values()}.values())   # each producer's result once
         known = pid in self.sent_plans
-        handle = self.call.submit(pid, None if known else desc, encode(host), *ups)
+        meta = None if self.pending_sample is None else {"sample": self.pending_sample}
+        handle = self.call.submit(pid, None if known else desc, encode(host, meta), *ups)
         self._touch_plan(pid)
         self.pending_host.clear()
         self.pending_up.clear()
+        self.pending_sample = None
         for t in graph.nodes:
             if t in self.exports.keys:
                 self.exports.handles[t] = handle
@@ -237,6 +249,7 @@ class StageProxy:
         self.sent_plans.clear()
         self.pending_host.clear()
         self.pending_up.clear()
+        self.pending_sample = None
         self.last_handle = None
         if self.exports is not None:
             self.exports.handles.clear()

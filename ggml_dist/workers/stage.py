@@ -202,7 +202,7 @@ class StageWorker:
         s = self.stats
         return {"n_calls": s.n_calls, "n_plans": s.n_plans, "compute_s": s.compute_s,
                 "decode_s": s.decode_s, "bytes_in": s.bytes_in, "bytes_in_host": s.bytes_in_host,
-                "bytes_out": s.bytes_out,
+                "bytes_out": s.bytes_out, "cpu_s": time.process_time(),    # every thread of the process
                 "timeline": list(s.timeline)}
 
     def ping(self) -> int:
@@ -237,6 +237,21 @@ class StageWorker:
         galloc.alloc_graph(plan.graph)
         return galloc
 
+    def _exports(self, plan: RebuiltPlan, sample: Any) -> list[WireTensor]:
+        """The plan's exports; with a sampling request (the driver's inputs' meta: {"export": key,
+        "rows": [RowSampling lists], "keep": bool}) the token chosen from each row of that export goes
+        back as `key:tok` (int32), and its logits only if kept."""
+        out = []
+        for key, t in plan.exports:
+            arr = tensor_array(t)
+            if sample is not None and key == sample.get("export"):
+                out.append(WireTensor(f"{key}:tok", GGMLType.I32, (len(sample["rows"]), 1, 1, 1),
+                                      _sample_rows(arr, sample["rows"])))
+                if not sample.get("keep", True):
+                    continue
+            out.append(WireTensor(key, t.type, t.ne, arr))
+        return out
+
     def compute(self, pid: str, desc: dict | None, inputs: bytes, *upstream: bytes,
                 incarnation: str | None = None) -> bytearray:
         """incarnation: the one the driver last saw in info(); a call for another is refused."""
@@ -247,14 +262,16 @@ class StageWorker:
             raise WeightsMissingError(f"stage {self.spec.stage_id} cannot read {self.spec.model_path} and "
                                       f"was sent no weights")
         t0 = time.perf_counter()
-        plan, galloc = self._plan(pid, desc)
-        if not galloc.alloc_graph(plan.graph):       # replay: binds the recorded addresses
-            raise RuntimeError(f"stage {self.spec.stage_id}: plan {pid} no longer fits its buffer")
+        plan, _ = self._plan(pid, desc)              # allocated when made (or moved with the arena):
+                                                     # its tensors keep their addresses between calls
         got: dict[str, np.ndarray] = {}
         self.stats.bytes_in_host += len(inputs)
-        for msg in (inputs, *upstream):
+        sample = None
+        for i, msg in enumerate((inputs, *upstream)):
             self.stats.bytes_in += len(msg)
-            tensors, _ = decode(msg)
+            tensors, meta = decode(msg)
+            if i == 0:
+                sample = meta.get("sample")
             for wt in tensors:
                 got[wt.name] = wt.data
         for key, t in plan.inputs.items():
@@ -265,7 +282,7 @@ class StageWorker:
         t1 = time.perf_counter()
         compute_graph(plan.graph, self.opts)
         t2 = time.perf_counter()
-        out = encode([WireTensor(key, t.type, t.ne, tensor_array(t)) for key, t in plan.exports])
+        out = encode(self._exports(plan, sample))
         s = self.stats
         s.n_calls += 1
         s.compute_s += t2 - t1
@@ -276,3 +293,13 @@ class StageWorker:
         if len(s.timeline) > 10000:
             del s.timeline[:5000]
         return out
+
+
+def _sample_rows(logits: np.ndarray, rows: Any) -> np.ndarray:
+    """One token per row of a logits export (model/sampling.py's sample_row, the driver's choice)."""
+    from ..model.sampling import RowSampling, sample_row
+    lg = logits.reshape(-1, logits.shape[-1])
+    if not isinstance(rows, list) or len(rows) != lg.shape[0]:
+        raise PlanError(f"sampling for {len(rows) if isinstance(rows, list) else '?'} rows of a "
+                        f"{lg.shape[0]}-row export")
+    return np.array([sample_row(lg[r], RowSampling.from_list(v)) for r, v in enumerate(rows)], np.int32)

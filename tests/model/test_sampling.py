@@ -63,3 +63,17 @@ def test_top_k_equals_the_stable_sort(k):
               np.where(rng.random(100) < 0.1, np.nan, rng.standard_normal(100)).astype(np.float32)):
         want = np.argsort(-x, kind="stable")[:k or None]
         np.testing.assert_array_equal(sampling._top_k(x, k), want)
+
+
+def test_row_sampling_is_the_samplers_choice():
+    # a RowSampling carries everything a choice needs: the same id wherever it is made, and it
+    # survives the wire's list form
+    from ggml_dist.model.sampling import RowSampling, sample_row
+    s = Sampler(SamplingParams(temperature=1.3, top_k=0, top_p=1.0, min_p=0.0, seed=77))
+    rows = [s.row() for _ in range(1)]
+    picks = [s.sample(LOGITS) for _ in range(20)]
+    again = [sample_row(LOGITS, RowSampling(1.3, 0, 1.0, 0.0, 77, n)) for n in range(20)]
+    assert picks == again and len(set(picks)) > 1
+    assert RowSampling.from_list(rows[0].to_list()) == rows[0]
+    with pytest.raises(ValueError):
+        RowSampling.from_list([1, 2, "x"])

@@ -187,3 +187,29 @@ def test_pipeline_gemma3_sliding_window(local_ray):
         pl.shutdown()
     for row, p in zip(rows, (511, len(toks) - 1)):
         assert np.array_equal(row[tf["ids"][p].astype(np.int64)], tf["vals"][p])
+
+
+# the last stage chooses the tokens (greedy and seeded temperature sampling): the ids one process
+# chooses from its logits, and with keep_logits=False no logits cross the wire
+def test_pipeline_samples_on_the_last_stage(local_ray, model_path):
+    from ggml_dist.model.sampling import GREEDY, RowSampling, sample_row
+    rows = [RowSampling(0.9, 40, 0.95, 0.05, 1234, i) for i in range(2)] + [GREEDY]
+    batch = Batch(np.array(TOKENS[:6], np.int32), np.arange(6, dtype=np.int32), [frozenset({0})] * 6,
+                  np.array([0, 1, 0, 1, 0, 1], bool))
+    one = LlamaContext(LlamaModel.load(model_path), ContextParams(n_ctx=256))
+    logits = one.decode(batch)
+    want = [sample_row(logits[i], rs) for i, rs in enumerate(rows)]
+    local = one.submit(Batch.from_tokens([5], pos0=6), sampling=[rows[0]])
+    assert local.tokens() == [sample_row(local.result()[0], rows[0])]
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256))
+    try:
+        before = pl.stats()[-1]["bytes_out"]
+        got = pl.ctx.submit(batch, sampling=rows, keep_logits=False)
+        assert got.tokens() == want
+        assert pl.stats()[-1]["bytes_out"] - before < 1024          # 3 token ids, not 3 x 512 logits
+        with pytest.raises(RuntimeError, match="not kept"):
+            got.result()
+        kept = pl.ctx.submit(Batch.from_tokens([5], pos0=6), sampling=[GREEDY])
+        assert kept.tokens() == [int(np.argmax(kept.result()[0]))]
+    finally:
+        pl.shutdown()
