@@ -10,7 +10,9 @@
         3. fill     while fewer than `depth` micro-batches are in flight and some sequences are idle,
                     submit a micro-batch: one token per decoding sequence, then prompt chunks (with a
                     KV stream per slot, short prompts one token per step beside decodes: _short_chunk)
-        4. collect  wait for the oldest micro-batch; sample each output row, stream the text
+        4. collect  wait for the oldest micro-batch; take each output row's token (chosen where the logits
+                    are, the last stage on a pipeline; on the driver when penalties need the history),
+                    stream the text
 
 On a pipeline of K stages `depth` is K: the active sequences fall into K groups, and a group is sent
 again as soon as its logits are back, so stage k works on one group while stage k+1 works on another
@@ -105,6 +107,7 @@ class Sequence:
 class MicroBatch:
     pending: PendingLogits
     parts: list[tuple[Sequence, int, bool]]     # (sequence, tokens it put in, has an output row)
+    sampled: bool = False                       # tokens chosen where the logits are (no penalties)
 
 
 # -- engine ------------------------------------------------------------------------------------------
@@ -438,10 +441,17 @@ class Engine:
             self._next_slot = (chosen[-1][0].slot + 1) % n
             batch = Batch(np.asarray(tokens, np.int32), np.asarray(pos, np.int32), seq_ids,
                           np.asarray(output, bool))
+            # without penalties (which need the history) the choice is made where the logits are: a
+            # pipeline's last stage returns token ids only
+            outs = [s for s, _, has_out in parts if has_out]
+            sampled = bool(outs) and not any(s.sampler.penalized for s in outs)
             t0 = time.perf_counter()
-            pending = self.ctx.submit(batch)
+            if sampled:
+                pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in outs], keep_logits=False)
+            else:
+                pending = self.ctx.submit(batch)
             self.busy_s += time.perf_counter() - t0
-            self._in_flight.append(MicroBatch(pending, parts))
+            self._in_flight.append(MicroBatch(pending, parts, sampled))
 
     def _short_chunk(self, batch: list[Sequence]) -> int:
         """Tokens that a short prompt (at most TRICKLE left) puts in this batch.
@@ -462,7 +472,11 @@ class Engine:
 
     def _collect(self, mb: MicroBatch) -> None:
         t0 = time.perf_counter()
-        logits = mb.pending.result()             # [n_outputs, n_vocab] in batch order
+        if mb.sampled:
+            toks: list[int] | None = mb.pending.tokens()   # one per output row, in batch order
+            logits = None
+        else:
+            toks, logits = None, mb.pending.result()     # [n_outputs, n_vocab] in batch order
         self.busy_s += time.perf_counter() - t0
         row = 0
         for s, n_tokens, has_out in mb.parts:
@@ -470,14 +484,18 @@ class Engine:
             s.n_past += n_tokens
             if has_out:
                 row += 1
+                if toks is not None:
+                    s.sampler.advance()                  # the choice made there was this sampler's
                 if s.req.cancelled:
                     self._finish(s, "cancelled")
+                elif toks is not None:
+                    self._accept(s, toks[row - 1])
                 else:
-                    self._sample(s, logits[row - 1])
+                    assert logits is not None
+                    self._accept(s, s.sampler.sample(logits[row - 1], s.history))
 
-    def _sample(self, s: Sequence, logits: np.ndarray) -> None:
+    def _accept(self, s: Sequence, tok: int) -> None:
         assert self.model is not None
-        tok = s.sampler.sample(logits, s.history)
         now = time.perf_counter()
         if s.t_last is None:
             self.metrics.add_token(now - s.req.t_arrival, None)

@@ -184,9 +184,9 @@ def test_cancel_nonstream(server, monkeypatch):
     ctx = server.engine.ctx
     submit = ctx.submit
 
-    def slow_submit(batch):                  # 100 ms a step: the client gives up after ~3 steps
+    def slow_submit(batch, **kw):            # 100 ms a step: the client gives up after ~3 steps
         time.sleep(0.1)
-        return submit(batch)
+        return submit(batch, **kw)
     monkeypatch.setattr(ctx, "submit", slow_submit)
     before = metric(server, "generated_tokens_total")
     with pytest.raises(httpx.ReadTimeout):
@@ -332,10 +332,10 @@ def test_short_prompts_trickle_in(serve_model, model):
     batches: list[list[tuple[int, int]]] = []             # per batch: (slot, tokens) in slot order
     submit = engine.ctx.submit
 
-    def spy(batch):
+    def spy(batch, **kw):
         slots = [min(s) for s in batch.seq_ids]
         batches.append([(s, slots.count(s)) for s in sorted(set(slots))])
-        return submit(batch)
+        return submit(batch, **kw)
     engine.ctx.submit = spy
     moves: list[tuple[int, int]] = []                     # a copy, or a swap with a cached free slot
     seq_cp, seq_swap = engine.ctx.seq_cp, engine.ctx.seq_swap
