@@ -1,7 +1,9 @@
 """Text generation: prompt prefill, then one token per step (gpt-fast's prefill / decode_one_token).
 
-`Generator` is written against a small decoder protocol (decode a Batch, return the outputs' logits), so
-the same loop drives a single-process LlamaContext and a pipeline of Ray stage actors.
+`generate` is written against a small decoder protocol (decode a Batch, return the outputs' logits), so
+the same loop drives a single-process LlamaContext and a pipeline of Ray stage actors. A decoder that
+can also choose tokens where its logits are (LlamaContext.submit(sampling=)) is asked for the token
+alone when no penalty needs the history: a pipeline's last stage then sends back an id, not the logits.
 """
 from __future__ import annotations
 
@@ -67,12 +69,24 @@ def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n
         raise ValueError(f"n_predict must be >= 0, got {n_predict}")
     sampler, stream = Sampler(params), TextStream(tokenizer)
     history = list(prompt_tokens)
+    submit = None if sampler.penalized else getattr(decoder, "submit", None)
+
+    def next_token(batch: Batch) -> int:
+        """The token after the batch's last output."""
+        if submit is not None:
+            tok = submit(batch, sampling=[sampler.row()], keep_logits=False).tokens()[-1]
+            sampler.advance()
+            return int(tok)
+        return sampler.sample(decoder.decode(batch)[-1], history)
+
     t0 = time.perf_counter()
-    logits = None
-    for i in range(0, len(prompt_tokens), n_batch):         # prefill in n_batch pieces
-        chunk = prompt_tokens[i:i + n_batch]
-        batch = Batch.from_tokens(chunk, pos0=i, seq_id=seq_id)
-        logits = decoder.decode(batch)
+    starts = range(0, len(prompt_tokens), n_batch)          # prefill in n_batch pieces
+    for i in starts[:-1]:
+        decoder.decode(Batch.from_tokens(prompt_tokens[i:i + n_batch], pos0=i, seq_id=seq_id))
+    last = Batch.from_tokens(prompt_tokens[starts[-1]:], pos0=starts[-1], seq_id=seq_id)
+    tok = next_token(last) if n_predict else None
+    if tok is None:
+        decoder.decode(last)
     prompt_s = time.perf_counter() - t0
     out: list[int] = []
     text: list[str] = []
@@ -80,8 +94,7 @@ def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n
     t1 = time.perf_counter()
     pos = len(prompt_tokens)
     while len(out) < n_predict:
-        assert logits is not None
-        tok = sampler.sample(logits[-1], history)
+        assert tok is not None
         if stop_at_eog and tokenizer.is_eog(tok):
             stop = "eog"
             break
@@ -95,7 +108,7 @@ def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n
             on_text(piece)
         if len(out) == n_predict:
             break
-        logits = decoder.decode(Batch.from_tokens([tok], pos0=pos, seq_id=seq_id))
+        tok = next_token(Batch.from_tokens([tok], pos0=pos, seq_id=seq_id))
         pos += 1
     tail = stream.flush()
     if tail:
