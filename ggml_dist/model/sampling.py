@@ -1,4 +1,5 @@
-"""Token sampling: llama.cpp's default chain (penalties -> top-k -> top-p -> min-p -> temperature -> dist).
+"""Token sampling: llama.cpp's default chain (logit bias -> penalties -> top-k -> top-p -> min-p ->
+temperature -> dist; common_sampler_init's order).
 
 temperature <= 0 is greedy (argmax of the raw logits, first index on ties, as ggml_argmax). The n-th
 stochastic choice of a sequence draws from a numpy Generator seeded by (seed, n), so a seed reproduces
@@ -19,8 +20,12 @@ class SamplingParams:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    repeat_last_n: int = 64             # the penalties' window: the last n tokens (prompt included)
+    presence_penalty: float = 0.0       # minus this once for a token in the window (OpenAI's)
+    frequency_penalty: float = 0.0      # minus this per occurrence in the window (OpenAI's)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), applied first
     seed: int | None = None
+    logprobs: int | None = None         # report each chosen token's logprob and this many top ones
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -33,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repeat_penalty <= 0:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < 0:
+            raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +99,10 @@ class Sampler:
 
     @property
     def penalized(self) -> bool:
-        return self.params.repeat_penalty != 1.0
+        """Whether the choice needs more than the logits (the history, or a bias): made on the driver."""
+        p = self.params
+        return p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or \
+            bool(p.logit_bias)
 
     def row(self) -> RowSampling:
         """The next choice, to be made wherever the logits are (then call advance())."""
@@ -103,16 +113,32 @@ class Sampler:
         self.n += 1
 
     def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
-        p = self.params
         x = np.asarray(logits, dtype=np.float32)
-        if p.repeat_penalty != 1.0 and history:
-            x = x.copy()                            # the caller's logits stay as they were
-            recent = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
-            vals = x[recent]
-            x[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if self.penalized:
+            x = self.adjust(x, history or [])
         tok = sample_row(x, self.row())
         self.advance()
         return tok
+
+    def adjust(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
+        """llama_sampler_logit_bias, then llama_sampler_penalties over the window's token counts: a
+        token seen there has its logit divided (> 0) or multiplied (<= 0) by repeat_penalty, then
+        count * frequency_penalty + presence_penalty subtracted (float32 steps). A copy."""
+        p = self.params
+        x = np.array(logits, dtype=np.float32)
+        for tok, bias in p.logit_bias:
+            if 0 <= tok < len(x):
+                x[tok] += np.float32(bias)
+        window = history[-p.repeat_last_n:] if p.repeat_last_n else []
+        if window and (p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+            ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+            ok = (ids >= 0) & (ids < len(x))
+            ids, counts = ids[ok], counts[ok]
+            v = x[ids]
+            v = np.where(v <= 0, v * np.float32(p.repeat_penalty), v / np.float32(p.repeat_penalty))
+            v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
+            x[ids] = v.astype(np.float32)
+        return x
 
 
 def _top_k(x: np.ndarray, k: int) -> np.ndarray:

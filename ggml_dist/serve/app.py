@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, AsyncIterator
 
@@ -21,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..model.sampling import SamplingParams
 from .engine import Engine, Event, NotReady, QueueFull, Request
-from .protocol import (APIError, ChatRequest, CompletionRequest, chat_body, completion_body, new_id,
-                       usage, usage_chunk, validation_error)
+from .protocol import (APIError, ChatRequest, CompletionRequest, chat_body, chat_logprobs, completion_body,
+                       completion_logprobs, new_id, refuse_unsupported, usage, usage_chunk, validation_error)
 
 MAX_BODY_BYTES = 1 << 20          # a 1 MiB prompt is far past any context this server runs
 _DISCONNECT_POLL_S = 0.25         # how often a non-streaming handler asks whether its client left
@@ -87,7 +89,12 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
 
     @app.exception_handler(Exception)
     async def _internal(_: HTTPRequest, e: Exception) -> JSONResponse:
-        err = APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+        # the details go to the server's log under an id, never to the client
+        eid = new_id("err")
+        print(f"ggml-dist serve: internal error {eid}:\n{''.join(traceback.format_exception(e))}",
+              file=sys.stderr)
+        err = APIError(500, f"internal server error (id {eid}); the server log has the details",
+                       "server_error", code="internal_error")
         return JSONResponse(err.body(), status_code=500)
 
     # -- read-only endpoints -------------------------------------------------------------------------
@@ -132,10 +139,49 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- generation ----------------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(http: HTTPRequest) -> JSONResponse:
+        """llama-server's /tokenize: {"content", "add_special"?, "with_pieces"?} -> {"tokens"}."""
+        body = await _read_json(http, max_body_bytes)
+        content, add_special = body.get("content"), body.get("add_special", False)
+        with_pieces = body.get("with_pieces", False)
+        if not isinstance(content, str):
+            raise _invalid("'content' must be a string", "content")
+        if not isinstance(add_special, bool) or not isinstance(with_pieces, bool):
+            raise _invalid("'add_special' and 'with_pieces' must be booleans", "add_special")
+        tok = _tokenizer(engine)
+        ids = await asyncio.to_thread(tok.encode, content, add_special=add_special, parse_special=True)
+        if not with_pieces:
+            return JSONResponse({"tokens": ids})
+        pieces = []
+        for t in ids:
+            b = tok.token_to_piece(t)
+            try:
+                pieces.append({"id": t, "piece": b.decode("utf-8")})
+            except UnicodeDecodeError:            # a partial character: its bytes, as llama-server
+                pieces.append({"id": t, "piece": list(b)})
+        return JSONResponse({"tokens": pieces})
+
+    @app.post("/detokenize")
+    async def detokenize(http: HTTPRequest) -> JSONResponse:
+        """llama-server's /detokenize: {"tokens": [ids]} -> {"content"}."""
+        body = await _read_json(http, max_body_bytes)
+        tok = _tokenizer(engine)
+        ids = body.get("tokens")
+        if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise _invalid("'tokens' must be a list of token ids", "tokens")
+        bad = [t for t in ids if not 0 <= t < tok.n_vocab]
+        if bad:
+            raise _invalid(f"token id {bad[0]} is outside the vocabulary (0..{tok.n_vocab - 1})", "tokens")
+        text = b"".join(tok.token_to_piece(t) for t in ids).decode("utf-8", errors="replace")
+        return JSONResponse({"content": text})
+
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
+        body = await _read_json(http, max_body_bytes)
+        refuse_unsupported(body)
         try:
-            req = CompletionRequest.model_validate(await _read_json(http, max_body_bytes))
+            req = CompletionRequest.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from None
         prompt = req.prompt
@@ -144,8 +190,8 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
                 raise _invalid("only one prompt per request is supported (n=1)", "prompt")
             prompt = prompt[0]
         tok = _tokenizer(engine)
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt, add_special=True, parse_special=True)
+        if isinstance(prompt, str):       # off the event loop: a long prompt takes milliseconds
+            ids = await asyncio.to_thread(tok.encode, prompt, add_special=True, parse_special=True)
         else:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < tok.n_vocab]
@@ -157,8 +203,10 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest) -> Response:
+        body = await _read_json(http, max_body_bytes)
+        refuse_unsupported(body)
         try:
-            req = ChatRequest.model_validate(await _read_json(http, max_body_bytes))
+            req = ChatRequest.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from None
         tok = _tokenizer(engine)
@@ -167,11 +215,12 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
             raise _invalid("the model has no chat template (tokenizer.chat_template); start the "
                            "server with --chat-template, or use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, template=template)
+        try:                        # rendering and encoding off the event loop
+            text = await asyncio.to_thread(tok.apply_chat_template, messages, add_generation_prompt=True,
+                                           template=template)
         except Exception as e:      # a template's raise_exception (e.g. roles out of order)
             raise _invalid(f"the chat template rejected the messages: {e}", "messages") from None
-        ids = tok.encode(text, add_special=True, parse_special=True)
+        ids = await asyncio.to_thread(tok.encode, text, add_special=True, parse_special=True)
         room = max(1, engine.n_ctx_slot - len(ids))
         return await _generate(http, engine, "chat", req, ids, req.max_tokens_or_default(room),
                                model_name, chat=True)
@@ -228,8 +277,12 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
     if max_tokens > n_slot:
         raise APIError(400, f"max_tokens={max_tokens} exceeds the context per request ({n_slot} tokens)",
                        param="max_tokens", code="invalid_value")
+    tok = _tokenizer(engine)
     sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              min_p=req.min_p, repeat_penalty=req.repeat_penalty, seed=req.seed)
+                              min_p=req.min_p, repeat_penalty=req.repeat_penalty,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              logit_bias=req.bias_list(tok.n_vocab), seed=req.seed, logprobs=req.n_logprobs())
+    want_lp = sampling.logprobs is not None
     deliver = _deliver(asyncio.get_running_loop())
     queue: asyncio.Queue[Event] = asyncio.Queue()
     greq = Request(ids, max_tokens, sampling, req.stop_list(), on_event=lambda ev: deliver.post(queue, ev))
@@ -241,10 +294,13 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
         raise APIError(503, str(e), "server_error", code="model_not_ready") from None
     rid = new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
-        return StreamingResponse(_sse(engine, endpoint, greq, queue, rid, model_name, chat, req.include_usage),
+        lp_piece = tok.token_to_piece if want_lp else None
+        return StreamingResponse(_sse(engine, endpoint, greq, queue, rid, model_name, chat, req.include_usage,
+                                      lp_piece, len(echo) if isinstance(echo, str) else 0),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     parts: list[str] = [echo] if isinstance(echo, str) else []
+    lps: list = []
     t_check = time.monotonic()
     try:
         while True:
@@ -254,6 +310,7 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
                 ev = None
             if ev is not None:
                 parts.append(ev.text)
+                lps += ev.logprobs
                 if ev.finish_reason is not None:
                     break
             if time.monotonic() - t_check >= _DISCONNECT_POLL_S:
@@ -269,16 +326,33 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
         raise APIError(500, f"generation failed: {ev.error}", "server_error")
     metrics.count_request(endpoint, "ok")
     use = usage(ev.n_prompt, ev.n_gen)
+    lp_body = None
+    if want_lp:
+        lp_body = chat_logprobs(lps, tok.token_to_piece) if chat else \
+            completion_logprobs(lps, tok.token_to_piece, len(echo) if isinstance(echo, str) else 0)
     build = chat_body if chat else completion_body
-    return JSONResponse(build(rid, model_name, "".join(parts), ev.finish_reason, use, chunk=False))
+    return JSONResponse(build(rid, model_name, "".join(parts), ev.finish_reason, use, chunk=False,
+                              logprobs=lp_body))
 
 
 async def _sse(engine: Engine, endpoint: str, greq: Request, queue: asyncio.Queue[Event], rid: str,
-               model_name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+               model_name: str, chat: bool, include_usage: bool, lp_piece: Any = None,
+               offset: int = 0) -> AsyncIterator[str]:
     """Server-sent events; Starlette cancels this generator when the client goes away, and the
-    `finally` then cancels the sequence so its slot is freed at the engine's next turn."""
+    `finally` then cancels the sequence so its slot is freed at the engine's next turn. lp_piece: the
+    tokenizer's token_to_piece when the request asked for logprobs (each chunk carries its tokens')."""
     def sse(body: dict[str, Any]) -> str:
         return f"data: {json.dumps(body)}\n\n"
+
+    def lp_of(ev: Event) -> dict[str, Any] | None:
+        nonlocal offset
+        if lp_piece is None or not ev.logprobs:
+            return None
+        if chat:
+            return chat_logprobs(ev.logprobs, lp_piece)
+        body = completion_logprobs(ev.logprobs, lp_piece, offset)
+        offset += sum(len(t) for t in body["tokens"])
+        return body
 
     done = False
     try:
@@ -291,9 +365,10 @@ async def _sse(engine: Engine, endpoint: str, greq: Request, queue: asyncio.Queu
                 engine.metrics.count_request(endpoint, "error")
                 yield sse(APIError(500, f"generation failed: {ev.error}", "server_error").body())
                 return
-            if ev.text:
-                yield sse(chat_body(rid, model_name, ev.text, None, None, chunk=True) if chat else
-                          completion_body(rid, model_name, ev.text, None, None, chunk=True))
+            if ev.text or (lp_piece is not None and ev.logprobs):
+                lp = lp_of(ev)
+                yield sse(chat_body(rid, model_name, ev.text, None, None, chunk=True, logprobs=lp) if chat else
+                          completion_body(rid, model_name, ev.text, None, None, chunk=True, logprobs=lp))
             if ev.finish_reason is None:
                 continue
             done = True

@@ -72,6 +72,20 @@ class Event:
     n_prompt: int = 0
     n_gen: int = 0
     error: str | None = None
+    logprobs: tuple = ()    # per token of this event (sampling.logprobs set): TokenLogprob tuples
+
+
+# (token id, its logprob, ((id, logprob) of the top tokens, most likely first)): log-softmax of the raw
+# logits of the step that chose the token (before bias and penalties), in float64
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
+def token_logprob(logits: np.ndarray, tok: int, n_top: int) -> TokenLogprob:
+    x = np.asarray(logits, np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    top = np.argsort(-lp, kind="stable")[:n_top] if n_top else np.zeros(0, np.int64)
+    return int(tok), float(lp[tok]), tuple((int(i), float(lp[i])) for i in top)
 
 
 @dataclass(eq=False)
@@ -97,6 +111,7 @@ class Sequence:
     n_gen: int = 0
     in_flight: bool = False
     t_last: float | None = None             # when the previous token was emitted
+    logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent (with the next event)
 
     @property
     def prefilling(self) -> bool:
@@ -445,9 +460,10 @@ class Engine:
             # pipeline's last stage returns token ids only
             outs = [s for s, _, has_out in parts if has_out]
             sampled = bool(outs) and not any(s.sampler.penalized for s in outs)
+            keep = any(s.sampler.params.logprobs is not None for s in outs)     # logprobs need them
             t0 = time.perf_counter()
             if sampled:
-                pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in outs], keep_logits=False)
+                pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in outs], keep_logits=keep)
             else:
                 pending = self.ctx.submit(batch)
             self.busy_s += time.perf_counter() - t0
@@ -474,7 +490,8 @@ class Engine:
         t0 = time.perf_counter()
         if mb.sampled:
             toks: list[int] | None = mb.pending.tokens()   # one per output row, in batch order
-            logits = None
+            want = any(s.sampler.params.logprobs is not None for s, _, has_out in mb.parts if has_out)
+            logits = mb.pending.result() if want else None
         else:
             toks, logits = None, mb.pending.result()     # [n_outputs, n_vocab] in batch order
         self.busy_s += time.perf_counter() - t0
@@ -488,13 +505,17 @@ class Engine:
                     s.sampler.advance()                  # the choice made there was this sampler's
                 if s.req.cancelled:
                     self._finish(s, "cancelled")
-                elif toks is not None:
-                    self._accept(s, toks[row - 1])
+                    continue
+                if toks is not None:
+                    tok = toks[row - 1]
                 else:
                     assert logits is not None
-                    self._accept(s, s.sampler.sample(logits[row - 1], s.history))
+                    tok = s.sampler.sample(logits[row - 1], s.history)
+                n_lp = s.sampler.params.logprobs
+                lp = () if n_lp is None or logits is None else (token_logprob(logits[row - 1], tok, n_lp),)
+                self._accept(s, tok, lp)
 
-    def _accept(self, s: Sequence, tok: int) -> None:
+    def _accept(self, s: Sequence, tok: int, lp: tuple = ()) -> None:
         assert self.model is not None
         now = time.perf_counter()
         if s.t_last is None:
@@ -507,13 +528,19 @@ class Engine:
             return
         s.history.append(tok)
         s.n_gen += 1
+        s.logprobs += lp
         text, hit = s.stop.push(s.stream.push(tok))
         if hit:
             self._finish(s, "stop", text, flush=False)
         elif s.n_gen >= s.req.max_tokens or len(s.history) >= self.n_ctx_slot:
             self._finish(s, "length", text)
         elif text:
-            s.req.on_event(Event(text))
+            s.req.on_event(Event(text, logprobs=self._take_logprobs(s)))
+
+    @staticmethod
+    def _take_logprobs(s: Sequence) -> tuple:
+        out, s.logprobs = tuple(s.logprobs), []
+        return out
 
     def _finish(self, s: Sequence, reason: str, text: str = "", flush: bool = True,
                 error: str | None = None) -> None:
@@ -528,7 +555,7 @@ class Engine:
         else:
             self.ctx.seq_rm(s.slot)
         self._slots[s.slot] = None
-        s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error))
+        s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error, self._take_logprobs(s)))
 
     def _caches_prompts(self) -> bool:
         """Prompt caching needs a KV stream per slot in one process: there a slot's tokens sit in its

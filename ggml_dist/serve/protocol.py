@@ -1,14 +1,16 @@
 """The OpenAI wire format: request models (validated with pydantic), response and chunk builders, and
 the API error that the app turns into `{"error": {...}}` with an HTTP status.
 
-Only what ggml_dist can honour is accepted: n=1, no logprobs, no tools. Unknown fields are ignored, as
-the OpenAI API does for forward compatibility, so clients that send `user` or `logit_bias` still work.
+Every field a request may carry is either implemented or refused: the OpenAI fields this server does
+not implement (UNSUPPORTED: tools, response_format other than text, n > 1, ...) get a 400 that names
+them, so an application never gets a silently different answer. Fields that are neither (a newer API's,
+unknown to this table) are ignored, for forward compatibility. README.md lists every field.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence as Sequence_
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
                       model_validator)
@@ -50,6 +52,31 @@ def validation_error(e: ValidationError) -> APIError:
 
 # -- requests ----------------------------------------------------------------------------------------
 
+# request fields of OpenAI's API (and llama-server's extensions) that change the answer and are not
+# implemented here: refused by name rather than ignored
+UNSUPPORTED: dict[str, str] = {
+    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+    "functions": "function calling", "function_call": "function calling",
+    "response_format": "structured output (only {\"type\": \"text\"})",
+    "best_of": "best_of", "suffix": "insertion (suffix)", "audio": "audio output", "modalities": "audio output",
+    "prediction": "predicted outputs", "reasoning_effort": "reasoning models", "web_search_options": "web search",
+    "store": "stored completions", "metadata": "stored completions", "service_tier": "service tiers",
+    "grammar": "grammars", "json_schema": "structured output", "mirostat": "mirostat sampling",
+    "typical_p": "typical sampling", "tfs_z": "tail-free sampling", "dry_multiplier": "DRY sampling",
+    "xtc_probability": "XTC sampling", "n_probs": "n_probs (use logprobs)",
+}
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """A 400 naming the first field of `body` that this server does not implement."""
+    for name, what in UNSUPPORTED.items():
+        v = body.get(name)
+        if v is None or v is False or (name == "response_format" and v == {"type": "text"}) or \
+                (name == "parallel_tool_calls" and "tools" not in body):
+            continue
+        raise APIError(400, f"'{name}' is not supported by this server ({what})", param=name,
+                       code="unsupported_parameter")
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -61,6 +88,9 @@ class _Sampling(BaseModel):
     top_k: StrictInt = Field(default=40, ge=0)            # llama.cpp extension (0 = off)
     min_p: StrictFloat = Field(default=0.05, ge=0.0, le=1.0)    # llama.cpp extension
     repeat_penalty: StrictFloat = Field(default=1.0, gt=0.0)    # llama.cpp extension
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, StrictFloat] | None = None            # token id (as a string) -> -100..100
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)
@@ -72,6 +102,17 @@ class _Sampling(BaseModel):
     def _null_is_default(cls, data: Any) -> Any:
         # clients send `"temperature": null` for "not set"; the field's default applies
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    def bias_list(self, n_vocab: int) -> tuple[tuple[int, float], ...]:
+        out = []
+        for k, v in (self.logit_bias or {}).items():
+            if not (k.lstrip("-").isdigit() and 0 <= int(k) < n_vocab):
+                raise APIError(400, f"logit_bias key {k!r} is not a token id (0..{n_vocab - 1})",
+                               param="logit_bias")
+            if not -100.0 <= v <= 100.0:
+                raise APIError(400, f"logit_bias for token {k} is {v}, outside -100..100", param="logit_bias")
+            out.append((int(k), float(v)))
+        return tuple(out)
 
     def stop_list(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,6 +128,10 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[StrictInt] | list[str]
     echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)     # the chosen token's and N top
+
+    def n_logprobs(self) -> int | None:
+        return self.logprobs
 
     def max_tokens_or_default(self) -> int:
         return self.max_tokens if self.max_tokens is not None else 16     # the OpenAI default
@@ -112,6 +157,13 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+    def n_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_tokens_or_default(self, room: int) -> int:
         n = self.max_completion_tokens or self.max_tokens
@@ -128,10 +180,37 @@ def usage(n_prompt: int, n_gen: int) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
+Piece = Callable[[int], bytes]       # token id -> its bytes (Tokenizer.token_to_piece)
+
+
+def completion_logprobs(entries: Sequence_[Any], piece: Piece, offset: int) -> dict[str, Any]:
+    """The completions API's logprobs object for engine TokenLogprobs; text_offset counts characters
+    from `offset` (the characters before these tokens)."""
+    toks, lps, tops, offs = [], [], [], []
+    for tok, lp, top in entries:
+        s = piece(tok).decode("utf-8", errors="replace")
+        toks.append(s)
+        lps.append(lp)
+        tops.append({piece(t).decode("utf-8", errors="replace"): v for t, v in top})
+        offs.append(offset)
+        offset += len(s)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+
+def chat_logprobs(entries: Sequence_[Any], piece: Piece) -> dict[str, Any]:
+    """The chat API's logprobs object: per token its text, logprob, bytes and top alternatives."""
+    def one(t: int, v: float) -> dict[str, Any]:
+        b = piece(t)
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": v, "bytes": list(b)}
+    return {"content": [{**one(tok, lp), "top_logprobs": [one(t, v) for t, v in top]}
+                        for tok, lp, top in entries], "refusal": None}
+
+
 def completion_body(rid: str, model: str, text: str, finish: str | None,
-                    use: dict[str, int] | None, chunk: bool) -> dict[str, Any]:
+                    use: dict[str, int] | None, chunk: bool,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                            "model": model, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                                          "finish_reason": finish}]}
     if use is not None or not chunk:
         body["usage"] = use
@@ -139,11 +218,11 @@ def completion_body(rid: str, model: str, text: str, finish: str | None,
 
 
 def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None,
-              chunk: bool, first: bool = False) -> dict[str, Any]:
+              chunk: bool, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if chunk:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model, "choices": [choice]}
         if use is not None:
@@ -151,7 +230,7 @@ def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict[str
         return body
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+                         "logprobs": logprobs, "finish_reason": finish}],
             "usage": use}
 
 

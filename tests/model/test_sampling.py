@@ -77,3 +77,21 @@ def test_row_sampling_is_the_samplers_choice():
     assert RowSampling.from_list(rows[0].to_list()) == rows[0]
     with pytest.raises(ValueError):
         RowSampling.from_list([1, 2, "x"])
+
+
+def test_bias_and_penalties_as_llama_cpp():
+    # llama_sampler_logit_bias then llama_sampler_penalties: repeat divides a positive logit and
+    # multiplies a non-positive one, then count * frequency + presence is subtracted
+    p = SamplingParams(temperature=0, repeat_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
+                       logit_bias=((4, 10.0),), repeat_last_n=4)
+    s = Sampler(p)
+    x = s.adjust(LOGITS, history=[2, 3, 1, 3, 0])                # the window: 3, 1, 3, 0
+    want = LOGITS.copy()
+    want[4] += 10.0
+    for tok, count in ((1, 1), (3, 2), (0, 1)):
+        v = want[tok]
+        v = v * 2.0 if v <= 0 else v / 2.0
+        want[tok] = v - (count * 0.25 + 0.5)
+    np.testing.assert_array_equal(x, want.astype(np.float32))
+    assert s.penalized and s.sample(LOGITS, [2, 3, 1, 3, 0]) == 4
+    assert not Sampler(SamplingParams()).penalized
