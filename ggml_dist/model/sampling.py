@@ -26,6 +26,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), applied first
     seed: int | None = None
     logprobs: int | None = None         # report each chosen token's logprob and this many top ones
+    grammar: str | None = None          # an llguidance grammar the output must follow (serve/grammar.py)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -102,7 +103,7 @@ class Sampler:
         """Whether the choice needs more than the logits (the history, or a bias): made on the driver."""
         p = self.params
         return p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or \
-            bool(p.logit_bias)
+            bool(p.logit_bias) or p.grammar is not None
 
     def row(self) -> RowSampling:
         """The next choice, to be made wherever the logits are (then call advance())."""
@@ -112,10 +113,22 @@ class Sampler:
     def advance(self) -> None:
         self.n += 1
 
-    def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+    def sample(self, logits: np.ndarray, history: list[int] | None = None,
+               allowed: np.ndarray | None = None) -> int:
+        """allowed: a bool mask over the vocabulary (a grammar's), as llama.cpp's grammar sampler
+        setting the others to -inf: the chain runs over the allowed tokens only, which chooses the same
+        token (the -inf ones would sort last with probability 0) without partitioning a vector of
+        mostly equal values."""
         x = np.asarray(logits, dtype=np.float32)
         if self.penalized:
             x = self.adjust(x, history or [])
+        if allowed is not None:
+            ids = np.flatnonzero(allowed)
+            if not len(ids):
+                raise ValueError("the grammar allows no token here")
+            tok = int(ids[sample_row(x[ids], self.row())])
+            self.advance()
+            return tok
         tok = sample_row(x, self.row())
         self.advance()
         return tok

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..model.sampling import SamplingParams
 from .engine import Engine, Event, NotReady, QueueFull, Request
+from .grammar import grammar_of, tokenizer_of
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_body, chat_logprobs, completion_body,
                        completion_logprobs, new_id, refuse_unsupported, usage, usage_chunk, validation_error)
 
@@ -278,10 +279,14 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
         raise APIError(400, f"max_tokens={max_tokens} exceeds the context per request ({n_slot} tokens)",
                        param="max_tokens", code="invalid_value")
     tok = _tokenizer(engine)
+    constraint = grammar_of(req.response_format, req.grammar, req.json_schema)
+    if constraint is not None:          # the model's llguidance tokenizer, built once, off the loop
+        await asyncio.to_thread(tokenizer_of, tok)
     sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               min_p=req.min_p, repeat_penalty=req.repeat_penalty,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                              logit_bias=req.bias_list(tok.n_vocab), seed=req.seed, logprobs=req.n_logprobs())
+                              logit_bias=req.bias_list(tok.n_vocab), seed=req.seed, logprobs=req.n_logprobs(),
+                              grammar=constraint)
     want_lp = sampling.logprobs is not None
     deliver = _deliver(asyncio.get_running_loop())
     queue: asyncio.Queue[Event] = asyncio.Queue()

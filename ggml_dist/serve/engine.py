@@ -112,6 +112,7 @@ class Sequence:
     in_flight: bool = False
     t_last: float | None = None             # when the previous token was emitted
     logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent (with the next event)
+    constraint: Any = None                  # serve/grammar.Constraint when the request has a grammar
 
     @property
     def prefilling(self) -> bool:
@@ -385,10 +386,24 @@ class Engine:
                 req.on_event(Event(finish_reason="cancelled", n_prompt=len(req.prompt)))
                 continue
             assert self.ctx is not None and self.model is not None
+            constraint = None
+            if req.sampling.grammar is not None:
+                try:
+                    constraint = self._constraint(req.sampling.grammar)
+                except Exception as e:          # an invalid grammar: this request fails, not the engine
+                    req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=f"grammar: {e}"))
+                    continue
             slot, n_keep = self._take_slot(req.prompt)
             self._slots[slot] = Sequence(req, slot, Sampler(req.sampling), TextStream(self.model.tokenizer),
-                                         StopMatcher(req.stops), list(req.prompt), n_past=n_keep)
+                                         StopMatcher(req.stops), list(req.prompt), n_past=n_keep,
+                                         constraint=constraint)
             self.metrics.add_prompt(len(req.prompt), n_keep)
+
+    def _constraint(self, grammar: str) -> Any:
+        from . import grammar as G
+        assert self.model is not None
+        tok = self.model.tokenizer
+        return G.Constraint(G.tokenizer_of(tok), grammar, tok.n_vocab)
 
     def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
         """A free slot for a prompt and how many of its tokens that slot's cache already holds: the slot
@@ -510,7 +525,8 @@ class Engine:
                     tok = toks[row - 1]
                 else:
                     assert logits is not None
-                    tok = s.sampler.sample(logits[row - 1], s.history)
+                    allowed = s.constraint.allowed() if s.constraint is not None else None
+                    tok = s.sampler.sample(logits[row - 1], s.history, allowed)
                 n_lp = s.sampler.params.logprobs
                 lp = () if n_lp is None or logits is None else (token_logprob(logits[row - 1], tok, n_lp),)
                 self._accept(s, tok, lp)
@@ -529,8 +545,12 @@ class Engine:
         s.history.append(tok)
         s.n_gen += 1
         s.logprobs += lp
+        if s.constraint is not None:
+            s.constraint.accept(tok)
         text, hit = s.stop.push(s.stream.push(tok))
-        if hit:
+        if s.constraint is not None and s.constraint.done and not hit:
+            self._finish(s, "stop", text)       # the grammar is complete: only an end could follow
+        elif hit:
             self._finish(s, "stop", text, flush=False)
         elif s.n_gen >= s.req.max_tokens or len(s.history) >= self.n_ctx_slot:
             self._finish(s, "length", text)

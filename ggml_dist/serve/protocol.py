@@ -2,7 +2,7 @@
 the API error that the app turns into `{"error": {...}}` with an HTTP status.
 
 Every field a request may carry is either implemented or refused: the OpenAI fields this server does
-not implement (UNSUPPORTED: tools, response_format other than text, n > 1, ...) get a 400 that names
+not implement (UNSUPPORTED: tools, best_of, n > 1, ...) get a 400 that names
 them, so an application never gets a silently different answer. Fields that are neither (a newer API's,
 unknown to this table) are ignored, for forward compatibility. README.md lists every field.
 """
@@ -57,11 +57,10 @@ def validation_error(e: ValidationError) -> APIError:
 UNSUPPORTED: dict[str, str] = {
     "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
     "functions": "function calling", "function_call": "function calling",
-    "response_format": "structured output (only {\"type\": \"text\"})",
     "best_of": "best_of", "suffix": "insertion (suffix)", "audio": "audio output", "modalities": "audio output",
     "prediction": "predicted outputs", "reasoning_effort": "reasoning models", "web_search_options": "web search",
     "store": "stored completions", "metadata": "stored completions", "service_tier": "service tiers",
-    "grammar": "grammars", "json_schema": "structured output", "mirostat": "mirostat sampling",
+    "mirostat": "mirostat sampling",
     "typical_p": "typical sampling", "tfs_z": "tail-free sampling", "dry_multiplier": "DRY sampling",
     "xtc_probability": "XTC sampling", "n_probs": "n_probs (use logprobs)",
 }
@@ -71,8 +70,7 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     """A 400 naming the first field of `body` that this server does not implement."""
     for name, what in UNSUPPORTED.items():
         v = body.get(name)
-        if v is None or v is False or (name == "response_format" and v == {"type": "text"}) or \
-                (name == "parallel_tool_calls" and "tools" not in body):
+        if v is None or v is False or (name == "parallel_tool_calls" and "tools" not in body):
             continue
         raise APIError(400, f"'{name}' is not supported by this server ({what})", param=name,
                        code="unsupported_parameter")
@@ -91,6 +89,10 @@ class _Sampling(BaseModel):
     presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, StrictFloat] | None = None            # token id (as a string) -> -100..100
+    # structured output (serve/grammar.py): OpenAI's, or llama-server's GBNF grammar / JSON schema
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     n: StrictInt = Field(default=1, ge=1, le=1)

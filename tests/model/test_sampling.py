@@ -95,3 +95,16 @@ def test_bias_and_penalties_as_llama_cpp():
     np.testing.assert_array_equal(x, want.astype(np.float32))
     assert s.penalized and s.sample(LOGITS, [2, 3, 1, 3, 0]) == 4
     assert not Sampler(SamplingParams()).penalized
+
+
+def test_allowed_mask_is_minus_inf_elsewhere():
+    # sampling over the allowed tokens only chooses what the -inf mask would, greedy and seeded
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(300).astype(np.float32)
+    allowed = rng.random(300) < 0.1
+    for t in (0.0, 0.7):
+        for top_k, top_p, min_p in ((40, 0.95, 0.05), (0, 1.0, 0.0), (3, 0.5, 0.0)):
+            p = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p, seed=9)
+            masked = np.where(allowed, x, np.float32(-np.inf)).astype(np.float32)
+            a, b = Sampler(p), Sampler(p)
+            assert [a.sample(x, allowed=allowed) for _ in range(10)] == [b.sample(masked) for _ in range(10)]
