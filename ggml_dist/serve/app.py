@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..model.sampling import SamplingParams
 from .engine import Engine, Event, NotReady, QueueFull, Request
 from .grammar import grammar_of, tokenizer_of
+from .tools import check_tools, forced_grammar, held_back, parse_calls, style_of
 from .protocol import (APIError, ChatRequest, CompletionRequest, chat_body, chat_logprobs, completion_body,
                        completion_logprobs, new_id, refuse_unsupported, usage, usage_chunk, validation_error)
 
@@ -180,7 +181,7 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
         body = await _read_json(http, max_body_bytes)
-        refuse_unsupported(body)
+        refuse_unsupported(body, chat=False)
         try:
             req = CompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -215,16 +216,27 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         if not template:
             raise _invalid("the model has no chat template (tokenizer.chat_template); start the "
                            "server with --chat-template, or use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
+        tools, forced, style = None, None, None
+        if req.tools is not None and req.tool_choice != "none":
+            style = style_of(template)
+            tools, forced = check_tools(req.tools, req.tool_choice)
+        extra = {"tools": tools} if tools is not None else {}
         try:                        # rendering and encoding off the event loop
             text = await asyncio.to_thread(tok.apply_chat_template, messages, add_generation_prompt=True,
-                                           template=template)
+                                           template=template, **extra)
         except Exception as e:      # a template's raise_exception (e.g. roles out of order)
             raise _invalid(f"the chat template rejected the messages: {e}", "messages") from None
         ids = await asyncio.to_thread(tok.encode, text, add_special=True, parse_special=True)
         room = max(1, engine.n_ctx_slot - len(ids))
+        grammar = None
+        if forced is not None:      # a call is required: a grammar makes it one, with valid arguments
+            if req.response_format is not None or req.grammar is not None or req.json_schema is not None:
+                raise _invalid("a forced tool call cannot take a response_format or grammar too", "tool_choice")
+            assert tools is not None and style is not None
+            grammar = forced_grammar(tools, forced, style, tok)
         return await _generate(http, engine, "chat", req, ids, req.max_tokens_or_default(room),
-                               model_name, chat=True)
+                               model_name, chat=True, grammar=grammar, tool_style=style)
 
     app.state.engine = engine
     return app
@@ -265,7 +277,10 @@ async def _read_json(http: HTTPRequest, limit: int) -> Any:
 
 async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: CompletionRequest | ChatRequest,
                     ids: list[int], max_tokens: int, model_name: str, chat: bool,
-                    echo: str | bool = False) -> Response:
+                    echo: str | bool = False, grammar: str | None = None,
+                    tool_style: str | None = None) -> Response:
+    """tool_style: the chat template's tool-call syntax (serve/tools.py) when the request has tools: calls
+    in the answer become tool_calls. grammar: one the output must follow (a forced tool call)."""
     metrics = engine.metrics
     n_slot = engine.n_ctx_slot
     if not ids:
@@ -279,7 +294,7 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
         raise APIError(400, f"max_tokens={max_tokens} exceeds the context per request ({n_slot} tokens)",
                        param="max_tokens", code="invalid_value")
     tok = _tokenizer(engine)
-    constraint = grammar_of(req.response_format, req.grammar, req.json_schema)
+    constraint = grammar if grammar is not None else grammar_of(req.response_format, req.grammar, req.json_schema)
     if constraint is not None:          # the model's llguidance tokenizer, built once, off the loop
         await asyncio.to_thread(tokenizer_of, tok)
     sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
@@ -301,7 +316,7 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
     if req.stream:
         lp_piece = tok.token_to_piece if want_lp else None
         return StreamingResponse(_sse(engine, endpoint, greq, queue, rid, model_name, chat, req.include_usage,
-                                      lp_piece, len(echo) if isinstance(echo, str) else 0),
+                                      lp_piece, len(echo) if isinstance(echo, str) else 0, tool_style),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     parts: list[str] = [echo] if isinstance(echo, str) else []
@@ -335,14 +350,21 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
     if want_lp:
         lp_body = chat_logprobs(lps, tok.token_to_piece) if chat else \
             completion_logprobs(lps, tok.token_to_piece, len(echo) if isinstance(echo, str) else 0)
-    build = chat_body if chat else completion_body
-    return JSONResponse(build(rid, model_name, "".join(parts), ev.finish_reason, use, chunk=False,
-                              logprobs=lp_body))
+    text, finish = "".join(parts), ev.finish_reason
+    if chat:
+        calls = None
+        if tool_style is not None:
+            text, found = parse_calls(text, tool_style)
+            if found:
+                calls, finish = [c.body() for c in found], "tool_calls"
+        return JSONResponse(chat_body(rid, model_name, text, finish, use, chunk=False, logprobs=lp_body,
+                                      tool_calls=calls))
+    return JSONResponse(completion_body(rid, model_name, text, finish, use, chunk=False, logprobs=lp_body))
 
 
 async def _sse(engine: Engine, endpoint: str, greq: Request, queue: asyncio.Queue[Event], rid: str,
                model_name: str, chat: bool, include_usage: bool, lp_piece: Any = None,
-               offset: int = 0) -> AsyncIterator[str]:
+               offset: int = 0, tool_style: str | None = None) -> AsyncIterator[str]:
     """Server-sent events; Starlette cancels this generator when the client goes away, and the
     `finally` then cancels the sequence so its slot is freed at the engine's next turn. lp_piece: the
     tokenizer's token_to_piece when the request asked for logprobs (each chunk carries its tokens')."""
@@ -359,6 +381,18 @@ async def _sse(engine: Engine, endpoint: str, greq: Request, queue: asyncio.Queu
         offset += sum(len(t) for t in body["tokens"])
         return body
 
+    full, sent = "", 0          # with tools: text that may begin a call waits until it is known
+
+    def visible(ev: Event) -> str:
+        nonlocal full, sent
+        if tool_style is None:
+            return ev.text
+        full += ev.text
+        tail = full[sent:]
+        out = tail[:len(tail) - held_back(tail, tool_style)] if ev.finish_reason is None else ""
+        sent += len(out)
+        return out
+
     done = False
     try:
         if chat:     # OpenAI's first chat chunk carries the role
@@ -370,15 +404,25 @@ async def _sse(engine: Engine, endpoint: str, greq: Request, queue: asyncio.Queu
                 engine.metrics.count_request(endpoint, "error")
                 yield sse(APIError(500, f"generation failed: {ev.error}", "server_error").body())
                 return
-            if ev.text or (lp_piece is not None and ev.logprobs):
+            text = visible(ev)
+            if text or (lp_piece is not None and ev.logprobs):
                 lp = lp_of(ev)
-                yield sse(chat_body(rid, model_name, ev.text, None, None, chunk=True, logprobs=lp) if chat else
-                          completion_body(rid, model_name, ev.text, None, None, chunk=True, logprobs=lp))
+                yield sse(chat_body(rid, model_name, text, None, None, chunk=True, logprobs=lp) if chat else
+                          completion_body(rid, model_name, text, None, None, chunk=True, logprobs=lp))
             if ev.finish_reason is None:
                 continue
             done = True
             finish = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
-            yield sse(chat_body(rid, model_name, "", finish, None, chunk=True) if chat else
+            calls = None
+            if tool_style is not None:      # the held text: content, or the calls it turned out to be
+                content, found = parse_calls(full, tool_style)
+                rest = content[sent:] if found and content.startswith(full[:sent]) else \
+                    ("" if found else full[sent:])
+                if rest:
+                    yield sse(chat_body(rid, model_name, rest, None, None, chunk=True))
+                if found:
+                    calls, finish = [c.body(index=i) for i, c in enumerate(found)], "tool_calls"
+            yield sse(chat_body(rid, model_name, "", finish, None, chunk=True, tool_calls=calls) if chat else
                       completion_body(rid, model_name, "", finish, None, chunk=True))
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"

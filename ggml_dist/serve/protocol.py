@@ -2,12 +2,13 @@
 the API error that the app turns into `{"error": {...}}` with an HTTP status.
 
 Every field a request may carry is either implemented or refused: the OpenAI fields this server does
-not implement (UNSUPPORTED: tools, best_of, n > 1, ...) get a 400 that names
+not implement (UNSUPPORTED: best_of, suffix, n > 1, ...) get a 400 that names
 them, so an application never gets a silently different answer. Fields that are neither (a newer API's,
 unknown to this table) are ignored, for forward compatibility. README.md lists every field.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Callable, Literal, Sequence as Sequence_
@@ -55,8 +56,8 @@ def validation_error(e: ValidationError) -> APIError:
 # request fields of OpenAI's API (and llama-server's extensions) that change the answer and are not
 # implemented here: refused by name rather than ignored
 UNSUPPORTED: dict[str, str] = {
-    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
-    "functions": "function calling", "function_call": "function calling",
+    "functions": "the deprecated function calling (use tools)",
+    "function_call": "the deprecated function calling (use tool_choice)",
     "best_of": "best_of", "suffix": "insertion (suffix)", "audio": "audio output", "modalities": "audio output",
     "prediction": "predicted outputs", "reasoning_effort": "reasoning models", "web_search_options": "web search",
     "store": "stored completions", "metadata": "stored completions", "service_tier": "service tiers",
@@ -66,11 +67,20 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
-def refuse_unsupported(body: dict[str, Any]) -> None:
-    """A 400 naming the first field of `body` that this server does not implement."""
+# chat-only fields, refused on /v1/completions rather than ignored there
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "max_completion_tokens")
+
+
+def refuse_unsupported(body: dict[str, Any], chat: bool = True) -> None:
+    """A 400 naming the first field of `body` that this server does not implement (for this endpoint)."""
+    if not chat:
+        for name in CHAT_ONLY:
+            if body.get(name) is not None:
+                raise APIError(400, f"'{name}' is a chat completions field (/v1/chat/completions)", param=name,
+                               code="unsupported_parameter")
     for name, what in UNSUPPORTED.items():
         v = body.get(name)
-        if v is None or v is False or (name == "parallel_tool_calls" and "tools" not in body):
+        if v is None or v is False:
             continue
         raise APIError(400, f"'{name}' is not supported by this server ({what})", param=name,
                        code="unsupported_parameter")
@@ -143,6 +153,28 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None       # an assistant's earlier calls
+    tool_call_id: str | None = None                      # a tool message: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's convention): a call's arguments as an object."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        raise APIError(400, "a tool call's arguments are not JSON", param="messages") from None
+                calls.append({**c, "function": fn})
+            out["tool_calls"] = calls
+        for k in ("tool_call_id", "name"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
 
     def text(self) -> str:
         """Content parts of type text, joined (images and audio are refused by the caller)."""
@@ -161,6 +193,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None        # several <tool_call>s are parsed either way
 
     def n_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -220,10 +255,13 @@ def completion_body(rid: str, model: str, text: str, finish: str | None,
 
 
 def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None,
-              chunk: bool, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              chunk: bool, first: bool = False, logprobs: dict[str, Any] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     if chunk:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model, "choices": [choice]}
@@ -231,7 +269,8 @@ def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict[str
             body["usage"] = use
         return body
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text or None if tool_calls
+                                                 else text, **({"tool_calls": tool_calls} if tool_calls else {})},
                          "logprobs": logprobs, "finish_reason": finish}],
             "usage": use}
 

@@ -155,3 +155,95 @@ def test_gbnf_grammar_and_bad_schemas(server):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
     bad = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "grammar": "root ::= ("})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "grammar"
+
+
+# -- tools -------------------------------------------------------------------------------------------
+TOOL_TEMPLATE = (
+    "{% if tools %}<s>system\nYou may call these tools, as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call>: {{ tools | tojson }}</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "<tool_call>\n{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n"
+    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                          "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["c", "f"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["utc", "cet"]}}}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(serve_model):
+    from ggml_dist.serve import EngineConfig, ServerThread
+    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=4096, chat_template=TOOL_TEMPLATE)
+    with ServerThread(cfg, model_name="synthetic") as srv:
+        yield srv
+
+
+def _valid_call(call, tools) -> None:
+    import json
+
+    import jsonschema
+    spec = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in spec
+    jsonschema.validate(json.loads(call.function.arguments), spec[call.function.name])
+
+
+# tool_choice naming a function: the grammar makes the answer that call, with valid arguments
+def test_forced_tool_call(tool_server):
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    for temperature in (0.0, 1.0):
+        r = client(tool_server).chat.completions.create(model="synthetic", messages=msgs, tools=[WEATHER, TIME],
+                                                        tool_choice=forced, temperature=temperature, seed=4,
+                                                        max_tokens=200)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert len(c.message.tool_calls) == 1 and c.message.tool_calls[0].function.name == "get_weather"
+        _valid_call(c.message.tool_calls[0], [WEATHER])
+    # required: some tool, streamed: the call arrives as a tool_calls delta with finish_reason tool_calls
+    chunks = list(client(tool_server).chat.completions.create(
+        model="synthetic", messages=msgs, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+        max_tokens=200, stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    _valid_call(deltas[0], [WEATHER, TIME])
+
+
+# an earlier call and its result go back through the template; tools without a template that shows them
+# to the model, and a bad tool_choice, are refused
+def test_tool_history_and_refusals(tool_server, server):
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\", \"unit\": \"c\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    r = client(tool_server).chat.completions.create(model="synthetic", messages=msgs, tools=[WEATHER],
+                                                    temperature=0, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as e:          # CHATML never renders tools
+        client(server).chat.completions.create(model="synthetic", messages=msgs[:1], tools=[WEATHER], max_tokens=4)
+    assert e.value.body["param"] == "tools"
+    bad = httpx.post(tool_server.url + "/v1/chat/completions", json={
+        "messages": msgs[:1], "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+    # tool_choice "none": the tools are not shown and no call is parsed
+    none = client(tool_server).chat.completions.create(model="synthetic", messages=msgs[:1], tools=[WEATHER],
+                                                       tool_choice="none", temperature=0, max_tokens=4)
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_parse_tool_calls_of_each_family():
+    from ggml_dist.serve.tools import held_back, parse_calls
+    text, calls = parse_calls('ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+                              '<tool_call>{"name": "g", "arguments": "{\\"b\\": 2}"}</tool_call>', "hermes")
+    assert text == "ok" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}'), ("g", '{"b": 2}')]
+    assert parse_calls("<tool_call>{not json}</tool_call>", "hermes") == ("<tool_call>{not json}</tool_call>", [])
+    _, calls = parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama3")
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+    assert parse_calls("plain answer", "llama3") == ("plain answer", [])
+    assert held_back("see <tool", "hermes") == 5 and held_back("see", "hermes") == 0
+    assert held_back('{"na', "llama3") == 4 and held_back("Hi", "llama3") == 0
