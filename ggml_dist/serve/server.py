@@ -1,12 +1,15 @@
 """Running the app: `serve` (the CLI's blocking call) and `ServerThread` (uvicorn in a background thread,
 for tests and benchmarks). Both start uvicorn before the model has loaded, so /health answers
-"loading" (503) until every stage is up.
+"loading" (503) until every stage is up. `serve` stops on SIGTERM or SIGINT: uvicorn finishes, then
+the engine, then the local Ray it started, every process of it.
 """
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
+from types import FrameType
 
 import uvicorn
 
@@ -38,14 +41,32 @@ def make_engine(cfg: EngineConfig, metrics: Metrics) -> Engine:
     return Engine(cfg, metrics)
 
 
+class _SignalledServer(uvicorn.Server):
+    """uvicorn's server, which takes SIGTERM and SIGINT while it runs and raises them again once it has
+    stopped. A local Ray started meanwhile (by the engine's thread) put absl's failure handler in
+    front of SIGTERM, and that handler aborts the process 3 s after the signal unless disarmed."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        signal.alarm(0)                       # absl's abort timer; nothing else here sets an alarm
+        super().handle_exit(sig, frame)
+
+
 def serve(cfg: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8080,
           max_body_bytes: int = MAX_BODY_BYTES) -> None:
-    """Serve until interrupted; the engine loads in the background meanwhile."""
+    """Serve until SIGTERM or SIGINT; the engine loads in the background meanwhile. uvicorn raises the
+    signal again when it has stopped: SIGTERM then unwinds as SystemExit(143), SIGINT as
+    KeyboardInterrupt, through the engine's shutdown and the local Ray's."""
+    from ..workers.cluster import exit_on_signal, shutdown_local
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)
     engine = make_engine(cfg, Metrics()).start()
     try:
-        uvicorn.Server(_uvicorn_config(engine, model_name, host, port, max_body_bytes)).run()
+        _SignalledServer(_uvicorn_config(engine, model_name, host, port, max_body_bytes)).run()
     finally:
-        engine.shutdown()
+        try:
+            engine.shutdown()
+        finally:
+            shutdown_local()
+            signal.signal(signal.SIGTERM, previous)
 
 
 class ServerThread:
