@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -186,22 +187,25 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
             req = CompletionRequest.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from None
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise _invalid("only one prompt per request is supported (n=1)", "prompt")
-            prompt = prompt[0]
         tok = _tokenizer(engine)
-        if isinstance(prompt, str):       # off the event loop: a long prompt takes milliseconds
-            ids = await asyncio.to_thread(tok.encode, prompt, add_special=True, parse_special=True)
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < tok.n_vocab]
-            if bad:
-                raise _invalid(f"token id {bad[0]} is outside the vocabulary "
-                               f"(0..{tok.n_vocab - 1})", "prompt")
-        return await _generate(http, engine, "completions", req, ids, req.max_tokens_or_default(),
-                               model_name, chat=False, echo=req.echo and isinstance(prompt, str) and prompt)
+        prompt = req.prompt
+        texts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else [prompt]
+        if len(texts) * req.n > engine.cfg.n_parallel:
+            raise _invalid(f"{len(texts)} prompts x n={req.n} choices need more sequences than this server's "
+                           f"{engine.cfg.n_parallel} slots (--parallel)", "n" if req.n > 1 else "prompt")
+        prompts, echos = [], []
+        for p in texts:
+            if isinstance(p, str):        # off the event loop: a long prompt takes milliseconds
+                prompts.append(await asyncio.to_thread(tok.encode, p, add_special=True, parse_special=True))
+            else:
+                bad = [t for t in p if not 0 <= t < tok.n_vocab]
+                if bad:
+                    raise _invalid(f"token id {bad[0]} is outside the vocabulary "
+                                   f"(0..{tok.n_vocab - 1})", "prompt")
+                prompts.append(list(p))
+            echos.append(p if req.echo and isinstance(p, str) else "")
+        return await _generate(http, engine, "completions", req, prompts, req.max_tokens_or_default(),
+                               model_name, chat=False, echos=echos)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest) -> Response:
@@ -235,7 +239,10 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
                 raise _invalid("a forced tool call cannot take a response_format or grammar too", "tool_choice")
             assert tools is not None and style is not None
             grammar = forced_grammar(tools, forced, style, tok)
-        return await _generate(http, engine, "chat", req, ids, req.max_tokens_or_default(room),
+        if req.n > engine.cfg.n_parallel:
+            raise _invalid(f"n={req.n} choices need more sequences than this server's "
+                           f"{engine.cfg.n_parallel} slots (--parallel)", "n")
+        return await _generate(http, engine, "chat", req, [ids], req.max_tokens_or_default(room),
                                model_name, chat=True, grammar=grammar, tool_style=style)
 
     app.state.engine = engine
@@ -275,24 +282,41 @@ async def _read_json(http: HTTPRequest, limit: int) -> Any:
     return obj
 
 
+@dataclass
+class _Choice:
+    """One choice of a response as its events arrive."""
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish: str | None = None
+    n_gen: int = 0
+    error: str | None = None
+    sent: int = 0                 # streaming with tools: characters of `text` already sent
+    echo: int = 0                 # completions' echo: the prompt's characters that `text` starts with
+
+
 async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: CompletionRequest | ChatRequest,
-                    ids: list[int], max_tokens: int, model_name: str, chat: bool,
-                    echo: str | bool = False, grammar: str | None = None,
+                    prompts: list[list[int]], max_tokens: int, model_name: str, chat: bool,
+                    echos: list[str] | None = None, grammar: str | None = None,
                     tool_style: str | None = None) -> Response:
-    """tool_style: the chat template's tool-call syntax (serve/tools.py) when the request has tools: calls
-    in the answer become tool_calls. grammar: one the output must follow (a forced tool call)."""
+    """One engine request per prompt, each of req.n choices (choice c = prompt k * n + j); tool_style:
+    the chat template's tool-call syntax (serve/tools.py) when the request has tools: calls in the
+    answer become tool_calls. grammar: one the output must follow (a forced tool call)."""
     metrics = engine.metrics
     n_slot = engine.n_ctx_slot
-    if not ids:
-        raise _invalid("the prompt is empty", "prompt")
-    if len(ids) >= n_slot:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context per request is "
-                       f"{n_slot} tokens (--ctx {engine.cfg.n_ctx} / --parallel {engine.cfg.n_parallel}), "
-                       f"which must hold the prompt and at least one generated token",
-                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    for ids in prompts:
+        if not ids:
+            raise _invalid("the prompt is empty", "prompt")
+        if len(ids) >= n_slot:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context per request is "
+                           f"{n_slot} tokens (--ctx {engine.cfg.n_ctx} / --parallel {engine.cfg.n_parallel}), "
+                           f"which must hold the prompt and at least one generated token",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
     if max_tokens > n_slot:
         raise APIError(400, f"max_tokens={max_tokens} exceeds the context per request ({n_slot} tokens)",
                        param="max_tokens", code="invalid_value")
+    if req.n > 1 and engine.cfg.n_replicas > 1:
+        raise _invalid("n > 1 shares a prompt's KV cells between sequences of one engine: use --replicas 1",
+                       "n")
     tok = _tokenizer(engine)
     constraint = grammar if grammar is not None else grammar_of(req.response_format, req.grammar, req.json_schema)
     if constraint is not None:          # the model's llguidance tokenizer, built once, off the loop
@@ -302,135 +326,170 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                               logit_bias=req.bias_list(tok.n_vocab), seed=req.seed, logprobs=req.n_logprobs(),
                               grammar=constraint)
-    want_lp = sampling.logprobs is not None
     deliver = _deliver(asyncio.get_running_loop())
-    queue: asyncio.Queue[Event] = asyncio.Queue()
-    greq = Request(ids, max_tokens, sampling, req.stop_list(), on_event=lambda ev: deliver.post(queue, ev))
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+    n = req.n
+    greqs = []
+    for k, ids in enumerate(prompts):
+        seed_k = None if req.seed is None else req.seed + k * n
+        greqs.append(Request(ids, max_tokens, replace(sampling, seed=seed_k), req.stop_list(),
+                             on_event=lambda ev, k=k: deliver.post(queue, (k * n + ev.index, ev)), n=n))
     try:
-        engine.submit(greq)
+        for g in greqs:
+            engine.submit(g)
     except QueueFull as e:
+        for g in greqs:
+            engine.cancel(g)
         raise APIError(429, f"server busy: {e}", "rate_limit_error", code="queue_full") from None
     except NotReady as e:
         raise APIError(503, str(e), "server_error", code="model_not_ready") from None
-    rid = new_id("chatcmpl" if chat else "cmpl")
+    echos = echos or [""] * len(prompts)
+    choices = [_Choice(text=echos[c // n], echo=len(echos[c // n])) for c in range(len(prompts) * n)]
+    answer = _Answer(rid=new_id("chatcmpl" if chat else "cmpl"), model=model_name, chat=chat, choices=choices,
+                     piece=tok.token_to_piece if sampling.logprobs is not None else None,
+                     tool_style=tool_style, n_prompt=sum(len(p) for p in prompts))
     if req.stream:
-        lp_piece = tok.token_to_piece if want_lp else None
-        return StreamingResponse(_sse(engine, endpoint, greq, queue, rid, model_name, chat, req.include_usage,
-                                      lp_piece, len(echo) if isinstance(echo, str) else 0, tool_style),
+        return StreamingResponse(_sse(engine, endpoint, greqs, queue, answer, req.include_usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    parts: list[str] = [echo] if isinstance(echo, str) else []
-    lps: list = []
     t_check = time.monotonic()
     try:
-        while True:
+        while any(ch.finish is None for ch in choices):
             try:
-                ev = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
+                c, ev = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
+                answer.take(c, ev)
             except asyncio.TimeoutError:
-                ev = None
-            if ev is not None:
-                parts.append(ev.text)
-                lps += ev.logprobs
-                if ev.finish_reason is not None:
-                    break
+                pass
             if time.monotonic() - t_check >= _DISCONNECT_POLL_S:
                 t_check = time.monotonic()
-                if await http.is_disconnected():     # nobody will read the answer: free the slot
-                    engine.cancel(greq)
+                if await http.is_disconnected():     # nobody will read the answer: free the slots
+                    for g in greqs:
+                        engine.cancel(g)
                     metrics.count_request(endpoint, "cancelled")
                     return Response(status_code=499)
     except asyncio.CancelledError:
-        engine.cancel(greq)
+        for g in greqs:
+            engine.cancel(g)
         raise
-    if ev.finish_reason == "error":
-        raise APIError(500, f"generation failed: {ev.error}", "server_error")
+    failed = next((ch for ch in choices if ch.finish == "error"), None)
+    if failed is not None:
+        raise APIError(500, f"generation failed: {failed.error}", "server_error")
     metrics.count_request(endpoint, "ok")
-    use = usage(ev.n_prompt, ev.n_gen)
-    lp_body = None
-    if want_lp:
-        lp_body = chat_logprobs(lps, tok.token_to_piece) if chat else \
-            completion_logprobs(lps, tok.token_to_piece, len(echo) if isinstance(echo, str) else 0)
-    text, finish = "".join(parts), ev.finish_reason
-    if chat:
-        calls = None
-        if tool_style is not None:
-            text, found = parse_calls(text, tool_style)
-            if found:
-                calls, finish = [c.body() for c in found], "tool_calls"
-        return JSONResponse(chat_body(rid, model_name, text, finish, use, chunk=False, logprobs=lp_body,
-                                      tool_calls=calls))
-    return JSONResponse(completion_body(rid, model_name, text, finish, use, chunk=False, logprobs=lp_body))
+    return JSONResponse(answer.body())
 
 
-async def _sse(engine: Engine, endpoint: str, greq: Request, queue: asyncio.Queue[Event], rid: str,
-               model_name: str, chat: bool, include_usage: bool, lp_piece: Any = None,
-               offset: int = 0, tool_style: str | None = None) -> AsyncIterator[str]:
-    """Server-sent events; Starlette cancels this generator when the client goes away, and the
-    `finally` then cancels the sequence so its slot is freed at the engine's next turn. lp_piece: the
-    tokenizer's token_to_piece when the request asked for logprobs (each chunk carries its tokens')."""
+@dataclass
+class _Answer:
+    """A response's choices and how to write them (the API's bodies: serve/protocol.py)."""
+    rid: str
+    model: str
+    chat: bool
+    choices: list[_Choice]
+    piece: Any                    # token_to_piece when logprobs were asked for
+    tool_style: str | None
+    n_prompt: int
+
+    def take(self, c: int, ev: Event) -> None:
+        ch = self.choices[c]
+        ch.text += ev.text
+        ch.logprobs += ev.logprobs
+        if ev.finish_reason is not None:
+            ch.finish, ch.n_gen, ch.error = ev.finish_reason, ev.n_gen, ev.error
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.n_prompt, sum(ch.n_gen for ch in self.choices))
+
+    def logprobs_of(self, entries: list, offset: int = 0) -> dict[str, Any] | None:
+        if self.piece is None:
+            return None
+        return chat_logprobs(entries, self.piece) if self.chat else completion_logprobs(entries, self.piece, offset)
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] | None = None
+        for c, ch in enumerate(self.choices):
+            text, finish, calls = ch.text, ch.finish, None
+            if self.chat and self.tool_style is not None:
+                text, found = parse_calls(text, self.tool_style)
+                if found:
+                    calls, finish = [t.body() for t in found], "tool_calls"
+            lp = self.logprobs_of(ch.logprobs, ch.echo)
+            b = chat_body(self.rid, self.model, text, finish, self.usage(), chunk=False, logprobs=lp,
+                          tool_calls=calls) if self.chat else \
+                completion_body(self.rid, self.model, text, finish, self.usage(), chunk=False, logprobs=lp)
+            b["choices"][0]["index"] = c
+            if out is None:
+                out = b
+            else:
+                out["choices"].append(b["choices"][0])
+        assert out is not None
+        return out
+
+    def chunk(self, c: int, text: str, finish: str | None = None, first: bool = False,
+              logprobs: dict[str, Any] | None = None, tool_calls: list | None = None) -> dict[str, Any]:
+        b = chat_body(self.rid, self.model, text, finish, None, chunk=True, first=first, logprobs=logprobs,
+                      tool_calls=tool_calls) if self.chat else \
+            completion_body(self.rid, self.model, text, finish, None, chunk=True, logprobs=logprobs)
+        b["choices"][0]["index"] = c
+        return b
+
+
+async def _sse(engine: Engine, endpoint: str, greqs: list[Request], queue: asyncio.Queue[tuple[int, Event]],
+               answer: _Answer, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events, a chunk per piece of each choice; Starlette cancels this generator when the
+    client goes away, and the `finally` then cancels the sequences so their slots are freed at the
+    engine's next turn. With tools, text that may begin a call waits until it is known."""
     def sse(body: dict[str, Any]) -> str:
         return f"data: {json.dumps(body)}\n\n"
 
-    def lp_of(ev: Event) -> dict[str, Any] | None:
-        nonlocal offset
-        if lp_piece is None or not ev.logprobs:
-            return None
-        if chat:
-            return chat_logprobs(ev.logprobs, lp_piece)
-        body = completion_logprobs(ev.logprobs, lp_piece, offset)
-        offset += sum(len(t) for t in body["tokens"])
-        return body
-
-    full, sent = "", 0          # with tools: text that may begin a call waits until it is known
-
-    def visible(ev: Event) -> str:
-        nonlocal full, sent
-        if tool_style is None:
-            return ev.text
-        full += ev.text
-        tail = full[sent:]
-        out = tail[:len(tail) - held_back(tail, tool_style)] if ev.finish_reason is None else ""
-        sent += len(out)
-        return out
-
+    style = answer.tool_style if answer.chat else None
+    offsets = [ch.echo for ch in answer.choices]   # completions logprobs: characters before each piece
     done = False
     try:
-        if chat:     # OpenAI's first chat chunk carries the role
-            yield sse(chat_body(rid, model_name, "", None, None, chunk=True, first=True))
-        while True:
-            ev = await queue.get()
+        if answer.chat:     # OpenAI's first chat chunk of a choice carries the role
+            for c in range(len(answer.choices)):
+                yield sse(answer.chunk(c, "", first=True))
+        while any(ch.finish is None for ch in answer.choices):
+            c, ev = await queue.get()
+            ch = answer.choices[c]
+            answer.take(c, ev)
             if ev.finish_reason == "error":
                 done = True
                 engine.metrics.count_request(endpoint, "error")
                 yield sse(APIError(500, f"generation failed: {ev.error}", "server_error").body())
                 return
-            text = visible(ev)
-            if text or (lp_piece is not None and ev.logprobs):
-                lp = lp_of(ev)
-                yield sse(chat_body(rid, model_name, text, None, None, chunk=True, logprobs=lp) if chat else
-                          completion_body(rid, model_name, text, None, None, chunk=True, logprobs=lp))
+            text = ev.text
+            if style is not None:
+                tail = ch.text[ch.sent:]
+                text = tail[:len(tail) - held_back(tail, style)] if ev.finish_reason is None else ""
+                ch.sent += len(text)
+            if text or (answer.piece is not None and ev.logprobs):
+                lp = answer.logprobs_of(list(ev.logprobs), offsets[c])
+                if lp is not None and not answer.chat:
+                    offsets[c] += sum(len(t) for t in lp["tokens"])
+                yield sse(answer.chunk(c, text, logprobs=lp))
             if ev.finish_reason is None:
                 continue
-            done = True
             finish = "stop" if ev.finish_reason == "cancelled" else ev.finish_reason
             calls = None
-            if tool_style is not None:      # the held text: content, or the calls it turned out to be
-                content, found = parse_calls(full, tool_style)
-                rest = content[sent:] if found and content.startswith(full[:sent]) else \
-                    ("" if found else full[sent:])
+            if style is not None:       # the held text: content, or the calls it turned out to be
+                content, found = parse_calls(ch.text, style)
+                if found:               # what was sent is content's start, unless a call came first
+                    rest = content[ch.sent:] if content.startswith(ch.text[:ch.sent]) else ""
+                else:
+                    rest = ch.text[ch.sent:]
                 if rest:
-                    yield sse(chat_body(rid, model_name, rest, None, None, chunk=True))
+                    yield sse(answer.chunk(c, rest))
                 if found:
-                    calls, finish = [c.body(index=i) for i, c in enumerate(found)], "tool_calls"
-            yield sse(chat_body(rid, model_name, "", finish, None, chunk=True, tool_calls=calls) if chat else
-                      completion_body(rid, model_name, "", finish, None, chunk=True))
-            if include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                yield sse(usage_chunk(rid, model_name, obj, usage(ev.n_prompt, ev.n_gen)))
-            yield "data: [DONE]\n\n"
-            engine.metrics.count_request(endpoint, "ok")
-            return
+                    calls, finish = [t.body(index=i) for i, t in enumerate(found)], "tool_calls"
+            yield sse(answer.chunk(c, "", finish, tool_calls=calls))
+        done = True
+        if include_usage:
+            obj = "chat.completion.chunk" if answer.chat else "text_completion"
+            yield sse(usage_chunk(answer.rid, answer.model, obj, answer.usage()))
+        yield "data: [DONE]\n\n"
+        engine.metrics.count_request(endpoint, "ok")
     finally:
         if not done:
-            engine.cancel(greq)
+            for g in greqs:
+                engine.cancel(g)
             engine.metrics.count_request(endpoint, "cancelled")

@@ -30,6 +30,7 @@ sequences are not moved). 8 clients over 2 stages measured 65-69 tok/s with a st
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import sys
 import threading
@@ -73,6 +74,7 @@ class Event:
     n_gen: int = 0
     error: str | None = None
     logprobs: tuple = ()    # per token of this event (sampling.logprobs set): TokenLogprob tuples
+    index: int = 0          # which of the request's n choices
 
 
 # (token id, its logprob, ((id, logprob) of the top tokens, most likely first)): log-softmax of the raw
@@ -97,6 +99,7 @@ class Request:
     on_event: Callable[[Event], None]      # called from the engine thread; must not block
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    n: int = 1                             # choices: n sequences, the prompt evaluated once (seq_cp)
 
 
 @dataclass(eq=False)
@@ -113,6 +116,9 @@ class Sequence:
     t_last: float | None = None             # when the previous token was emitted
     logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent (with the next event)
     constraint: Any = None                  # serve/grammar.Constraint when the request has a grammar
+    index: int = 0                          # the request's choice this sequence makes
+    parent: "Sequence | None" = None        # choice > 0: waits for choice 0's prompt, then copies it
+    children: list = field(default_factory=list)   # choice 0: the choices waiting for its prompt
 
     @property
     def prefilling(self) -> bool:
@@ -380,24 +386,42 @@ class Engine:
             s.slot, self._slots[dst], self._slots[src] = dst, s, None
 
     def _admit(self) -> None:
-        while self._queue and None in self._slots:
+        """Queued requests take free slots in order; a request of n choices waits for n."""
+        while self._queue and sum(s is None for s in self._slots) >= self._queue[0].n:
             req = self._queue.popleft()
             if req.cancelled:
-                req.on_event(Event(finish_reason="cancelled", n_prompt=len(req.prompt)))
+                for i in range(req.n):
+                    req.on_event(Event(finish_reason="cancelled", n_prompt=len(req.prompt), index=i))
                 continue
             assert self.ctx is not None and self.model is not None
-            constraint = None
-            if req.sampling.grammar is not None:
-                try:
-                    constraint = self._constraint(req.sampling.grammar)
-                except Exception as e:          # an invalid grammar: this request fails, not the engine
-                    req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=f"grammar: {e}"))
-                    continue
+            try:
+                constraints = [self._constraint(req.sampling.grammar) if req.sampling.grammar is not None
+                               else None for _ in range(req.n)]
+            except Exception as e:              # an invalid grammar: this request fails, not the engine
+                for i in range(req.n):
+                    req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=f"grammar: {e}",
+                                       index=i))
+                continue
             slot, n_keep = self._take_slot(req.prompt)
-            self._slots[slot] = Sequence(req, slot, Sampler(req.sampling), TextStream(self.model.tokenizer),
-                                         StopMatcher(req.stops), list(req.prompt), n_past=n_keep,
-                                         constraint=constraint)
+            first = self._slots[slot] = self._sequence(req, slot, 0, constraints[0], n_keep)
             self.metrics.add_prompt(len(req.prompt), n_keep)
+            for i in range(1, req.n):           # the other choices take the prompt's cells from choice 0
+                slot = next(k for k, q in enumerate(self._slots) if q is None)
+                if self._cached[slot]:
+                    self.ctx.seq_rm(slot)
+                    self._cached[slot] = []
+                child = self._slots[slot] = self._sequence(req, slot, i, constraints[i], 0)
+                child.parent = first
+                first.children.append(child)
+
+    def _sequence(self, req: Request, slot: int, index: int, constraint: Any, n_past: int) -> Sequence:
+        """Choice `index` of a request; a seeded request's choice i draws from seed + i."""
+        assert self.model is not None
+        params = req.sampling
+        if index and params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        return Sequence(req, slot, Sampler(params), TextStream(self.model.tokenizer), StopMatcher(req.stops),
+                        list(req.prompt), n_past=n_past, constraint=constraint, index=index)
 
     def _constraint(self, grammar: str) -> Any:
         from . import grammar as G
@@ -434,7 +458,7 @@ class Engine:
         while len(self._in_flight) < self.depth:
             n = len(self._slots)
             idle = [s for k in range(n) if (s := self._slots[(self._next_slot + k) % n]) is not None
-                    and not s.in_flight and not s.req.cancelled]
+                    and not s.in_flight and not s.req.cancelled and s.parent is None]
             if not idle:
                 return
             # decoding sequences first (one token each), then prompt chunks in what is left of n_batch;
@@ -475,7 +499,8 @@ class Engine:
             # pipeline's last stage returns token ids only
             outs = [s for s, _, has_out in parts if has_out]
             sampled = bool(outs) and not any(s.sampler.penalized for s in outs)
-            keep = any(s.sampler.params.logprobs is not None for s in outs)     # logprobs need them
+            # logprobs need the logits, and so do the choices that wait to sample from this prompt's
+            keep = any(s.sampler.params.logprobs is not None or s.children for s in outs)
             t0 = time.perf_counter()
             if sampled:
                 pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in outs], keep_logits=keep)
@@ -505,7 +530,8 @@ class Engine:
         t0 = time.perf_counter()
         if mb.sampled:
             toks: list[int] | None = mb.pending.tokens()   # one per output row, in batch order
-            want = any(s.sampler.params.logprobs is not None for s, _, has_out in mb.parts if has_out)
+            want = any(s.sampler.params.logprobs is not None or s.children for s, _, has_out in mb.parts
+                       if has_out)
             logits = mb.pending.result() if want else None
         else:
             toks, logits = None, mb.pending.result()     # [n_outputs, n_vocab] in batch order
@@ -529,7 +555,29 @@ class Engine:
                     tok = s.sampler.sample(logits[row - 1], s.history, allowed)
                 n_lp = s.sampler.params.logprobs
                 lp = () if n_lp is None or logits is None else (token_logprob(logits[row - 1], tok, n_lp),)
+                children, s.children = s.children, []
+                # the prompt is in: the other choices take its cells and their first tokens first, as
+                # choice 0 may end at once (and free its cells)
+                starts = [(c, *self._start_choice(s, c, logits[row - 1] if logits is not None else None))
+                          for c in children]
                 self._accept(s, tok, lp)
+                for c, ctok, clp in starts:
+                    if c.req.cancelled:
+                        self._finish(c, "cancelled")
+                    else:
+                        self._accept(c, ctok, clp)
+
+    def _start_choice(self, first: Sequence, c: Sequence, logits: np.ndarray | None) -> tuple[int, tuple]:
+        """Choice c > 0 of first's request: the prompt's KV cells join c's sequence (seq_cp; between
+        KV streams a copy), and c samples its first token from the same logits, with its own sampler."""
+        assert self.ctx is not None and logits is not None
+        c.parent = None
+        self.ctx.seq_cp(first.slot, c.slot)     # all of first's cells: just the prompt so far
+        c.n_past = first.n_past
+        allowed = c.constraint.allowed() if c.constraint is not None else None
+        tok = c.sampler.sample(logits, c.history, allowed)
+        n_lp = c.sampler.params.logprobs
+        return tok, () if n_lp is None else (token_logprob(logits, tok, n_lp),)
 
     def _accept(self, s: Sequence, tok: int, lp: tuple = ()) -> None:
         assert self.model is not None
@@ -555,7 +603,7 @@ class Engine:
         elif s.n_gen >= s.req.max_tokens or len(s.history) >= self.n_ctx_slot:
             self._finish(s, "length", text)
         elif text:
-            s.req.on_event(Event(text, logprobs=self._take_logprobs(s)))
+            s.req.on_event(Event(text, logprobs=self._take_logprobs(s), index=s.index))
 
     @staticmethod
     def _take_logprobs(s: Sequence) -> tuple:
@@ -567,6 +615,10 @@ class Engine:
         """Send the last event and free the slot at once: its cells go back to the cache, or with
         cache_prompt (and a KV stream per slot) they stay as the slot's cached tokens."""
         assert self.ctx is not None and not s.in_flight, f"slot {s.slot} finished while in flight"
+        if s.parent is not None:                # a choice that never started: its prompt is not copied
+            if s in s.parent.children:
+                s.parent.children.remove(s)
+            s.parent = None
         if flush and reason in ("stop", "length"):
             tail, hit = s.stop.push(s.stream.flush())
             text += tail if hit else tail + s.stop.flush()
@@ -575,7 +627,9 @@ class Engine:
         else:
             self.ctx.seq_rm(s.slot)
         self._slots[s.slot] = None
-        s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error, self._take_logprobs(s)))
+        s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error, self._take_logprobs(s), s.index))
+        for c in list(s.children):              # ended before its prompt was in: so do the others
+            self._finish(c, reason if reason == "error" else "cancelled", error=error)
 
     def _caches_prompts(self) -> bool:
         """Prompt caching needs a KV stream per slot in one process: there a slot's tokens sit in its

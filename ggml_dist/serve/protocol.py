@@ -105,7 +105,7 @@ class _Sampling(BaseModel):
     json_schema: dict[str, Any] | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    n: StrictInt = Field(default=1, ge=1, le=16)     # at most --parallel (the app checks)
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
 

@@ -82,7 +82,8 @@ class _ReplicaEngine(Engine):
 
     def post(self, rid: int, ev: Event) -> None:
         with self._out_lock:
-            self._out.append((rid, ev.text, ev.finish_reason, ev.n_prompt, ev.n_gen, ev.error, ev.logprobs))
+            self._out.append((rid, ev.text, ev.finish_reason, ev.n_prompt, ev.n_gen, ev.error, ev.logprobs,
+                              ev.index))
         if not (self._batching and threading.current_thread() is self._thread):
             self.flush()
 

@@ -247,3 +247,43 @@ def test_parse_tool_calls_of_each_family():
     assert parse_calls("plain answer", "llama3") == ("plain answer", [])
     assert held_back("see <tool", "hermes") == 5 and held_back("see", "hermes") == 0
     assert held_back('{"na', "llama3") == 4 and held_back("Hi", "llama3") == 0
+
+
+# -- n choices and prompt lists --------------------------------------------------------------------
+def test_n_choices_share_the_prompt(server, model, monkeypatch):
+    ctx = server.engine.ctx
+    submit, fed = ctx.submit, []
+
+    def spy(batch, **kw):
+        fed.append(batch.n_tokens)
+        return submit(batch, **kw)
+    monkeypatch.setattr(ctx, "submit", spy)
+    n_prompt = len(model.tokenizer.encode(PROMPTS[3]))
+    r = client(server).completions.create(model="synthetic", prompt=PROMPTS[3], max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert {c.text for c in r.choices} == {reference(model, PROMPTS[3], 6)}     # greedy: the same text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 18)
+    # the prompt once (seq_cp; a cached prefix may skip some of it), then 5 steps of the 3 sequences
+    assert fed[0] <= n_prompt and fed[1:] == [3] * 5
+    sampled = [client(server).completions.create(model="synthetic", prompt=PROMPTS[3], max_tokens=8,
+                                                 temperature=1.5, seed=5, n=3, extra_body={"top_k": 0, "min_p": 0})
+               for _ in range(2)]
+    texts = [[c.text for c in s.choices] for s in sampled]
+    assert texts[0] == texts[1] and len(set(texts[0])) > 1    # seeded: repeatable, and the choices differ
+
+
+def test_n_choices_streamed_and_prompt_lists(server, model):
+    msgs = [{"role": "user", "content": "hi"}]
+    kw = dict(model="synthetic", messages=msgs, max_tokens=6, temperature=1.0, seed=11, n=2)
+    whole = client(server).chat.completions.create(**kw)
+    parts = {0: "", 1: ""}
+    finish = {}
+    for ch in client(server).chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            parts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert parts == {c.index: c.message.content for c in whole.choices} and set(finish) == {0, 1}
+    r = client(server).completions.create(model="synthetic", prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=5,
+                                          temperature=0)
+    assert [c.text for c in r.choices] == [reference(model, PROMPTS[0], 5), reference(model, PROMPTS[1], 5)]
