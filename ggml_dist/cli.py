@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd in ("run", "serve", "bench"):     # a first run's kernel compiles announce themselves
+        from .backends.compile_progress import install
+        install(f"ggml-dist {args.cmd}")
     try:
         return _COMMANDS[args.cmd](args)
     except KeyboardInterrupt:
