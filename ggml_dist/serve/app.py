@@ -196,6 +196,7 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         prompts, echos = [], []
         for p in texts:
             if isinstance(p, str):        # off the event loop: a long prompt takes milliseconds
+                _check_length_before_encoding(tok, p, engine.n_ctx_slot, "prompt")
                 prompts.append(await asyncio.to_thread(tok.encode, p, add_special=True, parse_special=True))
             else:
                 bad = [t for t in p if not 0 <= t < tok.n_vocab]
@@ -231,6 +232,7 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
                                            template=template, **extra)
         except Exception as e:      # a template's raise_exception (e.g. roles out of order)
             raise _invalid(f"the chat template rejected the messages: {e}", "messages") from None
+        _check_length_before_encoding(tok, text, engine.n_ctx_slot, "messages")
         ids = await asyncio.to_thread(tok.encode, text, add_special=True, parse_special=True)
         room = max(1, engine.n_ctx_slot - len(ids))
         grammar = None
@@ -253,6 +255,22 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
 
 def _invalid(message: str, param: str | None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
+
+
+_MAX_PIECE: dict[int, int] = {}
+
+
+def _check_length_before_encoding(tok: Any, text: str, n_slot: int, param: str) -> None:
+    """Refuse a prompt that cannot fit before spending the encode on it: n UTF-8 bytes make at least
+    n / (the longest token's bytes) tokens."""
+    longest = _MAX_PIECE.get(id(tok))
+    if longest is None:
+        longest = _MAX_PIECE[id(tok)] = max(1, max(len(tok.token_to_piece(i)) for i in range(tok.n_vocab)))
+    n_bytes = len(text.encode("utf-8", errors="replace"))
+    if n_bytes // longest >= n_slot:
+        raise APIError(400, f"the prompt has at least {n_bytes // longest} tokens ({n_bytes} bytes); this "
+                       f"server's context per request is {n_slot} tokens", param=param,
+                       code="context_length_exceeded")
 
 
 def _tokenizer(engine: Engine) -> Any:

@@ -287,3 +287,12 @@ def test_n_choices_streamed_and_prompt_lists(server, model):
     r = client(server).completions.create(model="synthetic", prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=5,
                                           temperature=0)
     assert [c.text for c in r.choices] == [reference(model, PROMPTS[0], 5), reference(model, PROMPTS[1], 5)]
+
+
+def test_long_prompt_refused_before_encoding(server, monkeypatch):
+    tok = server.engine.tokenizer
+    calls = []
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(1) or [1])
+    huge = "x " * 200_000                        # far past any slot: refused from its length alone
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": huge, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and not calls
