@@ -2,7 +2,11 @@
 fuzz the GGUF loader. Prints one JSON object:
 
     {"kills", "recovered", "lost_requests", "wrong_tokens", "recovery_s_p50", "recovery_s_max",
-     "fuzz_cases", "fuzz_failures"}
+     "fuzz_cases", "fuzz_failures", "unclear_errors"}
+
+fuzz_failures: cases that ended in anything but a valid model or one of the project's own errors
+(GGUFError, BatchError, ContextFullError); unclear_errors: such errors whose message does not name the
+file (ggml_dist/bench/fuzz_gguf.py has the rules). Both are findings; neither hides in the other.
 
     ggml-dist bench faults [--model M] [--stages 2] [--runs 6] [--tokens 24] [--fuzz-cases 10000] --json
 """
@@ -70,9 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .fuzz_gguf import run_fuzz                                   # the loader fuzzer
         fz = run_fuzz(a.fuzz_cases, jobs=2)
-        out.update({"fuzz_cases": fz.fuzz_cases, "fuzz_failures": fz.fuzz_failures})
+        out.update({"fuzz_cases": fz.fuzz_cases, "fuzz_failures": fz.fuzz_failures,
+                    "unclear_errors": fz.unclear_errors})
     except ImportError as e:
-        out.update({"fuzz_cases": 0, "fuzz_failures": None, "fuzz_note": str(e)})
+        out.update({"fuzz_cases": 0, "fuzz_failures": None, "unclear_errors": None, "fuzz_note": str(e)})
     print(json.dumps(out))
     return 0
 

@@ -9,16 +9,20 @@ general.alignment inserted as 0 / 3 / 2**40 / ..., keys and tensor names duplica
 replaced, truncation, appended bytes and plain byte flips.
 
 Each case is written to a file and loaded with load_gguf and LlamaModel.load (metadata, hparams, tensor
-checks, weights mapping, tokenizer) in a worker process, then the tokenizer encodes a short text, and the
-case is classified as
+checks, weights mapping, tokenizer) in a worker process; a file that loads then encodes a short text and
+runs a forward pass (forward_probe: a LlamaContext of 64 cells, the prompt as one batch, two greedy
+steps). The project's own errors are GGUFError (and its subclasses), BatchError and ContextFullError
+(project_errors()); the case is classified as
 
-    ok          the file loads as a valid model (and its tokenizer encodes)
-    clean       a ValueError (GGUFError is one) with its message; `clean_errors_without_path` counts
-                those whose message does not name the file (failures with --strict-path; the encode
-                probe's errors never can, a Tokenizer does not know its file)
-    failure     anything else: another exception type, a case using more than --case-time-limit CPU
-                seconds (a hang; a worker stuck for --hard-timeout wall seconds is killed), a worker
-                that dies (a crash), or a traced allocation peak above file size + --mem-overhead-mb
+    ok          the file loads, its tokenizer encodes, and its forward pass runs
+    clean       one of the project's own errors, its message naming the file
+    unclear     one of the project's own errors whose message does not name the file (`unclear_errors`;
+                failures with --strict-path)
+    failure     anything else: another exception type (a ValueError from numpy, an IndexError, int() on a
+                bad value, a core-layer error such as ShapeError from a graph the loader let through), a
+                case using more than --case-time-limit CPU seconds (a hang; a worker stuck for
+                --hard-timeout wall seconds is killed), a worker that dies (a crash), or a traced
+                allocation peak above file size + --mem-overhead-mb
 
 Memory is measured with tracemalloc inside the worker (numpy reports its buffers to tracemalloc, so
 arrays count too; the file's memory map does not, it is the file): the per-case peak of traced memory
@@ -35,7 +39,9 @@ Failing inputs are written to --failures-dir as case-NNNNN-<mutation>.gguf with 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -45,6 +51,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -464,17 +471,77 @@ def make_case(seed: int, index: int, lay: Layout) -> tuple[str, bytes, list[str]
 # ---------------------------------------------------------------------------------------------------
 # running one case (in the worker)
 
+# The project's own error types: GGUFError (and its subclasses), what the loader raises for a file it
+# refuses, and the two errors of ggml_dist.model a batch can meet in the forward probe (BatchError: a token
+# outside the model's vocabulary; ContextFullError: no free KV cells). Anything else a file provokes -- a
+# ValueError from numpy, an IndexError, a KeyError, int() on a bad value, or a core-layer error such as
+# ShapeError or AllocError deep inside a graph the loader let through -- is a failure.
+def project_errors() -> tuple[type[BaseException], ...]:
+    from ggml_dist.model.gguf import GGUFError
+    from ggml_dist.model.kv_cache import ContextFullError
+    from ggml_dist.model.ubatch import BatchError
+    return GGUFError, BatchError, ContextFullError
+
+
+PROBE_TEXT = "Hello world, 123!"
+PROBE_N_CTX = 64            # KV cells of the probe's context: a few tokens, never n_ctx_train
+PROBE_N_PROMPT = 8          # prompt tokens decoded as one batch
+PROBE_N_DECODE = 2          # then this many single-token steps
+
+
+def forward_probe(model: Any, tokens: list[int]) -> None:
+    """A model that loads must also run: decode the probe's prompt (its first PROBE_N_PROMPT tokens, or
+    token 0 when the text gave none), then PROBE_N_DECODE greedy steps, each chosen token turned back into
+    text. The logits must have the model's shape; their values are the file's business (random bytes in
+    the data section give NaNs, and that is no error)."""
+    import numpy as np
+
+    from ggml_dist.model.context import ContextParams, LlamaContext
+    from ggml_dist.model.ubatch import Batch
+
+    n_vocab = model.hp.n_vocab
+    prompt = list(tokens[:PROBE_N_PROMPT]) or [0]
+    lctx = LlamaContext(model, ContextParams(n_ctx=PROBE_N_CTX, n_batch=PROBE_N_CTX, n_ubatch=PROBE_N_CTX))
+    logits = lctx.decode(Batch.from_tokens(prompt, all_outputs=True))
+    if logits.shape != (len(prompt), n_vocab):
+        raise AssertionError(f"logits of shape {logits.shape} for {len(prompt)} tokens, n_vocab {n_vocab}")
+    for i in range(PROBE_N_DECODE):
+        tok = int(np.argmax(logits[-1]))
+        model.tokenizer.token_to_piece(tok)          # what generate() does with each chosen token
+        logits = lctx.decode(Batch.from_tokens([tok], pos0=len(prompt) + i))
+        if logits.shape != (1, n_vocab):
+            raise AssertionError(f"logits of shape {logits.shape} for one token, n_vocab {n_vocab}")
+
+
+_warmed = False
+
+
+def warm_up() -> None:
+    """Load and run the seed model once per process, outside any case's time and memory: the first
+    forward pass loads (or compiles) the numba kernels, which is not the case's cost."""
+    global _warmed
+    if _warmed:
+        return
+    from ggml_dist.model.model import LlamaModel
+    with tempfile.TemporaryDirectory(prefix="gguf-fuzz-warm-") as d:
+        model = LlamaModel.load(seed_file(os.path.join(d, "seed.gguf")))
+        forward_probe(model, model.tokenizer.encode(PROBE_TEXT))
+        del model
+    _warmed = True
+
+
 def run_case(path: str, case_time_limit: float = 2.0, mem_overhead: int = 64 << 20,
              strict_path: bool = False) -> dict[str, Any]:
-    """Load one file; classify the outcome. Traces memory itself when tracemalloc is not already on.
+    """Load one file, encode PROBE_TEXT and run forward_probe; classify the outcome (module docstring).
 
-    A ValueError whose message does not name the file is a clean error with `named=False` (a failure
-    with strict_path). Errors of the usability probe after a successful load (encoding a short text;
-    stage "encode") are clean when they are ValueErrors: the Tokenizer does not know its file.
+    Traces memory itself when tracemalloc is not already on. With strict_path an unclear error (one of
+    project_errors() whose message does not name the file) is a failure.
     """
     from ggml_dist.model.gguf import load_gguf
     from ggml_dist.model.model import LlamaModel
 
+    warm_up()
+    own = project_errors()
     started = not tracemalloc.is_tracing()
     if started:
         tracemalloc.start()
@@ -488,13 +555,16 @@ def run_case(path: str, case_time_limit: float = 2.0, mem_overhead: int = 64 << 
         stage = "model"
         model = LlamaModel.load(path)
         stage = "encode"
-        model.tokenizer.encode("Hello world, 123!")          # the vocabulary is usable
+        tokens = model.tokenizer.encode(PROBE_TEXT)          # the vocabulary is usable
+        stage = "forward"
+        forward_probe(model, tokens)                         # and so are the weights
         del model
-    except ValueError as e:       # GGUFError and other ValueError subclasses
+    except own as e:
         kind, msg = type(e).__name__, str(e)
-        named = path in msg
-        outcome = "clean" if named or stage == "encode" or not strict_path else "failure"
-        if not named:
+        if path in msg:
+            outcome = "clean"
+        else:
+            outcome = "failure" if strict_path else "unclear"
             kind += " (message does not name the file)"
     except BaseException as e:    # noqa: BLE001 - every other exception is a finding
         if isinstance(e, KeyboardInterrupt):
@@ -512,7 +582,7 @@ def run_case(path: str, case_time_limit: float = 2.0, mem_overhead: int = 64 << 
     if outcome != "failure" and over > mem_overhead:
         outcome, kind, msg = "failure", "memory", f"traced peak {peak - base} B for a {size} B file; {msg}"
     return dict(outcome=outcome, kind=kind, msg=msg[:500], stage=stage, elapsed=elapsed, wall=wall,
-                peak_over_file=over, named=outcome != "clean" or path in msg)
+                peak_over_file=over)
 
 
 def _vm_size() -> int:
@@ -528,7 +598,16 @@ def _vm_size() -> int:
 
 def _worker(conn: Any, tmpdir: str, case_time_limit: float, mem_overhead: int, as_headroom: int,
             strict_path: bool) -> None:
-    import ggml_dist.model.model  # noqa: F401  (imports before the address-space limit)
+    # a forked worker must not start numba's OpenMP threads: after a parent that ran kernels (bench
+    # faults decodes first, pytest ran other tests) GNU OpenMP terminates the child ("fork() called from
+    # a process already using GNU OpenMP"); the numpy reference kernels compute the same bits
+    from ggml_dist.backends import quants
+    quants.USE_NUMBA = False
+    warm_up()                     # imports and first allocations before the address-space limit
+    # a corrupt file's weights overflow and its special ids are "bad": numpy's warnings and the
+    # tokenizer's log lines are expected here, once per case, and say nothing the outcome does not
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
     vm = _vm_size()
     if vm and as_headroom > 0:
         try:
@@ -559,7 +638,15 @@ class _Worker:
     def __init__(self, ctx: Any, tmpdir: str, args: tuple) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(child, tmpdir, *args), daemon=True)
-        self.proc.start()
+        # a forked worker must never collect the parent's objects: after `bench faults` the parent holds
+        # Ray handles in garbage cycles, whose finalizers, run by the child's first full collection (a
+        # forward pass allocates enough), write to the parent's GCS connection and break it ("Missing
+        # :authority header"); frozen objects are left alone by every collection in the child
+        gc.freeze()
+        try:
+            self.proc.start()
+        finally:
+            gc.unfreeze()
         child.close()
         tag, self.rss0 = self.conn.recv()
         self.case: tuple[int, str, bytes, list[str]] | None = None
@@ -583,8 +670,8 @@ class FuzzReport:
     fuzz_cases: int = 0
     fuzz_failures: int = 0
     ok: int = 0
-    clean_errors: int = 0
-    clean_errors_without_path: int = 0      # clean errors whose message does not name the file
+    clean_errors: int = 0                   # one of project_errors(), its message naming the file
+    unclear_errors: int = 0                 # one of project_errors(), its message not naming the file
     max_case_s: float = 0.0                 # CPU seconds of the slowest case
     max_case_wall_s: float = 0.0            # wall seconds of the slowest case (includes waiting for a CPU)
     peak_mem_over_file_mb: float = 0.0
@@ -594,7 +681,7 @@ class FuzzReport:
     wall_s: float = 0.0
     by_mutation: dict[str, dict[str, int]] = field(default_factory=dict)
     failure_kinds: dict[str, int] = field(default_factory=dict)
-    unnamed_errors: dict[str, int] = field(default_factory=dict)   # stage: message head -> count
+    unclear_messages: dict[str, int] = field(default_factory=dict)  # stage: type: message head -> count
     failures: list[dict[str, Any]] = field(default_factory=list)
     failures_dir: str | None = None
 
@@ -622,7 +709,7 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
     rep = FuzzReport(seed=seed)
     by_mut: dict[str, Counter] = defaultdict(Counter)
     kinds: Counter = Counter()
-    unnamed: Counter = Counter()
+    unclear: Counter = Counter()
     mem_overhead = int(mem_overhead_mb * (1 << 20))
     with tempfile.TemporaryDirectory(prefix="gguf-fuzz-") as tmpdir:
         lay = Layout.walk(seed_file(os.path.join(tmpdir, "seed.gguf")).read_bytes())
@@ -645,9 +732,9 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
                 rep.ok += 1
             elif res["outcome"] == "clean":
                 rep.clean_errors += 1
-                if not res.get("named", True):
-                    rep.clean_errors_without_path += 1
-                    unnamed[f"{res['stage']}: {res['kind'].split(' ')[0]}: {_head(res['msg'])}"] += 1
+            elif res["outcome"] == "unclear":
+                rep.unclear_errors += 1
+                unclear[f"{res['stage']}: {res['kind'].split(' ')[0]}: {_head(res['msg'])}"] += 1
             else:
                 rep.fuzz_failures += 1
                 kinds[res["kind"]] += 1
@@ -710,7 +797,7 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
                     w.kill()
     rep.by_mutation = {k: dict(by_mut[k]) for k in MUTATIONS if k in by_mut}
     rep.failure_kinds = dict(kinds)
-    rep.unnamed_errors = dict(unnamed.most_common())
+    rep.unclear_messages = dict(unclear.most_common())
     rep.failures_dir = str(failures_dir) if failures_dir is not None and rep.fuzz_failures else None
     rep.max_case_s = round(rep.max_case_s, 4)
     rep.max_case_wall_s = round(rep.max_case_wall_s, 4)
@@ -742,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--as-headroom-mb", type=float, default=2048.0,
                     help="RLIMIT_AS of a worker: its size after imports plus this (0: no limit)")
     ap.add_argument("--strict-path", action="store_true",
-                    help="a ValueError whose message does not name the file is a failure")
+                    help="an unclear error (a project error not naming the file) is a failure")
     ap.add_argument("--replay", help="re-run a saved failing input (file or directory) and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -757,15 +844,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rep.to_json()))
     else:
         print(f"{rep.fuzz_cases} cases: {rep.ok} ok, {rep.clean_errors} clean errors, "
-              f"{rep.fuzz_failures} failures ({rep.clean_errors_without_path} clean errors do not name the "
-              f"file); max case {rep.max_case_s:.3f} s, traced peak over file "
+              f"{rep.unclear_errors} unclear errors (the file not named), {rep.fuzz_failures} failures; "
+              f"max case {rep.max_case_s:.3f} s, traced peak over file "
               f"{rep.peak_mem_over_file_mb:.2f} MB, maxrss growth {rep.maxrss_growth_mb:.1f} MB, "
               f"{rep.wall_s:.0f} s")
         for k, v in rep.by_mutation.items():
             print(f"  {k:18s} {v}")
+        for m, n in list(rep.unclear_messages.items())[:20]:
+            print(f"  UNCLEAR x{n} {m}")
         for f in rep.failures[:20]:
             print(f"  FAIL {f}")
-    return 1 if rep.fuzz_failures else 0
+    return 1 if rep.fuzz_failures or rep.unclear_errors else 0
 
 
 if __name__ == "__main__":

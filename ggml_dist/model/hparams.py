@@ -13,14 +13,16 @@ the graph reads (expected_tensors) or is on KNOWN_UNUSED_TENSORS, or the file is
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ggml_dist.backends.quants import VEC_DOT_TYPE
 from ggml_dist.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORM
-from ggml_dist.core.types import TYPE_TRAITS, GGMLType
+from ggml_dist.core.types import TYPE_TRAITS, GGMLType, is_quantized
 from ggml_dist.model.gguf import GGUFError, GGUFFile
 
 LLAMA_MAX_LAYERS = 512      # llama.cpp's limit; also bounds the work check_tensors does per layer
@@ -197,6 +199,15 @@ def _head_sizes(f: GGUFFile, a: str, n_embd: int, n_head: int) -> tuple[int, int
     return head_k, head_v, n_rot
 
 
+def _rope_freq_base(f: GGUFFile, key: str) -> float:
+    """rope.freq_base (or _swa): pair i turns at base^(-2i/n_rot) of the position, which slows with i only
+    for a base above 1; ROPE's yarn_corr_dims divides by log(base), so 1, 0, negatives and NaN cannot run."""
+    base = _key(f, key, float, default=10000.0)
+    if not (math.isfinite(base) and base > 1.0):
+        raise GGUFError(f"{f.path}: {key} = {base!r} must be a finite number above 1")
+    return base
+
+
 def _rope_freq_scale(f: GGUFFile, a: str) -> float:
     """load_hparams and llama_context: the scaling type defaults to linear; 'none' never scales, 'linear'
     divides positions by rope.scaling.factor (or the older rope.scale_linear), f32 1.0f/factor."""
@@ -253,7 +264,7 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
         arch=arch, n_vocab=_n_vocab(f, a), n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
         n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_head_k=head_k, n_embd_head_v=head_v,
         n_rot=n_rot,
-        rope_freq_base=_key(f, a + "rope.freq_base", float, default=10000.0),
+        rope_freq_base=_rope_freq_base(f, a + "rope.freq_base"),
         rope_freq_scale=_rope_freq_scale(f, a),
         rope_attn_factor=_key(f, a + "rope.scaling.attn_factor", float, default=1.0),
         n_ctx_orig_yarn=n_ctx_orig,
@@ -283,7 +294,7 @@ def _gemma3_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
                             f"(only a positive layer period is)")
         hp.n_swa = n_swa
         hp.swa_layers = tuple(il % pat < pat - 1 for il in range(hp.n_layer))   # set_swa_pattern
-        hp.rope_freq_base_swa = _key(f, a + "rope.freq_base_swa", float, default=10000.0)
+        hp.rope_freq_base_swa = _rope_freq_base(f, a + "rope.freq_base_swa")
     elif a + "attention.sliding_window_pattern" in f.metadata or a + "rope.freq_base_swa" in f.metadata:
         raise GGUFError(f"{f.path}: a sliding-window pattern or rope base without {a}attention.sliding_window")
     d = hp.n_embd // hp.n_head if hp.n_layer == 62 else hp.n_embd_head_k
@@ -291,6 +302,24 @@ def _gemma3_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
 
 
 # -- the tensors ------------------------------------------------------------------------------------
+# the weight types the CPU kernels compute for the op that reads a weight: a type with a block layout but
+# no kernel (IQ*, MXFP4, Q8_1, the integers, F64 as a matmul weight) would otherwise load and fail deep in
+# the first forward pass
+MUL_MAT_TYPES = frozenset(VEC_DOT_TYPE)                 # backends/quants.py mul_mat: every 2-d weight
+GET_ROWS_TYPES = MUL_MAT_TYPES | {GGMLType.Q8_K}        # backends/quants.py dequantize: token_embd
+
+
+def _op_types(name: str, shape: tuple[int, ...],
+              hp: LlamaHParams) -> tuple[str, Collection[GGMLType] | None]:
+    """The op that reads weight `name` and the types it computes; None for the norms and biases, which
+    MUL and ADD read in any type that is not quantized (cpu_supports_op)."""
+    if name == "rope_freqs.weight":
+        return "ROPE", frozenset({GGMLType.F32})        # the frequency factors are read as f32
+    if name == "token_embd.weight":
+        return ("GET_ROWS", GET_ROWS_TYPES) if not hp.tie_word_embeddings else ("MUL_MAT", MUL_MAT_TYPES)
+    return ("MUL_MAT", MUL_MAT_TYPES) if len(shape) == 2 else ("MUL", None)
+
+
 def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
     """Tensor name -> ne (ggml order, unpadded): every tensor the graph builder reads, and no other."""
     spec, n_embd, n_vocab = hp.spec, hp.n_embd, hp.n_vocab
@@ -343,9 +372,11 @@ def check_tensors(f: GGUFFile, hp: LlamaHParams,
         ok = ti.type in TYPE_TRAITS if supported_types is None else ti.type in supported_types
         if not ok:
             raise GGUFError(f"{f.path}: tensor '{name}' has unsupported type {ti.type.name}")
-    if hp.rope_freqs and f.tensors["rope_freqs.weight"].type != GGMLType.F32:
-        raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight' has type "
-                        f"{f.tensors['rope_freqs.weight'].type.name}; ROPE reads F32 frequency factors")
+        op, types = _op_types(name, shape, hp)
+        if (ti.type not in types) if types is not None else is_quantized(ti.type):
+            can = "any type not quantized" if types is None else ", ".join(t.name for t in sorted(types))
+            raise GGUFError(f"{f.path}: tensor '{name}' has type {ti.type.name}, which {op} does not compute "
+                            f"on the CPU backend (supported: {can})")
     unused = KNOWN_UNUSED_TENSORS.get(hp.arch, frozenset())
     for name, ti in f.tensors.items():
         if name not in want and name not in unused:

@@ -211,6 +211,8 @@ def _spm_tokenize(text: str, tok: "Tokenizer") -> list[int]:
 class Tokenizer:
     """llama_vocab: ids, scores and types of every token, and the encode/decode of its model type."""
 
+    source: str | None = None       # the file it was read from (from_gguf), named in its errors
+
     def __init__(self, model: str, tokens: list[str], scores: np.ndarray | None = None,
                  token_types: np.ndarray | None = None, merges: Sequence[str] = (),
                  pre: str = "default", bos_id: int | None = None, eos_id: int | None = None,
@@ -334,10 +336,12 @@ class Tokenizer:
             return v
 
         try:
-            return cls._from_metadata(model, tokens, arr, opt, merges)
+            tok = cls._from_metadata(model, tokens, arr, opt, merges)
         except GGUFError as e:
             msg = str(e)
             raise GGUFError(msg if msg.startswith(str(f.path)) else f"{f.path}: {msg}") from None
+        tok.source = str(f.path)
+        return tok
 
     @classmethod
     def _from_metadata(cls, model, tokens, arr, opt, merges) -> "Tokenizer":
@@ -355,6 +359,10 @@ class Tokenizer:
                    add_space_prefix=opt("tokenizer.ggml.add_space_prefix", bool),
                    chat_template=opt("tokenizer.chat_template", str))
 
+    def _fail(self, msg: str) -> GGUFError:
+        """A vocabulary that cannot encode this text: the file's fault, so the file is named."""
+        return GGUFError(f"{self.source}: {msg}" if self.source else msg)
+
     # -- ids -----------------------------------------------------------------------------------------
 
     @property
@@ -371,7 +379,7 @@ class Tokenizer:
             tid = self.token_to_id.get(chr(b)) if b < 128 else None
         if tid is None:
             if self.unk_id is None:
-                raise GGUFError(f"tokenizer: no token for byte 0x{b:02X} and no unknown token")
+                raise self._fail(f"tokenizer: no token for byte 0x{b:02X} and no unknown token")
             tid = self.unk_id
         return tid
 
@@ -435,7 +443,7 @@ class Tokenizer:
         out: list[int] = []
         if add_special and self.add_bos:
             if self.bos_id is None:
-                raise GGUFError("tokenizer wants a BOS token but has none")
+                raise self._fail("tokenizer wants a BOS token but has none")
             out.append(self.bos_id)
         frags = self._partition(text, parse_special) if text else []
         if self.model == "gpt2":
@@ -454,7 +462,7 @@ class Tokenizer:
                 is_prev_special = False
         if add_special and self.add_eos:
             if self.eos_id is None:
-                raise GGUFError("tokenizer wants an EOS token but has none")
+                raise self._fail("tokenizer wants an EOS token but has none")
             out.append(self.eos_id)
         return out
 

@@ -1,23 +1,33 @@
-"""GGUF fuzzing: structure-aware mutations of a small valid model must end in a valid model or a clean
-GGUFError/ValueError, never a crash, hang or allocation beyond the file's size (ggml_dist/bench/fuzz_gguf.py).
+"""GGUF fuzzing: structure-aware mutations of a small valid model must end in a valid model that runs a
+forward pass, or in one of the project's own errors (GGUFError, BatchError, ContextFullError) naming the
+file; never another exception, a crash, a hang or an allocation beyond the file's size
+(ggml_dist/bench/fuzz_gguf.py).
 
 The default run is a short fixed-seed budget; the long one is `python benchmarks/fuzz_gguf.py --cases 10000`.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import re
+import struct
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_dist.bench import fuzz_gguf as fz
+from ggml_dist.core.ops import ShapeError
+from ggml_dist.core.types import GGMLType
 from ggml_dist.model.gguf import GGUFError, load_gguf
 from ggml_dist.model.hparams import LLAMA_MAX_LAYERS, hparams_from_gguf
+from ggml_dist.model.kv_cache import ContextFullError
 from ggml_dist.model.model import LlamaModel
+from ggml_dist.model.ubatch import BatchError
 
 needs_fork = pytest.mark.skipif("fork" not in mp.get_all_start_methods(),
                                 reason="failure injection reaches the workers through fork")
@@ -29,12 +39,23 @@ def layout(tmp_path_factory) -> fz.Layout:
     return fz.Layout.walk(p.read_bytes())
 
 
-def _patched(layout: fz.Layout, tmp_path: Path, key: str, value: int) -> Path:
+def _patched(layout: fz.Layout, tmp_path: Path, key: str, value: int | float) -> Path:
     f = next(f for f in layout.by_kind("scalar") if f.info["key"] == key)
     buf = bytearray(layout.raw)
-    buf[f.offset:f.offset + f.size] = value.to_bytes(f.size, "little")
+    buf[f.offset:f.offset + f.size] = (struct.pack("<f", value) if isinstance(value, float)
+                                       else value.to_bytes(f.size, "little"))
     p = tmp_path / "patched.gguf"
     p.write_bytes(buf)
+    return p
+
+
+def _retyped(layout: fz.Layout, tmp_path: Path, name: str, ttype: GGMLType) -> Path:
+    """The seed with one tensor's type id replaced, and zeros appended so its data stays inside the file."""
+    f = next(f for f in layout.by_kind("ttype") if f.info["name"] == name)
+    buf = bytearray(layout.raw)
+    buf[f.offset:f.offset + 4] = int(ttype).to_bytes(4, "little")
+    p = tmp_path / f"retyped-{ttype.name}.gguf"
+    p.write_bytes(bytes(buf) + b"\0" * 65536)
     return p
 
 
@@ -45,6 +66,7 @@ def test_short_fuzz_budget(tmp_path: Path) -> None:
     """The default-test budget: 420 fixed-seed cases, every mutation kind, no failure."""
     rep = fz.run_fuzz(420, seed=0, jobs=2, failures_dir=tmp_path / "failures")
     assert rep.fuzz_failures == 0, rep.failures[:5]
+    assert rep.unclear_errors == 0, rep.unclear_messages
     assert rep.fuzz_cases == 420
     assert set(rep.by_mutation) == set(fz.MUTATIONS)
     assert rep.ok > 0 and rep.clean_errors > 0
@@ -73,7 +95,8 @@ def test_layout_walk_and_cases_are_deterministic(layout: fz.Layout, tmp_path: Pa
     assert [n for n, *_ in layout.tensor_spans] == list(f.tensors)
     assert layout.data_start == f.data_offset
     assert len(layout.by_kind("elem_str_len")) == len(f.metadata["tokenizer.ggml.tokens"])
-    assert fz.run_case(str(p))["outcome"] == "ok"
+    res = fz.run_case(str(p))
+    assert (res["outcome"], res["stage"]) == ("ok", "forward")          # it loaded, encoded and ran
     for i in range(3 * len(fz.MUTATIONS)):
         assert fz.make_case(7, i, layout) == fz.make_case(7, i, layout)
         assert fz.make_case(7, i, layout)[0] == fz.MUTATIONS[i % len(fz.MUTATIONS)]
@@ -83,6 +106,7 @@ def test_layout_walk_and_cases_are_deterministic(layout: fz.Layout, tmp_path: Pa
 def test_harness_classifies_failures(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Injected faults are caught: a stray exception, a slow case, a memory blow-up, a hang, a crash."""
     import ggml_dist.model.model as model_mod
+    fz.warm_up()                              # with the real loader, before it is patched
 
     real = model_mod.hparams_from_gguf
     mode = {"v": ""}
@@ -119,7 +143,7 @@ def test_harness_classifies_failures(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         res = fz.run_case(str(seed), case_time_limit=0.3)
         assert (res["outcome"], res["kind"]) == ("failure", kind), res
     mode["v"] = "unnamed"
-    assert fz.run_case(str(seed))["outcome"] == "clean"
+    assert fz.run_case(str(seed))["outcome"] == "unclear"
     res = fz.run_case(str(seed), strict_path=True)
     assert res["outcome"] == "failure" and "does not name the file" in res["kind"]
 
@@ -131,6 +155,76 @@ def test_harness_classifies_failures(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         assert rep.failure_kinds == {kind: 2}
         saved = sorted((tmp_path / m).glob("*.gguf"))
         assert saved and saved[0].with_suffix(".txt").exists()
+
+
+def _raise(e: BaseException) -> None:
+    raise e
+
+
+# (stage the exception is raised in, what raises, outcome); `P` stands for the file's path
+CLASSIFIED = [
+    ("model", lambda p: np.zeros(6).reshape(4, 4), "failure"),          # numpy: cannot reshape
+    ("model", lambda p: int("x"), "failure"),                             # int() on a bad value
+    ("model", lambda p: _raise(KeyError("llama.block_count")), "failure"),
+    ("model", lambda p: _raise(ValueError(f"{p}: a plain ValueError, file named")), "failure"),
+    ("model", lambda p: _raise(GGUFError("a GGUFError without the file")), "unclear"),
+    ("model", lambda p: _raise(GGUFError(f"{p}: a GGUFError naming the file")), "clean"),
+    ("forward", lambda p: _raise(IndexError("index 300 is out of bounds")), "failure"),
+    ("forward", lambda p: _raise(ShapeError("a core-layer error from the graph")), "failure"),
+    ("forward", lambda p: _raise(BatchError("token id 300 outside the vocabulary")), "unclear"),
+    ("forward", lambda p: _raise(ContextFullError(f"{p}: no free KV cells")), "clean"),
+]
+
+
+@pytest.mark.parametrize("stage,action,outcome", CLASSIFIED)
+def test_only_project_errors_naming_the_file_are_clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       stage: str, action, outcome: str) -> None:
+    """A ValueError from numpy or int() is a failure, even one naming the file; GGUFError, BatchError and
+    ContextFullError are clean when they name the file, unclear when not; in the loader and the forward
+    pass alike."""
+    import ggml_dist.model.model as model_mod
+    fz.warm_up()
+    seed = str(fz.seed_file(tmp_path / "s.gguf"))
+    if stage == "model":
+        monkeypatch.setattr(model_mod, "hparams_from_gguf", lambda f: action(f.path))
+    else:
+        monkeypatch.setattr(fz, "forward_probe", lambda model, tokens: action(model.file.path))
+    res = fz.run_case(seed)
+    assert (res["stage"], res["outcome"]) == (stage, outcome), res
+    assert ("does not name the file" in res["kind"]) == (outcome == "unclear")
+    strict = fz.run_case(seed, strict_path=True)
+    assert strict["outcome"] == ("failure" if outcome == "unclear" else outcome)
+
+
+@needs_fork
+def test_report_counts_unclear_errors_apart_from_failures(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    """Through the workers: unclear errors are counted and grouped by message, neither failures nor clean;
+    with strict_path they are failures."""
+    import ggml_dist.model.model as model_mod
+    fz.warm_up()
+    monkeypatch.setattr(model_mod, "hparams_from_gguf", lambda f: _raise(GGUFError("no file here")))
+    n = 2 * len(fz.MUTATIONS)
+    rep = fz.run_fuzz(n, seed=0, jobs=1)
+    assert rep.fuzz_cases == n and rep.fuzz_failures == 0 and rep.ok == 0
+    assert rep.unclear_errors > 0 and rep.unclear_errors + rep.clean_errors == n
+    assert rep.unclear_messages == {"model: GGUFError: no file here": rep.unclear_errors}
+    assert rep.to_json()["unclear_errors"] == rep.unclear_errors
+    strict = fz.run_fuzz(n, seed=0, jobs=1, strict_path=True)
+    assert strict.fuzz_failures == rep.unclear_errors and strict.unclear_errors == 0
+
+
+def test_bench_faults_reports_unclear_errors(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`bench faults --json` reports fuzz_failures and unclear_errors as two numbers."""
+    import ggml_dist.model.pull as pull
+    from ggml_dist.bench import faults
+    monkeypatch.setattr(pull, "resolve_model", lambda name: Path("unused.gguf"))
+    monkeypatch.setattr(faults, "kill_study", lambda *a, **k: {"kills": 0})
+    monkeypatch.setattr(fz, "run_fuzz", lambda n, jobs=1: fz.FuzzReport(fuzz_cases=n, fuzz_failures=1,
+                                                                         unclear_errors=2))
+    assert faults.main(["--runs", "0", "--fuzz-cases", "7", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["fuzz_cases"], out["fuzz_failures"], out["unclear_errors"]) == (7, 1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -153,3 +247,43 @@ def test_max_block_count_is_checked_against_tensors(layout: fz.Layout, tmp_path:
     assert hparams_from_gguf(load_gguf(p)).n_layer == LLAMA_MAX_LAYERS
     with pytest.raises(GGUFError, match="missing tensor 'blk.1.attn_norm.weight'"):
         LlamaModel.load(p)
+
+
+@pytest.mark.parametrize("base", [float("nan"), 0.0, -1.0, 1.0, float("-inf"), float("inf")])
+def test_bad_rope_freq_base_is_a_clean_error(layout: fz.Layout, tmp_path: Path, base: float) -> None:
+    """rope.freq_base NaN / 0 / -1 / 1 loaded, then ROPE's yarn_corr_dims raised a ValueError (math domain
+    error, int(NaN)) or ZeroDivisionError in the first forward pass."""
+    p = _patched(layout, tmp_path, "llama.rope.freq_base", base)
+    with pytest.raises(GGUFError, match=re.escape(f"{p}: llama.rope.freq_base = {base!r} must be a finite "
+                                                  f"number above 1")):
+        LlamaModel.load(p)
+    assert fz.run_case(str(p))["outcome"] == "clean"
+
+
+@pytest.mark.parametrize("name,ttype,op", [
+    ("blk.0.attn_q.weight", GGMLType.MXFP4, "MUL_MAT"),      # a block layout, no kernel
+    ("blk.0.attn_k.weight", GGMLType.I64, "MUL_MAT"),
+    ("blk.0.ffn_down.weight", GGMLType.F64, "MUL_MAT"),
+    ("token_embd.weight", GGMLType.Q8_1, "MUL_MAT"),        # tied: the output projection too
+    ("blk.0.ffn_norm.weight", GGMLType.Q8_0, "MUL"),        # a quantized norm: no backend runs the MUL
+])
+def test_weight_type_without_a_kernel_is_a_clean_error(layout: fz.Layout, tmp_path: Path, name: str,
+                                                       ttype: GGMLType, op: str) -> None:
+    """A weight whose type has a block layout but no CPU kernel for its op loaded, then failed in the first
+    forward pass (NotImplementedError from mul_mat / dequantize, SchedAssignError for a quantized norm)."""
+    p = _retyped(layout, tmp_path, name, ttype)
+    with pytest.raises(GGUFError, match=re.escape(f"{p}: tensor '{name}' has type {ttype.name}, which {op} "
+                                                  f"does not compute on the CPU backend")):
+        LlamaModel.load(p)
+    assert fz.run_case(str(p))["outcome"] == "clean"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # Q8_0 bytes read as another type: NaNs
+@pytest.mark.parametrize("name,ttype", [("blk.0.attn_q.weight", GGMLType.F16),
+                                        ("blk.0.ffn_up.weight", GGMLType.Q4_0),
+                                        ("blk.0.attn_norm.weight", GGMLType.F16)])
+def test_weight_types_with_a_kernel_still_load_and_run(layout: fz.Layout, tmp_path: Path, name: str,
+                                                       ttype: GGMLType) -> None:
+    p = _retyped(layout, tmp_path, name, ttype)
+    res = fz.run_case(str(p))
+    assert (res["outcome"], res["stage"]) == ("ok", "forward"), res
