@@ -10,8 +10,9 @@ the three planning phases; reserve; replay.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from ..core.graph import Graph
 from ..core.tensor import Op, Tensor, TensorFlag
@@ -89,7 +90,7 @@ class VBuffer:
         self.chunks = chunks
 
     @classmethod
-    def alloc(cls, buft: BufferTypeLike, talloc: DynTallocr) -> "VBuffer":
+    def alloc(cls, buft: BufferTypeLike, talloc: DynTallocr) -> VBuffer:
         """ggml_vbuffer_alloc: chunk n gets exactly its high-water mark."""
         return cls([buft.alloc_buffer(talloc.max_size(c)) for c in range(talloc.n_chunks)])
 

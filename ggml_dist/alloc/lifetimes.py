@@ -8,8 +8,8 @@ so it bounds any allocator that reuses in place only on ggml's in-place op set.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..core.graph import Graph
 from ..core.tensor import Op, Tensor, TensorFlag

@@ -14,7 +14,7 @@ Two modes:
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..core.tensor import VIEW_OPS, Op, Tensor
 from .base import DeviceType

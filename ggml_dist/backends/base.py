@@ -13,7 +13,7 @@ import numpy as np
 
 from ..core.graph import Graph
 from ..core.tensor import Tensor, nbytes
-from ..core.types import GGMLType, TYPE_TRAITS
+from ..core.types import TYPE_TRAITS, GGMLType
 
 # element types that map to a numpy dtype; BF16 is raw uint16 bits (numpy has no bfloat16)
 NP_DTYPE: dict[GGMLType, np.dtype] = {
@@ -45,10 +45,11 @@ class UnsupportedOpError(RuntimeError):
 @runtime_checkable
 class Buffer(Protocol):
     """ggml_backend_buffer: a byte arena. Host buffers expose `base`, a uint8 numpy array."""
-    buft: "BufferType"
     size: int
     usage: BufferUsage
 
+    @property
+    def buft(self) -> BufferType: ...     # read-only here, so a buffer may name its own buffer type class
     def set_tensor(self, t: Tensor, data: np.ndarray, offset: int = 0) -> None: ...
     def get_tensor(self, t: Tensor) -> np.ndarray: ...
     def clear(self, value: int = 0) -> None: ...
@@ -70,7 +71,7 @@ class BufferType(Protocol):
 class Backend(Protocol):
     """ggml_backend: computes graphs whose tensors live in buffers it can use."""
     name: str
-    device: "Device"
+    device: Device
 
     def graph_compute(self, graph: Graph) -> None: ...
     def synchronize(self) -> None: ...

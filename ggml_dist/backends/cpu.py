@@ -12,14 +12,14 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from ..core.graph import Graph
 from ..core.tensor import Op, Tensor, TensorFlag, nbytes
 from ..core.types import is_quantized
-from .base import BufferUsage, DeviceType, UnsupportedOpError, array_at, tensor_array
+from .base import BufferType, BufferUsage, DeviceType, UnsupportedOpError, array_at, tensor_array
 from .cpu_ops import KERNELS, QUANT_SRC_OPS, ComputeOptions, bind
 
 TENSOR_ALIGNMENT = 32               # ggml's CPU buffer alignment
@@ -54,8 +54,8 @@ def keep_freed_host_memory() -> None:
 class CPUBuffer:
     """ggml_backend_cpu_buffer: a numpy uint8 arena (`base`)."""
 
-    def __init__(self, buft: "CPUBufferType", size: int) -> None:
-        self.buft = buft
+    def __init__(self, buft: CPUBufferType, size: int) -> None:
+        self.buft: BufferType = buft        # a CPUBufferType, or a stage's arena (workers/stage.py)
         self.size = size
         self.usage = BufferUsage.ANY
         self.base = np.zeros(max(size, 1), dtype=np.uint8)   # zeroed lazily by the OS
@@ -110,7 +110,7 @@ def cpu_supports_op(t: Tensor) -> bool:
 class CPUBackend:
     """ggml_backend_cpu: graph_compute walks the nodes and runs each COMPUTE node's kernel."""
 
-    def __init__(self, device: "CPUDevice", async_compute: bool = False,
+    def __init__(self, device: CPUDevice, async_compute: bool = False,
                  opts: ComputeOptions = ComputeOptions()) -> None:
         self.device = device
         self.name = device.name
@@ -131,7 +131,7 @@ class CPUBackend:
         else:
             self._queue.put(lambda: compute_graph(graph, self.opts))
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], object]) -> None:
         """Run fn in this backend's stream order (a copy into this backend's buffers, say)."""
         if self._queue is None:
             fn()
@@ -204,7 +204,7 @@ class BoundGraph:
 
 
 _NO_COMPUTE = frozenset({Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
-_BOUND: "OrderedDict[int, BoundGraph]" = OrderedDict()
+_BOUND: OrderedDict[int, BoundGraph] = OrderedDict()
 _BOUND_LOCK = threading.Lock()
 
 

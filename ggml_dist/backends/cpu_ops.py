@@ -14,17 +14,19 @@ reference and the fallback; F32 ADD/MUL with numpy-broadcastable operands are on
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Callable
+from types import ModuleType
+from typing import Literal
 
 import numpy as np
 
 from ..core.tensor import GLUOp, Op, Tensor, TensorFlag, UnaryOp
 from ..core.types import GGMLType, is_quantized
 from . import numerics as nm
-from .base import BufferUsage
 from . import quants
+from .base import BufferUsage
 from .rope import rope_forward
 
 F32 = np.float32
@@ -38,10 +40,10 @@ class ComputeOptions:
 
 Kernel = Callable[[Tensor, np.ndarray, list, ComputeOptions], None]
 
-_FK = None          # the fkernels module once imported; False without numba
+_FK: ModuleType | Literal[False] | None = None     # the fkernels module once imported; False without numba
 
 
-def _fk():
+def _fk() -> ModuleType | None:
     """fkernels when the numba kernels are on (quants.USE_NUMBA, read per call: tests flip it), else None."""
     global _FK
     if not quants.USE_NUMBA:
@@ -340,7 +342,7 @@ def _seq_sum(v: np.ndarray) -> np.ndarray:
     """Sum over the last axis in element order (keepdims): ggml's running ggml_float sums. numpy's
     sum() is pairwise, whose last bits differ once the double sum is inexact."""
     if v.shape[-1] == 0:
-        return np.zeros(v.shape[:-1] + (1,), v.dtype)
+        return np.zeros((*v.shape[:-1], 1), v.dtype)
     return np.cumsum(v, axis=-1)[..., -1:]
 
 
@@ -441,7 +443,7 @@ def _cpy(t, dst, srcs, opts):
     if vals.shape != dst.shape and not is_quantized(t.type):
         vals = np.ascontiguousarray(vals).reshape(dst.shape)
     elif is_quantized(t.type):
-        vals = np.ascontiguousarray(vals).reshape(dst.shape[:-1] + (t.ne[0],))
+        vals = np.ascontiguousarray(vals).reshape((*dst.shape[:-1], t.ne[0]))
     store(dst, t.type, vals)
 
 

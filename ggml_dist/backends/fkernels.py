@@ -27,6 +27,9 @@ path for the rest, whose tail uses numpy's float32 exp, which numba cannot repro
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, cast
+
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
@@ -35,18 +38,26 @@ from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
 from . import qkernels
-from .numerics import (_C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4,
-                       _C_SHIFT)
+from .numerics import _C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4, _C_SHIFT
 
 F32 = np.float32
 F64 = np.float64
 _U64 = np.uint64
 _TWO112 = F64(2.0 ** 112)
 
+_P = ParamSpec("_P")
+
+
+def _intrinsic(defn: Callable[Concatenate[Any, _P], object]) -> Callable[_P, Any]:
+    """numba.extending.intrinsic, typed as nopython code calls the result: without defn's first argument,
+    the typing context, which numba supplies (numba's stub keeps it, and types the call Never, since
+    calling an intrinsic from Python raises)."""
+    return cast("Callable[_P, Any]", intrinsic(defn))
+
 
 # ------------------------------------------------------------------------------------------------
 # scalar helpers: bit casts, f16 <-> f32, vexp
-@intrinsic
+@_intrinsic
 def _bits(typingctx, x):
     """float32 -> its uint32 bit pattern (an LLVM bitcast)."""
     if x != types.float32:
@@ -57,7 +68,7 @@ def _bits(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
-@intrinsic
+@_intrinsic
 def _float(typingctx, u):
     """uint32 bit pattern -> float32."""
     if u != types.uint32:
@@ -68,7 +79,7 @@ def _float(typingctx, u):
     return types.float32(types.uint32), codegen
 
 
-@intrinsic
+@_intrinsic
 def _data_ptr(typingctx, arr):
     """An array's data pointer (its first element), typed as a pointer to its dtype."""
     if not isinstance(arr, types.Array):
@@ -188,7 +199,7 @@ _RB = 8       # weight rows per block
 _NB = 16      # activation rows per chunk (bounds the activation scratch)
 
 
-@intrinsic
+@_intrinsic
 def _half(typingctx, h):
     """float16 bits -> float32 value (LLVM fpext: exact, vectorised to vcvtph2ps)."""
     if h != types.uint16:
@@ -199,7 +210,7 @@ def _half(typingctx, h):
     return types.float32(types.uint16), codegen
 
 
-@intrinsic
+@_intrinsic
 def _round_half(typingctx, v):
     """float32 -> nearest-even float16 -> float32 (LLVM fptrunc/fpext: vcvtps2ph, vcvtph2ps). Equals
     numpy's astype(float16) on every non-NaN input; a NaN stays a NaN (payload as the hardware sets it)."""
@@ -211,7 +222,7 @@ def _round_half(typingctx, v):
     return types.float32(types.float32), codegen
 
 
-@intrinsic
+@_intrinsic
 def _fma(typingctx, a, b, c):
     """float32 fused multiply-add, one rounding (llvm.fma.f32)."""
     if not (a == b == c == types.float32):
@@ -320,7 +331,7 @@ def _reduce_lanes(builder, a):
 
 def _vdot_typer(w, wo, ws, y, yo, steps, *out):
     if w == types.Array(types.uint16, 1, "C") and y == types.Array(types.float32, 1, "C") \
-            and all(isinstance(v, types.Integer) for v in (wo, ws, yo, steps) + out[1:]) \
+            and all(isinstance(v, types.Integer) for v in (wo, ws, yo, steps, *out[1:])) \
             and (not out or out[0] == types.Array(types.float32, 1, "C")):
         res = types.void if out else types.float32
         ip = types.intp
@@ -337,7 +348,7 @@ def _vdot_intrinsic(nl: int, name: str, doc: str):
         sig = _vdot_typer(w, wo, ws, y, yo, steps)
         return (sig, codegen) if sig is not None else None
     vdot.__name__, vdot.__doc__ = name, doc
-    return intrinsic(vdot)
+    return _intrinsic(vdot)
 
 
 _vdot8 = _vdot_intrinsic(8, "_vdot8", "tinyBLAS's 8 lanes and HA")
@@ -354,7 +365,10 @@ def _vdot32xG_intrinsic(G: int):
             v8, h8 = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.HalfType(), 8)
             w_, wo_, ys_, y_, yo_, steps_, out_, oo_, os__ = args
             i64 = ir.IntType(64)
-            c = lambda i: ir.Constant(i64, i)
+
+            def c(i):
+                return ir.Constant(i64, i)
+
             wp = builder.bitcast(builder.gep(context.make_array(sig.args[0])(context, builder, w_).data,
                                              [wo_]), h8.as_pointer())
             ybase = context.make_array(sig.args[3])(context, builder, y_).data
@@ -387,7 +401,7 @@ def _vdot32xG_intrinsic(G: int):
         ip = types.intp
         return types.void(w, ip, ip, y, ip, ip, out, ip, ip), codegen
     vdot.__name__ = f"_vdot32x{G}"
-    return intrinsic(vdot)
+    return _intrinsic(vdot)
 
 
 @njit(cache=True, inline="always")
@@ -407,7 +421,7 @@ _HEADS = 4           # most query heads per _vdot32xG call
 _ROWS8 = 8           # weight rows per _vdot8xR call
 
 
-@intrinsic
+@_intrinsic
 def _vdot8xR(typingctx, w, wo, ws, y, yo, steps, out, oo):
     """tinyBLAS's 8-lane dot (HA) of _ROWS8 weight rows w[wo + i*ws:] against y[yo:], into out[oo + i]:
     independent chains, so the latency of one row's 8-lane fma chain is hidden."""
@@ -547,7 +561,7 @@ def _live_steps(Y, g, K, s1, nl):
 
 @njit(cache=True, inline="always")
 def _all_masked(mrow, m0, m1):
-    for m in range(m0, m1):
+    for m in range(m0, m1):  # noqa: SIM110  (numba compiles the loop; all() over a generator it does not)
         if mrow[m] != -np.inf:
             return False
     return True
@@ -744,7 +758,7 @@ def _soft_max_par(x, scale, mask, slopes, has_mask, dst, n_chunks):
 @njit(cache=True, inline="always")
 def _soft_max_rows(x, scale, mask, slopes, has_mask, dst, r0, r1):
     """Rows r0 .. r1-1 of x (row r = (i3 * ne2 + i2) * ne1 + i1)."""
-    ne3, ne2, ne1, ne0 = x.shape
+    _ne3, ne2, ne1, ne0 = x.shape
     m3, m2 = mask.shape[0], mask.shape[1]
     w = np.empty(ne0, F32)
     wc = np.empty(ne0, F32)
@@ -881,7 +895,7 @@ def _swiglu_par(g, u, dst, n_chunks):
 
 @njit(cache=True, inline="always")
 def _swiglu_rows(g, u, dst, r0, r1):
-    ne3, ne2, ne1, ne0 = dst.shape
+    _ne3, ne2, ne1, ne0 = dst.shape
     s = np.empty(ne0, F32)
     for r in range(r0, r1):
         i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
@@ -915,7 +929,7 @@ def _rope_par(x, cos, sin, n_dims, neox, dst, n_chunks):
 
 @njit(cache=True, inline="always")
 def _rope_rows(x, cos, sin, n_dims, neox, dst, r0, r1):
-    ne3, ne2, ne1, ne0 = x.shape
+    _ne3, ne2, ne1, ne0 = x.shape
     half = n_dims // 2
     for r in range(r0, r1):
         i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1

@@ -26,8 +26,9 @@ _PACKAGE = Path(__file__).resolve().parent.parent          # .../ggml_dist
 
 
 def kernel_cache_dir() -> Path:
-    if config.CACHE_DIR:
-        return Path(config.CACHE_DIR) / "ggml_dist"
+    # numba.config sets its options at run time, from the environment, so mypy cannot see them
+    if config.CACHE_DIR:                                            # type: ignore[attr-defined]
+        return Path(config.CACHE_DIR) / "ggml_dist"                 # type: ignore[attr-defined]
     base = os.environ.get("GGML_DIST_CACHE")
     return (Path(base) if base else Path.home() / ".cache" / "ggml_dist") / "kernels"
 

@@ -6,12 +6,13 @@ add can double-round, which happens on a vanishing fraction of inputs.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 F32 = np.float32
 F64 = np.float64
 
 
-def fma32(a: np.ndarray | float, b: np.ndarray | float, c: np.ndarray | float) -> np.ndarray:
+def fma32(a: npt.ArrayLike, b: npt.ArrayLike, c: npt.ArrayLike) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):   # inf/nan lanes (masked -inf) are expected
         return (np.asarray(a, F64) * np.asarray(b, F64) + np.asarray(c, F64)).astype(F32)
 
@@ -194,10 +195,7 @@ def _build_vexp_nb():
                 sb[1] = np.uint32((e - g) & np.uint64(0xFFFFFFFF))
                 s1 = ss[0]
                 s2 = ss[1]
-                if an > 192:
-                    r = F32(s1 * s1)
-                else:
-                    r = F32(F32(F64(s2) * F64(j) + F64(s2)) * s1)
+                r = F32(s1 * s1) if an > 192 else F32(F32(F64(s2) * F64(j) + F64(s2)) * s1)
             out[i] = r
 
     return _vexp_nb

@@ -39,8 +39,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from ..core.types import GGMLType, row_size
+from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 
 T = GGMLType
 F32 = np.float32
@@ -65,15 +65,23 @@ _F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).
 # step's back-to-back launches cost a few us each, where numba's workqueue layer wakes sleeping threads
 # (50-100 us per launch on this 2-core VM: more than the product it splits). workqueue where no OpenMP
 # runtime loads. A user's NUMBA_THREADING_LAYER is kept. Takes effect only before the first parallel launch.
+# (numba.config sets its options at run time, from the environment, so mypy cannot see them: attr-defined)
 if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "default"
-    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
+    numba.config.THREADING_LAYER = "default"                                    # type: ignore[attr-defined]
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]         # type: ignore[attr-defined]
+
+
+def _numba_num_threads() -> int:
+    """numba.config.NUMBA_NUM_THREADS: the most threads a launch may use."""
+    return numba.config.NUMBA_NUM_THREADS                                       # type: ignore[attr-defined]
+
+
 def _default_threads() -> int:
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:          # not Linux
         n = os.cpu_count() or 1
-    return max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(n, _numba_num_threads()))
 
 
 _n_threads = _default_threads()
@@ -85,8 +93,8 @@ def set_threads(n: int) -> None:
     """Threads used by the kernels (numba.set_num_threads); applied on every launch, since numba's
     setting is per calling thread."""
     global _n_threads
-    if not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
-        raise ValueError(f"set_threads({n}): must be 1..{numba.config.NUMBA_NUM_THREADS} "
+    if not 1 <= n <= _numba_num_threads():
+        raise ValueError(f"set_threads({n}): must be 1..{_numba_num_threads()} "
                          f"(NUMBA_NUM_THREADS)")
     _n_threads = int(n)
 
@@ -767,7 +775,7 @@ def q8_block(xb, q, q8_1, lut):
     for j in range(32):
         qj = np.int8(np.rint(xb[j] * idv))
         q[j] = qj
-        isum += qj
+        isum += int(qj)
     d16 = _f16_round(d, lut)
     return True, d16, (_f16_round(d * F32(isum), lut) if q8_1 else d16), isum
 

@@ -39,10 +39,12 @@ fma is emulated in float64 (exact product, one double rounding of the add: vanis
 from __future__ import annotations
 
 import os
+from types import ModuleType
+from typing import Literal
 
 import numpy as np
 
-from ..core.types import GGMLType, TYPE_TRAITS, row_size
+from ..core.types import TYPE_TRAITS, GGMLType, row_size
 
 F32 = np.float32
 F64 = np.float64
@@ -66,10 +68,10 @@ _CHUNK_BYTES = 48 << 20
 # mul_mat runs the numba kernels of qkernels.py (same bits, both orders) unless GGML_DIST_NO_NUMBA=1 or numba is
 # missing; tests flip USE_NUMBA to compare the two.
 USE_NUMBA = os.environ.get("GGML_DIST_NO_NUMBA", "") not in ("1", "true", "yes")
-_qkernels = None        # the module once imported; False if numba is missing
+_qkernels: ModuleType | Literal[False] | None = None      # the module once imported; False if numba is missing
 
 
-def _numba_kernels():
+def _numba_kernels() -> ModuleType | Literal[False]:
     global _qkernels
     if _qkernels is None:
         try:
@@ -746,8 +748,8 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     kernels' order, ULP-level off the vec_dot order) and, for F32/F16/BF16, a float64 BLAS product
     rounded once. None = DEFAULT_ORDER.
     vec_n: the row count of X that picks the F32/F16/BF16 order="ggml" path (vec_dot for 1, tinyBLAS for
-    >= 2) and the tiled K-quant path (``takes_tiled``); None = N. Lets a caller stack the rows of several ggml slices (each output depends only on its
-    own row pair in every path) and keep each slice's order.
+    >= 2) and the tiled K-quant path (``takes_tiled``); None = N. Lets a caller stack the rows of several
+    ggml slices (each output depends only on its own row pair in every path) and keep each slice's order.
     """
     wtype = GGMLType(wtype)
     x = np.asarray(x, F32)
@@ -759,9 +761,7 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     M = w.shape[0]
     if wtype == T.F32 and w.dtype != F32:
         w = np.ascontiguousarray(w).view(F32).reshape(M, K)
-    elif wtype == T.F16 and w.dtype == np.float16:
-        w = (w if w.strides[-1] == 2 else np.ascontiguousarray(w)).view(np.uint8)
-    elif wtype == T.BF16 and w.dtype == np.uint16:
+    elif (wtype == T.F16 and w.dtype == np.float16) or (wtype == T.BF16 and w.dtype == np.uint16):
         w = (w if w.strides[-1] == 2 else np.ascontiguousarray(w)).view(np.uint8)
     out = np.empty((N, M), F32)
     if M == 0 or N == 0:
@@ -805,6 +805,7 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
             out[:, m0:m0 + step] = _mm_float(wtype, wc, y, order, tiny).T
         return out[0] if squeeze else out
 
+    xq: tuple[np.ndarray, ...]     # (qs, d) for Q8_0; (qs, d, s) for Q8_1; (qs, d, bsums) for Q8_K
     if vt == T.Q8_0:
         xq = quantize_q8_0(x)
     elif vt == T.Q8_1:

@@ -6,7 +6,7 @@ bindings afterwards, so the same graph can then be planned by a real allocator.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -53,7 +54,8 @@ def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float
     return cos, sin
 
 
-def _libm():
+def _libm() -> tuple[Callable[[float], float], Callable[[float], float]] | tuple[None, None]:
+    """libm's (cosf, sinf) through ctypes, or (None, None) where no libm loads."""
     name = ctypes.util.find_library("m")
     try:
         lib = ctypes.CDLL(name) if name else None
@@ -74,7 +76,8 @@ _COSF, _SINF = _libm()
 
 @lru_cache(maxsize=1 << 16)
 def _cos_sin_one(theta: float) -> tuple[float, float]:
-    return _COSF(theta), _SINF(theta)   # type: ignore[misc]
+    assert _COSF is not None and _SINF is not None, "called only with a loadable libm"
+    return _COSF(theta), _SINF(theta)
 
 
 def libm_cosf(theta: np.ndarray) -> np.ndarray:

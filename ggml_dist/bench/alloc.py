@@ -14,8 +14,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ggml_dist.alloc.gallocr import INPLACE_OPS, Gallocr
 from ggml_dist.alloc.lifetimes import lower_bound_bytes, lower_bound_inplace_bytes, naive_bytes

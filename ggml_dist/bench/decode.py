@@ -16,7 +16,8 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -93,7 +94,7 @@ def _child(which: str, path: str, prompt_len: int, gen: int, threads: int) -> di
     """Run one measurement in a fresh process (own peak RSS, no shared page-cache warm-up)."""
     cmd = [sys.executable, "-m", "ggml_dist.bench.decode", "--_child", which, "--model", path,
            "--prompt-len", str(prompt_len), "--gen", str(gen), "--threads", str(threads)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
     return json.loads(r.stdout.strip().splitlines()[-1])

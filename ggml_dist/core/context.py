@@ -6,12 +6,12 @@ no_alloc=False the tensors' bytes are carved from the arena too, which is backed
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from .tensor import MAX_DIMS, Tensor, default_nb, nbytes
-from .types import GGMLType, TYPE_TRAITS
+from .types import TYPE_TRAITS, GGMLType
 
 MEM_ALIGN = 16
 OBJECT_SIZE = 32                    # sizeof(struct ggml_object)

@@ -7,7 +7,7 @@ Python's recursion limit; it performs exactly the recursive visit's steps in the
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 from .tensor import Op, Tensor, TensorFlag
 
@@ -135,7 +135,7 @@ class Graph:
         self.leafs.clear()
         self.use_counts.clear()
 
-    def view(self, i0: int, i1: int) -> "Graph":
+    def view(self, i0: int, i1: int) -> Graph:
         """ggml_graph_view: nodes i0..i1, no leafs, shared use counts, uid 0.
 
         differs from ggml: the node list is a copy, not shared storage, so reordering a view does not
@@ -145,7 +145,7 @@ class Graph:
         g.use_counts = self.use_counts
         return g
 
-    def copy(self, size: int | None = None) -> "Graph":
+    def copy(self, size: int | None = None) -> Graph:
         """ggml_graph_cpy into a graph of at least this size."""
         size = self.size if size is None else size
         if size < max(self.n_nodes, self.n_leafs):

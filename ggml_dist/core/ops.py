@@ -7,12 +7,11 @@ zero-copy, owning no memory (ggml-mechanisms.md §1.2).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .context import Context
-from .tensor import (MAX_DIMS, GLUOp, Op, Tensor, UnaryOp, are_same_shape, can_repeat,
-                     is_contiguous, nbytes)
-from .types import GGMLType, TYPE_TRAITS, is_quantized
+from .tensor import MAX_DIMS, GLUOp, Op, Tensor, UnaryOp, are_same_shape, can_repeat, is_contiguous, nbytes
+from .types import TYPE_TRAITS, GGMLType, is_quantized
 
 
 class ShapeError(ValueError):
@@ -109,7 +108,7 @@ def glu(ctx: Context, a: Tensor, b: Tensor | None, gop: GLUOp, swapped: bool = F
     """ggml_glu / ggml_glu_split: act(a) * b, or halves of a when b is None."""
     if b is None:
         _check(a.ne[0] % 2 == 0, "GLU", "a fused GLU input needs an even ne[0]", a)
-        ne = (a.ne[0] // 2,) + a.ne[1:]
+        ne = (a.ne[0] // 2, *a.ne[1:])
     else:
         _check(are_same_shape(a, b) and a.type == b.type, "GLU", "a and b must match", a, b)
         ne = a.ne

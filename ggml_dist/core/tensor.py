@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from .types import GGMLType, TYPE_TRAITS
+from .types import TYPE_TRAITS, GGMLType
 
 MAX_DIMS = 4
 MAX_SRC = 10
@@ -79,8 +79,8 @@ class Tensor:
     op: Op = Op.NONE
     op_params: tuple[Any, ...] = ()
     flags: TensorFlag = TensorFlag(0)
-    src: list["Tensor | None"] = field(default_factory=list)
-    view_src: "Tensor | None" = None
+    src: list[Tensor | None] = field(default_factory=list)
+    view_src: Tensor | None = None
     view_offs: int = 0
     name: str = ""
     buffer: Any = None           # the backend buffer that owns the bytes, once allocated
@@ -124,17 +124,17 @@ class Tensor:
     def op_param(self, i: int, default: Any = 0) -> Any:
         return self.op_params[i] if i < len(self.op_params) else default
 
-    def set_name(self, name: str) -> "Tensor":
+    def set_name(self, name: str) -> Tensor:
         """ggml_set_name: names are truncated to MAX_NAME-1 characters, as in ggml."""
         self.name = name[: MAX_NAME - 1]
         return self
 
-    def set_input(self) -> "Tensor":
+    def set_input(self) -> Tensor:
         """ggml_set_input: only this tensor."""
         self.flags |= TensorFlag.INPUT
         return self
 
-    def set_output(self) -> "Tensor":
+    def set_output(self) -> Tensor:
         """ggml_set_output: this tensor and its view root, so the root's memory is kept too."""
         t: Tensor | None = self
         while t is not None:
@@ -142,7 +142,7 @@ class Tensor:
             t = t.view_src
         return self
 
-    def set_param(self) -> "Tensor":
+    def set_param(self) -> Tensor:
         assert self.op == Op.NONE, "ggml_set_param needs a tensor with op NONE"
         self.flags |= TensorFlag.PARAM
         return self

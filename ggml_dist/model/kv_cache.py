@@ -13,11 +13,11 @@ then addressed by its absolute index stream * kv_size + cell, in the bookkeeping
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from ..backends.base import tensor_array, tensor_get, tensor_set
+from ..backends.base import Buffer, BufferType, tensor_array, tensor_get, tensor_set
 from ..core import ops
 from ..core.context import Context
 from ..core.tensor import Tensor
@@ -252,7 +252,7 @@ class KVCache:
             k = self.ctx.new_tensor(type_k, (n_embd_k_gqa, self.kv_size, ns))
             v = self.ctx.new_tensor(type_v, (self.kv_size, n_embd_v_gqa, ns))
             self.k_l[il], self.v_l[il] = k.set_name(f"cache_k_l{il}"), v.set_name(f"cache_v_l{il}")
-        self.buffers: list = []
+        self.buffers: list[Buffer] = []
 
     @property
     def unified(self) -> bool:
@@ -270,10 +270,10 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
-    def allocate(self, buft, layer_buft=None) -> None:
+    def allocate(self, buft: BufferType, layer_buft: Callable[[int], BufferType] | None = None) -> None:
         """Place K and V in zeroed buffers (llama.cpp clears the cache at creation): one buffer of buft,
         or, with layer_buft(il) -> buft, one buffer per distinct buffer type (a pipeline's stages)."""
-        groups: dict[int, tuple[object, list[Tensor]]] = {}
+        groups: dict[int, tuple[BufferType, list[Tensor]]] = {}
         for il in self.layers:
             b = layer_buft(il) if layer_buft is not None else buft
             groups.setdefault(id(b), (b, []))[1].extend((self.k_l[il], self.v_l[il]))

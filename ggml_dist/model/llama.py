@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .graph_context import GraphContext, GraphInputs, GraphKey, GraphResult, graph_max_nodes
 from .gemma3 import build_gemma3
+from .graph_context import GraphContext, GraphInputs, GraphKey, GraphResult, graph_max_nodes
 from .qwen3 import build_qwen3
 
 __all__ = ["GraphInputs", "GraphKey", "GraphResult", "LlamaGraphBuilder", "build_llama", "graph_max_nodes"]

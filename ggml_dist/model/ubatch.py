@@ -7,8 +7,8 @@ length per stream); split_seq is there for the other memory kinds and tests.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -27,7 +27,7 @@ class Batch:
 
     @classmethod
     def from_tokens(cls, tokens: list[int] | np.ndarray, pos0: int = 0, seq_id: int = 0,
-                    all_outputs: bool = False) -> "Batch":
+                    all_outputs: bool = False) -> Batch:
         """One sequence, consecutive positions; only the last token outputs unless all_outputs."""
         tok = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = len(tok)

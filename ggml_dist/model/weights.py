@@ -6,13 +6,13 @@ file's bytes at its offset, so a 4-bit model costs 4 bits per weight of page cac
 from __future__ import annotations
 
 import mmap
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
+from ..backends.base import BufferUsage
 from ..core.context import Context
 from ..core.tensor import Tensor, nbytes
-from ..backends.base import BufferUsage
 from .gguf import GGUFFile
 
 

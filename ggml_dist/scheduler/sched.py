@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..alloc.gallocr import Gallocr
 from ..backends.base import DeviceType
@@ -431,5 +432,5 @@ class Sched:
         return b.name if b is not None else "NULL"
 
 
-__all__ = ["Sched", "Split", "SchedError", "SchedAssignError", "GGML_SCHED_MAX_BACKENDS",
-           "GGML_SCHED_MAX_SPLIT_INPUTS", "GGML_SCHED_MAX_COPIES", "tensor_copy", "cpy_tensor_async"]
+__all__ = ["GGML_SCHED_MAX_BACKENDS", "GGML_SCHED_MAX_COPIES", "GGML_SCHED_MAX_SPLIT_INPUTS", "Sched",
+           "SchedAssignError", "SchedError", "Split", "cpy_tensor_async", "tensor_copy"]

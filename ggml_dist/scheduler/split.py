@@ -59,13 +59,13 @@ def dup_tensor_layout(sched, s: Tensor, name: str) -> Tensor:
 def pass5_split(sched, graph: Graph) -> None:
     """Pass 5 (§3.3 S5): cut the node list into splits and create the copies of the inputs."""
     nodes = graph.nodes
-    i = 0
+    i_first = 0     # the first node that is not a view
     first_backend = -1
-    while i < len(nodes):
-        if not nodes[i].is_view_op:
-            first_backend = tensor_backend_id(sched, nodes[i])
+    while i_first < len(nodes):
+        if not nodes[i_first].is_view_op:
+            first_backend = tensor_backend_id(sched, nodes[i_first])
             break
-        i += 1
+        i_first += 1
     if first_backend == -1:
         # differs from ggml: a graph with only view ops leaves splits[0].backend_id stale there; here
         # it is the last backend (CPU), which has nothing to compute for it anyway
@@ -73,7 +73,7 @@ def pass5_split(sched, graph: Graph) -> None:
     split = Split(first_backend, 0)
     sched.splits = [split]
     cur = first_backend
-    for i in range(i, len(nodes)):
+    for i in range(i_first, len(nodes)):
         node = nodes[i]
         if node.is_view_op:
             continue
@@ -166,12 +166,12 @@ def build_graph_copy(sched, graph: Graph) -> None:
             sb = tensor_backend_id(sched, s)
             for c in range(sched.n_copies):
                 _grow_set(leaf_ids, len(leafs), sb)
-                leafs.append(sched.tensor_id_copy(s, sb, c))          # type: ignore[arg-type]
+                leafs.append(sched.tensor_id_copy(s, sb, c))
         for sp in sched.splits:
             for s in sp.inputs:
                 for c in range(sched.n_copies):
                     _grow_set(leaf_ids, len(leafs), sp.backend_id)
-                    leafs.append(sched.tensor_id_copy(s, sp.backend_id, c))  # type: ignore[arg-type]
+                    leafs.append(sched.tensor_id_copy(s, sp.backend_id, c))
     for t in graph.leafs:
         _grow_set(leaf_ids, len(leafs), tensor_backend_id(sched, t))
         leafs.append(t)

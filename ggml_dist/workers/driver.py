@@ -23,10 +23,10 @@ from ..backends.cpu_ops import ComputeOptions
 from ..core.context import Context
 from ..core.graph import Graph
 from ..core.tensor import Tensor
-from ..model.context import ContextParams, LlamaContext
-from ..model.model import LlamaModel
 from ..core.types import GGMLType
+from ..model.context import ContextParams, LlamaContext
 from ..model.kv_cache import kv_cells
+from ..model.model import LlamaModel
 from .placement import STAGE_OVERHEAD_BYTES, ModelSizes, NodeInfo, Placement, place, place_on_nodes
 from .proxy import Call, Exports, RemoteBuffer, StageDevice, StageProxy
 from .stage import EVERY_STAGE

@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 
 class HealthServer:
@@ -94,7 +94,7 @@ class StageWatch:
         except rex.GetTimeoutError:
             self._probe_until_ready(handles)
             out = ray.get(handles)
-        self.recent = (self.recent + [time.perf_counter() - t0])[-16:]
+        self.recent = [*self.recent, time.perf_counter() - t0][-16:]
         return out
 
     def _probe_until_ready(self, handles: list) -> None:

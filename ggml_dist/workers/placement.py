@@ -17,8 +17,8 @@ are only gathered from.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 from ..model.gguf import GGUFFile
 from ..model.hparams import LlamaHParams
@@ -78,8 +78,8 @@ class Placement:
     stages: list[StagePlan]
 
     def table(self) -> str:
-        rows = [f"{'stage':>5} {'node':<15} {'layers':<9} {'weights MiB':>12} {'KV MiB':>8} "
-                f"{'compute MiB':>12} {'overhead MiB':>13} {'total MiB':>10} {'node/budget MiB':>16}"]
+        rows = [(f"{'stage':>5} {'node':<15} {'layers':<9} {'weights MiB':>12} {'KV MiB':>8} "
+                 f"{'compute MiB':>12} {'overhead MiB':>13} {'total MiB':>10} {'node/budget MiB':>16}")]
         for s in self.stages:
             cap = s.node_memory_bytes if s.node_memory_bytes is not None else s.budget_bytes
             c = f"{cap / MIB:16.1f}" if cap else f"{'-':>16}"
@@ -116,7 +116,7 @@ class ModelSizes:
         return self._prefix[hi] - self._prefix[lo]   # type: ignore[attr-defined]
 
     @classmethod
-    def of(cls, f: GGUFFile, hp: LlamaHParams, n_ctx: int, kv_type_size: int = 2) -> "ModelSizes":
+    def of(cls, f: GGUFFile, hp: LlamaHParams, n_ctx: int, kv_type_size: int = 2) -> ModelSizes:
         per, first, last = layer_weight_bytes(f, hp.n_layer)
         return cls(per, first, last, "output.weight" not in f.tensors,
                    (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size)
@@ -242,7 +242,7 @@ def _fit_k(m: ModelSizes, nodes: Sequence[NodeInfo], compute: Sequence[int],
     if k <= 5:
         orders = set(itertools.permutations(nodes))
     else:
-        orders = {tuple(nodes), tuple(nodes[1:]) + (nodes[0],), tuple(reversed(nodes))}
+        orders = {tuple(nodes), (*nodes[1:], nodes[0]), tuple(reversed(nodes))}
     best: tuple[int, Placement] | None = None
     for order in sorted(orders, key=lambda o: [n.node_id for n in o]):      # deterministic ties
         caps = [n.memory_bytes - overhead - compute[i] for i, n in enumerate(order)]

@@ -15,12 +15,13 @@ The plan id is a hash of the description, so a reused graph shape costs only the
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 
-from ..core.context import Context, TENSOR_OVERHEAD
+from ..core.context import TENSOR_OVERHEAD, Context
 from ..core.graph import Graph
 from ..core.tensor import Op, Tensor, TensorFlag
 from ..core.types import GGMLType
@@ -96,7 +97,7 @@ def rebuild(desc: dict[str, Any], weights: dict[str, Tensor], kv: dict[str, Tens
         if vsrc >= i or any(s >= i for s in r["src"]):
             raise PlanError(f"tensor {i} refers forward; plans list operands first")
         t = ctx.new_tensor(GGMLType(r["type"]), r["ne"], ts[vsrc] if vsrc >= 0 else None, r["view_offs"])
-        t.nb = tuple(r["nb"])  # type: ignore[assignment]
+        t.nb = tuple(r["nb"])
         t.op, t.op_params = Op(r["op"]), tuple(r["op_params"])
         t.flags = TensorFlag(r["flags"])
         t.src = [ts[s] if s >= 0 else None for s in r["src"]]

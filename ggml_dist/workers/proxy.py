@@ -15,8 +15,9 @@ dependency between stages is the event.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class Exports:
     handles: dict[Tensor, Any] = field(default_factory=dict)   # export -> handle of the call that made it
 
     @classmethod
-    def of(cls, sched: Any, graph: Graph) -> "Exports":
+    def of(cls, sched: Any, graph: Graph) -> Exports:
         pos = {t: i for i, t in enumerate(graph.nodes)}
         ex = cls()
         for sp in sched.splits:
@@ -62,9 +63,9 @@ class RemoteBufferType:
         self.name = name
         self.alignment = alignment
         self.max_size = max_size
-        self.proxy: "StageProxy | None" = None
+        self.proxy: StageProxy | None = None
 
-    def alloc_buffer(self, size: int) -> "RemoteBuffer":
+    def alloc_buffer(self, size: int) -> RemoteBuffer:
         return RemoteBuffer(self, size)
 
     def get_alloc_size(self, t: Tensor) -> int:
@@ -133,7 +134,7 @@ class StageDevice:
     def memory(self) -> tuple[int, int]:
         return self._mem
 
-    def init_backend(self) -> "StageProxy":
+    def init_backend(self) -> StageProxy:
         raise RuntimeError("a stage proxy is created with its actor (workers/cluster.py)")
 
 
@@ -142,7 +143,7 @@ class Call:
     """How a proxy reaches its actor: submit returns a handle at once; get waits for handles."""
     submit: Submit
     get: Get
-    wait: Callable[[list], None]
+    wait: Callable[[list], object]
 
 
 class StageProxy:
@@ -262,7 +263,7 @@ class StageProxy:
     def submit(self, fn: Callable[[], None]) -> None:
         fn()                              # nothing runs on the driver in this backend's stream
 
-    def event_record(self) -> "HandleEvent":
+    def event_record(self) -> HandleEvent:
         return HandleEvent(self.call, self.last_handle)
 
     def event_wait(self, ev: Any) -> None:

@@ -21,9 +21,10 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,7 @@ class WeightManifest:
         return {"tensors": [list(t) for t in self.tensors], "total": self.total, "checksum": self.checksum}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WeightManifest":
+    def from_dict(cls, d: dict[str, Any]) -> WeightManifest:
         try:
             ts = [(str(n), int(ty), [int(x) for x in ne], int(off), int(nb)) for n, ty, ne, off, nb in d["tensors"]]
             m = cls(ts, int(d["total"]), str(d["checksum"]))
@@ -83,11 +84,13 @@ def _pieces(weights: dict[str, Tensor], names: list[str]) -> Iterator[tuple[int,
 
 def manifest(weights: dict[str, Tensor], names: list[str]) -> WeightManifest:
     h = hashlib.blake2b(digest_size=16)
-    ts, end = [], 0
+    ts: list[tuple[str, int, list[int], int, int]] = []
+    end = 0
     for off, a in _pieces(weights, names):
         h.update(bytes(off - end))                      # the alignment padding, zeros in the file
         for i in range(0, a.nbytes, _HASH_BLOCK):
-            h.update(a[i:i + _HASH_BLOCK])
+            # .data is memoryview(...): numpy's stubs type arrays as buffers only from Python 3.12
+            h.update(a[i:i + _HASH_BLOCK].data)
         t = weights[names[len(ts)]]
         ts.append((t.name, int(t.type), list(t.ne), off, a.nbytes))
         end = off + a.nbytes
@@ -163,7 +166,8 @@ class WeightReceiver:
             return True
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._f = open(p.with_suffix(f".bin.tmp{os.getpid()}"), "wb")
+            # not a `with`: the file stays open across weights_chunk calls, and finish() closes it
+            self._f = open(p.with_suffix(f".bin.tmp{os.getpid()}"), "wb")  # noqa: SIM115
         except OSError as e:
             raise ShippingError(f"cannot write the weight cache under {self.root}: {e}") from None
         self._h, self._written = hashlib.blake2b(digest_size=16), 0

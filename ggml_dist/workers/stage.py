@@ -30,7 +30,7 @@ from ..model.kv_cache import KVCache
 from ..model.weights import MappedBuffer, load_weights
 from .plan import PlanError, RebuiltPlan, rebuild
 from .shipping import WeightManifest, WeightReceiver
-from .wire import WireTensor, decode, encode
+from .wire import Message, WireTensor, decode, encode
 
 MAX_PLANS = 32           # plans a stage keeps (LRU); its proxy mirrors the same LRU
 # non-layer tensors every stage's layers read: llama3 rope scaling's frequency factors (llama.cpp gives
@@ -252,7 +252,7 @@ class StageWorker:
             out.append(WireTensor(key, t.type, t.ne, arr))
         return out
 
-    def compute(self, pid: str, desc: dict | None, inputs: bytes, *upstream: bytes,
+    def compute(self, pid: str, desc: dict | None, inputs: Message, *upstream: Message,
                 incarnation: str | None = None) -> bytearray:
         """incarnation: the one the driver last saw in info(); a call for another is refused."""
         if incarnation is not None and incarnation != self.incarnation:

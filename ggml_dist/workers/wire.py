@@ -11,14 +11,15 @@ trusted. No pickle anywhere.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
 
 from ..core.tensor import MAX_DIMS
-from ..core.types import GGMLType, TYPE_TRAITS
+from ..core.types import TYPE_TRAITS, GGMLType
 
 VERSION = 1
 MAX_TENSORS = 4096
@@ -28,6 +29,10 @@ _LEN = struct.Struct("<I")
 _NP = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16,
        GGMLType.I8: np.int8, GGMLType.I16: np.int16, GGMLType.I32: np.int32, GGMLType.I64: np.int64,
        GGMLType.F64: np.float64}
+
+
+# a message as it arrives: bytes, or a uint8 array (cluster.StageActor passes on the zero-copy arrays of Ray)
+Message = bytes | bytearray | memoryview | np.ndarray
 
 
 class WireError(ValueError):
@@ -58,7 +63,8 @@ def _dense_nbytes(type: GGMLType, ne: Sequence[int]) -> int:
 def encode(tensors: Sequence[WireTensor], meta: dict[str, Any] | None = None) -> bytearray:
     """Pack tensors (made contiguous if they are not) and a small metadata dict into one message."""
     arrays = [np.ascontiguousarray(t.data) for t in tensors]
-    entries, offs = [], 0
+    entries: list[dict[str, Any]] = []
+    offs = 0
     for t, a in zip(tensors, arrays):
         n = _dense_nbytes(t.type, t.ne)
         if a.nbytes != n:
@@ -74,13 +80,14 @@ def encode(tensors: Sequence[WireTensor], meta: dict[str, Any] | None = None) ->
     view = memoryview(out)
     for e, a in zip(entries, arrays):
         if e["nbytes"]:                          # an empty tensor (no output rows) has no bytes
-            view[base + e["offs"]: base + e["offs"] + e["nbytes"]] = memoryview(a).cast("B")
+            view[base + e["offs"]: base + e["offs"] + e["nbytes"]] = a.data.cast("B")   # a.data is memoryview(a)
     return out
 
 
-def decode(msg: bytes | bytearray | memoryview) -> tuple[list[WireTensor], dict[str, Any]]:
+def decode(msg: Message) -> tuple[list[WireTensor], dict[str, Any]]:
     """Validate and unpack a message; tensors are zero-copy views into msg."""
-    view = memoryview(msg).cast("B")
+    # an array's .data is memoryview(array); numpy's stubs type arrays as buffers only from Python 3.12
+    view = (msg.data if isinstance(msg, np.ndarray) else memoryview(msg)).cast("B")
     if len(view) < _LEN.size:
         raise WireError(f"message of {len(view)} B is shorter than its length prefix")
     (hlen,) = _LEN.unpack_from(view, 0)
@@ -89,7 +96,7 @@ def decode(msg: bytes | bytearray | memoryview) -> tuple[list[WireTensor], dict[
     try:
         header = msgpack.unpackb(view[_LEN.size:_LEN.size + hlen], raw=False, strict_map_key=True,
                                  max_array_len=MAX_TENSORS * 8, max_map_len=64, max_str_len=4096)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
+    except Exception as e:  # noqa: BLE001  (msgpack raises several unrelated types on garbage; re-raised)
         raise WireError(f"header is not valid msgpack: {e}") from None
     if not isinstance(header, dict) or header.get("v") != VERSION:
         raise WireError(f"unknown header (version {header.get('v') if isinstance(header, dict) else '?'})")
@@ -103,7 +110,8 @@ def decode(msg: bytes | bytearray | memoryview) -> tuple[list[WireTensor], dict[
 def _decode_one(e: Any, payload: memoryview) -> WireTensor:
     if not isinstance(e, dict):
         raise WireError("tensor entry is not a map")
-    name, type_id, ne, nb = e.get("name"), e.get("type"), e.get("ne"), e.get("nb")
+    name, ne, nb = e.get("name"), e.get("ne"), e.get("nb")
+    type_id: Any = e.get("type")        # any msgpack value: GGMLType() refuses a non-member with ValueError
     offs, nbytes = e.get("offs"), e.get("nbytes")
     if not isinstance(name, str) or len(name) > MAX_KEY:
         raise WireError(f"tensor key {str(name)[:40]!r} is not a string of at most {MAX_KEY} characters")
@@ -118,7 +126,7 @@ def _decode_one(e: Any, payload: memoryview) -> WireTensor:
         raise WireError(f"'{name}': ne {ne!r} is not 4 non-negative integers")
     if ne[0] % TYPE_TRAITS[type].blck_size:
         raise WireError(f"'{name}': ne[0]={ne[0]} is not a multiple of the {type.name} block size")
-    wt = WireTensor(name, type, tuple(ne), np.empty(0))  # type: ignore[arg-type]
+    wt = WireTensor(name, type, tuple(ne), np.empty(0))
     if nb != list(wt.nb):
         raise WireError(f"'{name}': strides {nb!r} are not the dense strides {list(wt.nb)}")
     want = _dense_nbytes(type, ne)
@@ -132,5 +140,5 @@ def _decode_one(e: Any, payload: memoryview) -> WireTensor:
         data = raw.view(_NP[type]).reshape(shape)
     else:
         tt = TYPE_TRAITS[type]
-        data = raw.reshape(shape[:3] + (ne[0] // tt.blck_size * tt.type_size,))
+        data = raw.reshape((*shape[:3], ne[0] // tt.blck_size * tt.type_size))
     return WireTensor(name, type, wt.ne, data)
