@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="engine processes in this machine, each with "
                    "parallel/replicas of the slots, the cores split among those with requests: more "
                    "throughput with many clients on a multi-core CPU; each process loads the model")
+    p.add_argument("--pooling", choices=["mean", "last", "cls"], default=None,
+                   help="/v1/embeddings: how a prompt's final-norm rows are pooled (llama-server's "
+                   "--pooling; without it the endpoint answers 400)")
     p.add_argument("--kv-unified", choices=["auto", "on", "off"], default="auto",
                    help="one KV cache stream shared by the slots (on), or a stream per slot whose attention "
                    "spans only its own cells (off); auto: off in one process, on over a pipeline")
@@ -374,7 +377,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
                        max_queue=args.max_queue, threads_per_stage=args.threads,
                        kv_unified={"auto": None, "on": True, "off": False}[args.kv_unified],
-                       cache_prompt=not args.no_cache_prompt, n_replicas=args.replicas,
+                       cache_prompt=not args.no_cache_prompt, n_replicas=args.replicas, pooling=args.pooling,
                        chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
     name = args.alias or Path(args.model).stem
     print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "

@@ -75,6 +75,7 @@ class UbatchRecord:
     fetch_tokens: Callable[[], np.ndarray] | None = None   # tokens chosen where the logits are
     tokens: list[int] | None = None
     done: bool = False                              # its result came back since it was last run
+    embd: bool = False                              # outputs are embeddings (the final norm's rows)
 
     def result(self) -> np.ndarray:
         if self.value is None:
@@ -242,10 +243,13 @@ class LlamaContext:
         return self.submit(batch).result()
 
     def submit(self, batch: Batch, sampling: list[RowSampling] | None = None,
-               keep_logits: bool = True) -> PendingLogits:
+               keep_logits: bool = True, embeddings: bool = False) -> PendingLogits:
         """Queue every ubatch of a batch; the KV cells advance now, the logits come with result().
         sampling: one RowSampling per output token (batch order): result's tokens() are chosen where
-        the logits are (a pipeline's last stage), and with keep_logits=False only they come back."""
+        the logits are (a pipeline's last stage), and with keep_logits=False only they come back.
+        embeddings: the outputs are the final norm's rows [n_out, n_embd] instead of logits."""
+        if embeddings and sampling is not None:
+            raise BatchError("embeddings are not sampled")
         hp = self.model.hp
         batch.validate(hp.n_vocab, self.params.n_seq_max)
         rank = None
@@ -273,7 +277,7 @@ class LlamaContext:
                 break
             slot = cells.find_slot_ubatch(ub.seq_ids, ub.n_seqs)
             cells.apply(slot, ub.pos, ub.seq_ids)
-            rec = UbatchRecord(ub, slot, cells.n_kv(self._streams(ub)))
+            rec = UbatchRecord(ub, slot, cells.n_kv(self._streams(ub)), embd=embeddings)
             if sampling is not None and rank is not None:
                 rec.sampling = [sampling[rank[int(i)]] for i in ub.idx[ub.output]]
                 rec.keep_logits = keep_logits
@@ -282,7 +286,7 @@ class LlamaContext:
             self._submit_recovering(rec)
             if ub.n_outputs:
                 records.append(rec)
-        return PendingLogits(self, records, hp.n_vocab)
+        return PendingLogits(self, records, hp.n_embd if embeddings else hp.n_vocab)
 
     def _check_room(self, batch: Batch) -> None:
         """ContextFullError before anything is written: the batch's tokens need free cells (in the stream
@@ -374,7 +378,7 @@ class LlamaContext:
         a pipeline); rec.fetch then reads its logits."""
         ub, slot = rec.ub, rec.slot
         streams = self._streams(ub)
-        key = GraphKey(ub.n_tokens, ub.n_outputs, rec.n_kv, len(streams), streams.start)
+        key = GraphKey(ub.n_tokens, ub.n_outputs, rec.n_kv, len(streams), streams.start, rec.embd)
         res = self.gf_res_prev
         if res is not None and res.key == key:
             if not self.pipelined:              # the previous compute may still read the inputs

@@ -33,6 +33,7 @@ class GraphKey:
     n_kv: int
     n_stream: int = 1
     s0: int = 0
+    embd: bool = False         # the output is the final norm's rows (embeddings), not the head's logits
 
 
 @dataclass
@@ -189,6 +190,10 @@ class GraphContext:
     def build_output(self, ctx: Context, gf: Graph, h: Tensor, inp: GraphInputs, key: GraphKey) -> GraphResult:
         """logits = Wout · norm(h), Wout = token_embd when the file has no output.weight (tied)."""
         cur = self.build_norm(ctx, h, "output_norm.weight", "result_norm")
+        if key.embd:                        # llama.cpp's t_embd: pooled by the caller
+            cur.set_output()
+            gf.build_forward_expand(cur)
+            return GraphResult(key, gf, inp, cur, ctx)
         # a pipeline's driver binds output.weight to the last stage even when tied (workers/driver.py)
         w_out = self.w.get("output.weight", self.w["token_embd.weight"])
         logits = ops.mul_mat(ctx, w_out, cur).set_name("result_output")   # ne = (n_vocab, n_outputs)

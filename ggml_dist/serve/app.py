@@ -8,6 +8,7 @@ wake-up (_Deliver).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import sys
 import threading
@@ -179,6 +180,43 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         text = b"".join(tok.token_to_piece(t) for t in ids).decode("utf-8", errors="replace")
         return JSONResponse({"content": text})
 
+    @app.post("/v1/embeddings")
+    async def embeddings(http: HTTPRequest) -> JSONResponse:
+        """OpenAI's embeddings: the server's --pooling of the final norm's rows, L2-normalized."""
+        body = await _read_json(http, max_body_bytes)
+        for name in ("dimensions",):
+            if body.get(name) is not None:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name,
+                               code="unsupported_parameter")
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise _invalid("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+        if engine.cfg.pooling is None:
+            raise _invalid("this server computes no embeddings: the model's pooling type is none; start it "
+                           "with --pooling mean|last|cls", "input")
+        if engine.cfg.n_replicas > 1:
+            raise _invalid("embeddings need --replicas 1", "input")
+        tok = _tokenizer(engine)
+        inputs = _embedding_inputs(body.get("input"), tok.n_vocab)
+        prompts = [await asyncio.to_thread(tok.encode, x, add_special=True, parse_special=True)
+                   if isinstance(x, str) else x for x in inputs]
+        for ids in prompts:
+            if not ids:
+                raise _invalid("an input is empty", "input")
+            if len(ids) > engine.n_ctx_slot:
+                raise APIError(400, f"an input has {len(ids)} tokens; the context per request is "
+                               f"{engine.n_ctx_slot}", param="input", code="context_length_exceeded")
+        try:
+            vecs = [await asyncio.wrap_future(engine.embed(ids)) for ids in prompts]
+        except NotReady as e:
+            raise APIError(503, str(e), "server_error", code="model_not_ready") from None
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64"
+                 else [float(x) for x in v]} for i, v in enumerate(vecs)]
+        n = sum(len(p) for p in prompts)
+        return JSONResponse({"object": "list", "data": data, "model": model_name,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
+
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
         body = await _read_json(http, max_body_bytes)
@@ -255,6 +293,26 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
 
 def _invalid(message: str, param: str | None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _embedding_inputs(x: Any, n_vocab: int) -> list:
+    """OpenAI's `input`: a string, a list of strings, a list of token ids, or a list of such lists."""
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    if isinstance(x, str):
+        out: list = [x]
+    elif ids(x):
+        out = [x]
+    elif isinstance(x, list) and x and all(isinstance(v, str) or ids(v) for v in x):
+        out = list(x)
+    else:
+        raise _invalid("'input' must be a string, a list of strings, token ids, or lists of token ids", "input")
+    if len(out) > 256:
+        raise _invalid(f"at most 256 inputs per request, got {len(out)}", "input")
+    for v in out:
+        if not isinstance(v, str) and any(not 0 <= t < n_vocab for t in v):
+            raise _invalid(f"a token id is outside the vocabulary (0..{n_vocab - 1})", "input")
+    return out
 
 
 _MAX_PIECE: dict[int, int] = {}

@@ -30,6 +30,7 @@ sequences are not moved). 8 clients over 2 stages measured 65-69 tok/s with a st
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
 import sys
@@ -151,8 +152,12 @@ class EngineConfig:
     cache_prompt: bool = True               # a finished request's tokens stay in its slot's stream, and
                                             # a prompt starting with them reuses them (KV stream per slot)
     n_replicas: int = 1                     # engine processes sharing the slots (serve.replicas)
+    pooling: str | None = None              # /v1/embeddings: "mean", "last" or "cls" (llama-server's
+                                            # --pooling; the files we load carry pooling type none)
 
     def __post_init__(self) -> None:
+        if self.pooling not in (None, "mean", "last", "cls"):
+            raise ValueError(f"--pooling must be mean, last or cls, got {self.pooling!r}")
         if not 1 <= self.n_parallel <= 64:
             raise ValueError(f"--parallel must be 1..64 (KV sequence ids), got {self.n_parallel}")
         if self.n_ctx // self.n_parallel < 8:
@@ -185,6 +190,7 @@ class Engine:
         self.load_error: str | None = None
         self.busy_s = 0.0                       # in-process compute time (one stage)
         self._queue: collections.deque[Request] = collections.deque()
+        self._jobs: collections.deque = collections.deque()     # (prompt, Future): embeddings
         self._cv = threading.Condition()
         self._slots: list[Sequence | None] = [None] * cfg.n_parallel
         self._cached: list[list[int]] = [[] for _ in range(cfg.n_parallel)]   # a free slot's KV tokens
@@ -329,10 +335,11 @@ class Engine:
         while True:
             with self._cv:
                 while (not self._stopping and not self._queue and not self._in_flight
-                       and not any(self._slots)):
+                       and not any(self._slots) and not self._jobs):
                     self._cv.wait()
                 if self._stopping:
                     break
+                self._run_jobs()
                 self._reap()
                 self._admit()
                 self._compact()
@@ -346,6 +353,51 @@ class Engine:
             if s is not None:
                 s.in_flight = False
                 self._finish(s, "cancelled")
+        while self._jobs:
+            self._jobs.popleft()[1].set_exception(NotReady("the server is shutting down"))
+
+    # -- embeddings (a job between steps, in a free slot) ---------------------------------------------
+    def embed(self, prompt: list[int]) -> concurrent.futures.Future:
+        """The pooled, L2-normalized embedding of a prompt (cfg.pooling), computed by the engine thread
+        in a free slot between steps; a Future of float32 [n_embd]."""
+        if not self.ready.is_set() or self.load_error:
+            raise NotReady(self.load_error or "the model is still loading; retry when /health is ok")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._jobs.append((prompt, fut))
+            self._cv.notify()
+        return fut
+
+    def _run_jobs(self) -> None:
+        while self._jobs and None in self._slots:
+            prompt, fut = self._jobs.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(self._embed_now(prompt, self._slots.index(None)))
+            except Exception as e:           # this request fails, not the engine
+                fut.set_exception(e)
+
+    def _embed_now(self, prompt: list[int], slot: int) -> np.ndarray:
+        """llama-server's embedding: the final norm's rows of every prompt token, pooled (mean, the
+        last token's, or the first's), then divided by their Euclidean norm (summed in double)."""
+        assert self.ctx is not None and self.cfg.pooling is not None
+        if self._cached[slot]:
+            self._cached[slot] = []
+        self.ctx.seq_rm(slot)
+        rows = []
+        try:
+            for i in range(0, len(prompt), self.cfg.n_batch):
+                chunk = prompt[i:i + self.cfg.n_batch]
+                b = Batch(np.asarray(chunk, np.int32), np.arange(i, i + len(chunk), dtype=np.int32),
+                          [frozenset({slot})] * len(chunk), np.ones(len(chunk), bool))
+                rows.append(self.ctx.submit(b, embeddings=True).result())
+        finally:
+            self.ctx.seq_rm(slot)
+        e = np.concatenate(rows).astype(np.float64)
+        v = {"mean": lambda: e.mean(axis=0), "last": lambda: e[-1], "cls": lambda: e[0]}[self.cfg.pooling]()
+        norm = float(np.sqrt((v * v).sum()))
+        return (v * (1.0 / norm if norm > 0 else 0.0)).astype(np.float32)
 
     def _reap(self) -> None:
         if any(r.cancelled for r in self._queue):

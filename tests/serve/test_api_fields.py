@@ -296,3 +296,44 @@ def test_long_prompt_refused_before_encoding(server, monkeypatch):
     huge = "x " * 200_000                        # far past any slot: refused from its length alone
     r = httpx.post(server.url + "/v1/completions", json={"prompt": huge, "max_tokens": 2}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and not calls
+
+
+# -- embeddings ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def embed_server(serve_model):
+    from ggml_dist.serve import EngineConfig, ServerThread
+    with ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=1024, pooling="mean"),
+                      model_name="synthetic") as srv:
+        yield srv
+
+
+def test_embeddings(embed_server, server, model):
+    import base64
+
+    import numpy as np
+    from ggml_dist.model.ubatch import Batch
+    texts = ["the quick brown fox", "zz top", "the quick brown fox"]
+    r = client(embed_server).embeddings.create(model="synthetic", input=texts)
+    vecs = [np.array(d.embedding) for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and all(len(v) == model.hp.n_embd for v in vecs)
+    assert all(abs(np.linalg.norm(v) - 1) < 1e-6 for v in vecs)
+    assert np.array_equal(vecs[0], vecs[2]) and not np.allclose(vecs[0], vecs[1])
+    ids = [model.tokenizer.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == sum(len(i) for i in ids)
+    # the mean of the final norm's rows, normalized: from a separate context
+    ctx = LlamaContext(model, ContextParams(n_ctx=256))
+    rows = ctx.submit(Batch(np.array(ids[1], np.int32), np.arange(len(ids[1]), dtype=np.int32),
+                            [frozenset({0})] * len(ids[1]), np.ones(len(ids[1]), bool)), embeddings=True).result()
+    want = rows.astype(np.float64).mean(0)
+    np.testing.assert_allclose(vecs[1], want / np.linalg.norm(want), rtol=1e-6, atol=1e-7)
+    # token ids as input; floats in JSON (the openai client itself asks for base64 and decodes it)
+    floats = httpx.post(embed_server.url + "/v1/embeddings", json={"input": ids[1], "encoding_format": "float"})
+    assert np.array_equal(np.array(floats.json()["data"][0]["embedding"], np.float32), vecs[1].astype(np.float32))
+    raw = httpx.post(embed_server.url + "/v1/embeddings", json={"input": "zz top", "encoding_format": "base64"})
+    assert np.array_equal(np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), "<f4"),
+                          vecs[1].astype(np.float32))
+    # the server without --pooling, and bad inputs, say why
+    no = httpx.post(server.url + "/v1/embeddings", json={"input": "x"})
+    assert no.status_code == 400 and "--pooling" in no.json()["error"]["message"]
+    for bad in ({"input": 5}, {"input": []}, {"input": "x", "dimensions": 8}, {"input": [10**9]}):
+        assert httpx.post(embed_server.url + "/v1/embeddings", json=bad).status_code == 400
