@@ -154,11 +154,15 @@ def test_prompt_cache(serve_model, model):
             assert (metric(srv, "kv_cells_used") > 0) == cache
 
 
-# a seed makes temperature sampling reproducible
-def test_seeded_sampling(server):
+# a seed makes temperature sampling reproducible, and it is sampling: not the greedy text, another
+# seed gives another text
+def test_seeded_sampling(server, model):
     c = client(server)
     kw = dict(model="synthetic", prompt=PROMPTS[3], max_tokens=12, temperature=0.9, seed=7, extra_body={"top_k": 0})
-    assert c.completions.create(**kw).choices[0].text == c.completions.create(**kw).choices[0].text
+    a = c.completions.create(**kw).choices[0].text
+    assert a == c.completions.create(**kw).choices[0].text
+    assert a != reference(model, PROMPTS[3], 12)
+    assert a != c.completions.create(**{**kw, "seed": 8}).choices[0].text
 
 
 # a client that drops a stream mid-way cancels its sequence: the slot and its KV cells free at once
@@ -166,7 +170,14 @@ def test_cancel_stream(server):
     check_cancel_stream(server)
 
 
+def cancelled(server) -> float:
+    """requests_total{outcome="cancelled"} summed over endpoints (0 before the first)."""
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(m) for m in re.findall(r'^ggml_dist_requests_total\{[^}]*outcome="cancelled"\} (\S+)$', text, re.M))
+
+
 def check_cancel_stream(server) -> None:
+    cancelled_before = cancelled(server)
     before = metric(server, "generated_tokens_total")
     body = {"prompt": PROMPTS[4], "max_tokens": 900, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
@@ -176,7 +187,7 @@ def check_cancel_stream(server) -> None:
     wait_idle(server)
     assert metric(server, "kv_cells_used") == metric(server, "kv_cells_cached")
     assert metric(server, "generated_tokens_total") - before < 900
-    assert 'outcome="cancelled"' in httpx.get(server.url + "/metrics").text
+    assert cancelled(server) == cancelled_before + 1      # this request, counted once
 
 
 # a non-streaming client that gives up is noticed too
