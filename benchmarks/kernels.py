@@ -3,11 +3,21 @@ accumulation orders of quants.mul_mat ("fast"; "ggml" with repacked=False, i.e. 
 repacked Q4_0/Q4_K "ggml" chains have the "fast" numerics and run the "fast" kernel).
 
 Prints one JSON object: {"threads", "copy": {...}, "cases": [{"type", "M", "K", "weight_bytes",
-"gemv": {"numpy": {...}, "numba": {...}, "numpy_ggml": {...}, "numba_ggml": {...}}, "gemm64": {...}}]}. gemv (N = 1) reports GB/s of weight bytes read
+"gemv": {"numpy": {...}, "numba": {...}, "numpy_ggml": {...}, "numba_ggml": {...}}, "gemm64": {...}}],
+"packed": [...]}. gemv (N = 1) reports GB/s of weight bytes read
 and G weights/s; gemm (N = 64) GFLOP/s (2*M*K*N). "copy" is a plain numpy copy of 256 MB measured in the
 same run (GB/s counts the bytes read), the memory-bandwidth yardstick for gemv.
 
-    python -m benchmarks.kernels [--threads 2] [--quick] [--orders fast,ggml]
+"packed" times qpack.PackedWeight.mul_mat (the path model weights take) with each kernel set the host
+has: the float kernels, avx2.py's int8 (vpmaddubsw + vpmaddwd) and vnni.py's int8 (vpdpbusd), for
+Q4_0 (the repacked chain), Q4_1 and Q8_0 at M = K = 2048, decode (N = 1) and prompt (N = 64) shaped;
+each entry {"type", "M", "K", "N", "weight_bytes", "<kernels>": {"ms", "GBps" (N = 1) or "GFLOPs"},
+"<kernels>_speedup" (over "float")}, all
+kernels' outputs checked bit-identical. To see the AVX2 code an AVX2-only CPU gets (16 ymm registers,
+no GFNI/VNNI folds), run it as NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+avx2,+fma,+f16c
+GGML_DIST_NO_VNNI=1.
+
+    python -m benchmarks.kernels [--threads 2] [--quick] [--orders fast,ggml] [--suites quants,packed]
 """
 from __future__ import annotations
 
@@ -15,11 +25,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from ggml_dist.backends import qkernels, quants as Q
+from ggml_dist.backends import qkernels
+from ggml_dist.backends import quants as Q
 from ggml_dist.core.types import GGMLType
 
 # (type, M rows, K): a 1B-class Q4_0 matrix and the SmolLM2-135M shapes (q/o, ffn up/gate, ffn down, head)
@@ -68,13 +80,14 @@ def run_case(tname: str, M: int, K: int, n_gemm: int, skip_numpy_gemm: bool,
         assert np.array_equal(mm(t, w, x[:1], True, order), mm(t, w, x[:1], False, order)), \
             f"{tname} {M}x{K} {order}: numba != numpy"
         for name, use in (("numpy", False), ("numba", True)):
-            s = best_time(lambda: mm(t, w, x[:1], use, order))
+            s = best_time(lambda use=use, order=order: mm(t, w, x[:1], use, order))
             gemv[name + sfx] = {"ms": s * 1e3, "GBps": w.nbytes / s / 1e9, "Gweights_per_s": M * K / s / 1e9}
         gemv["speedup" + sfx] = gemv["numpy" + sfx]["ms"] / gemv["numba" + sfx]["ms"]
         for name, use in (("numpy", False), ("numba", True)):
             if name == "numpy" and skip_numpy_gemm:
                 continue
-            s = best_time(lambda: mm(t, w, x, use, order), min_total=0.0, min_runs=2 if M * K > 1 << 24 else 3)
+            s = best_time(lambda use=use, order=order: mm(t, w, x, use, order), min_total=0.0,
+                          min_runs=2 if M * K > 1 << 24 else 3)
             gemm[name + sfx] = {"ms": s * 1e3, "GFLOPs": 2 * M * K * n_gemm / s / 1e9}
         if "numpy" + sfx in gemm:
             gemm["speedup" + sfx] = gemm["numpy" + sfx]["ms"] / gemm["numba" + sfx]["ms"]
@@ -86,17 +99,49 @@ def run_case(tname: str, M: int, K: int, n_gemm: int, skip_numpy_gemm: bool,
     return out
 
 
+def run_packed_case(tname: str, M: int, K: int, N: int) -> dict[str, Any]:
+    from ggml_dist.backends import avx2, qpack, vnni
+    t = GGMLType[tname]
+    rng = np.random.default_rng(0)
+    w = Q.quantize(t, (rng.standard_normal((M, K)) * 0.05).astype(np.float32))
+    x = rng.standard_normal((N, K)).astype(np.float32)
+    kernels = [qpack.Kernels.FLOAT] + [k for k, ok in ((qpack.Kernels.AVX2, avx2.AVAILABLE),
+                                                         (qpack.Kernels.VNNI, vnni.AVAILABLE)) if ok]
+    out: dict[str, Any] = {"type": tname, "M": M, "K": K, "N": N, "weight_bytes": int(w.nbytes)}
+    ref = None
+    for k in kernels:
+        pw = qpack.PackedWeight(t, w, kernels=k)
+        dst = np.empty((N, M), np.float32)
+        got = pw.mul_mat(x, dst)
+        assert got is not None and (ref is None or np.array_equal(got, ref)), f"{tname} N={N}: {k.value} differs"
+        ref = got.copy() if ref is None else ref
+        s = best_time(lambda pw=pw, dst=dst: pw.mul_mat(x, dst), min_total=0.5, min_runs=5, max_runs=200)
+        rate = {"GBps": w.nbytes / s / 1e9} if N == 1 else {"GFLOPs": 2 * M * K * N / s / 1e9}
+        out[k.value] = {"ms": s * 1e3, **rate}
+        if k is not qpack.Kernels.FLOAT:
+            out[k.value + "_speedup"] = out["float"]["ms"] / out[k.value]["ms"]
+    return out
+
+
+PACKED_CASES = [(t, 2048, 2048, n) for n in (1, 64) for t in ("Q4_0", "Q4_1", "Q8_0")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-gemm", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="skip the numpy gemm timings (slowest part)")
     ap.add_argument("--orders", default="fast,ggml", help="comma-separated accumulation orders to time")
+    ap.add_argument("--suites", default="quants,packed",
+                    help="quants: quants.mul_mat numpy vs numba; packed: qpack's float/AVX2/VNNI kernels")
     args = ap.parse_args(argv)
+    suites = set(args.suites.split(","))
     qkernels.set_threads(args.threads)
     result: dict[str, Any] = {"threads": args.threads, "copy": copy_bandwidth(), "cases": []}
-    for tname, M, K in CASES:
+    for tname, M, K in CASES if "quants" in suites else ():
         result["cases"].append(run_case(tname, M, K, args.n_gemm, args.quick, tuple(args.orders.split(","))))
+    if "packed" in suites:
+        result["packed"] = [run_packed_case(*c) for c in PACKED_CASES]
     print(json.dumps(result, indent=1))
     return 0
 

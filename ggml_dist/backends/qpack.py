@@ -16,7 +16,9 @@ nb = K/32 blocks per row; "lane L" = ggml's AVX2 lane, elements 4L..4L+3 of a bl
   packed weight has exactly the file's size: decode reads every byte once, so bytes are time.
 Activations are quantized once per call (``_prep``: quants.quantize_q8_0/_q8_1's steps) into f32 and
 int8 codes. Where the CPU has AVX-512 VNNI, weights are packed in vnni.py's layout instead and read by its
-int8 kernels (same bits, 2.5-4x faster); the float kernels and their layout below are the portable path.
+int8 kernels (same bits, 2.5-4x faster); where it has AVX2 but not VNNI, in the same layout for avx2.py's
+int8 kernels (vpmaddubsw + vpmaddwd; same bits). The float kernels and their layout below are the
+portable path. ``Kernels`` names the three; default_kernels() picks the host's.
 
 Numerics (ggml-numerics.md §1.5): a lane is the exact integer sum of its four products (f32 arithmetic on
 integers below 2^24 is exact, in any order). Then
@@ -32,13 +34,14 @@ kernels release the GIL (nogil=True), as fkernels' do.
 """
 from __future__ import annotations
 
+import enum
 import threading
 
 import numpy as np
 from numba import njit, prange
 
 from ..core.types import GGMLType, row_size
-from . import qkernels, vnni
+from . import avx2, qkernels, vnni
 from .fkernels import _bits, _float, _fma, _half, _round_half
 
 T = GGMLType
@@ -53,21 +56,42 @@ _BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2)}    # block bytes, o
 
 
 # ------------------------------------------------------------------------------------------------
-# packing (numpy, once per weight)
+# kernel choice and packing (numpy, once per weight)
+class Kernels(enum.Enum):
+    """The kernels that read a packed weight; all three give the same bits."""
+    FLOAT = "float"                     # the numba float kernels below (any CPU), their group layout
+    AVX2 = "avx2"                       # avx2.py: vnni.py's layout, Q8_0 codes as they are
+    VNNI = "vnni"                       # vnni.py: its layout, Q8_0 codes stored as x + 128
+
+
+def default_kernels() -> Kernels:
+    """The host's fastest: VNNI, else AVX2 (also with GGML_DIST_FORCE_AVX2=1), else the float kernels."""
+    if avx2.AVAILABLE and (avx2.FORCED or not vnni.AVAILABLE):
+        return Kernels.AVX2
+    return Kernels.VNNI if vnni.AVAILABLE else Kernels.FLOAT
+
+
 class PackedWeight:
-    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0 in the group layout above, or with vnni_layout=True
-    (default: where the host has AVX-512 VNNI) in vnni.py's layout for its int8 kernels. ``chain`` picks
-    the repacked-kernel numerics (llama.cpp repacks Q4_0 when M % 8 == 0)."""
+    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0 in the layout of `kernels` (default:
+    default_kernels(); vnni_layout=True/False is the older spelling of Kernels.VNNI/FLOAT). ``chain``
+    picks the repacked-kernel numerics (llama.cpp repacks Q4_0 when M % 8 == 0)."""
 
     def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = (),
-                 vnni_layout: bool | None = None) -> None:
+                 vnni_layout: bool | None = None, kernels: Kernels | str | None = None) -> None:
         wtype = GGMLType(wtype)
         if wtype not in PACKABLE:
             raise ValueError(f"cannot pack {wtype.name}; packable: {sorted(t.name for t in PACKABLE)}")
-        if vnni_layout is None:
-            vnni_layout = vnni.AVAILABLE
-        elif vnni_layout and not vnni.AVAILABLE:
+        if vnni_layout is not None:
+            if kernels is not None:
+                raise ValueError("give kernels or vnni_layout, not both")
+            kernels = Kernels.VNNI if vnni_layout else Kernels.FLOAT
+        kernels = default_kernels() if kernels is None else Kernels(kernels)
+        if kernels is Kernels.VNNI and not vnni.AVAILABLE:
             raise ValueError("the vnni layout needs a CPU with AVX-512 VNNI (and GGML_DIST_NO_VNNI unset)")
+        if kernels is Kernels.AVX2 and not avx2.AVAILABLE:
+            raise ValueError("the avx2 kernels need a CPU with AVX2, FMA and F16C (and GGML_DIST_NO_AVX2 "
+                             "unset)")
+        int8 = kernels is not Kernels.FLOAT
         bs, oq = _BLOCK[wtype]
         M, nbytes = w.shape
         if nbytes % bs:
@@ -81,11 +105,15 @@ class PackedWeight:
             q = b[..., oq:oq + 32].reshape(G, R, nb, 8, 4)       # [g, r, b, L, k]
         else:
             q = b[..., oq:oq + 16].reshape(G, R, nb, 4, 4)       # [g, r, b, l, k]
-        order = (0, 2, 3, 1, 4) if vnni_layout else (0, 2, 4, 3, 1)
+        order = (0, 2, 3, 1, 4) if int8 else (0, 2, 4, 3, 1)
         self.qs = np.ascontiguousarray(q.transpose(order)).reshape(G, -1)
-        if wtype == T.Q8_0:                   # vnni: stored as x + 128, vpdpbusd's unsigned operand
-            self.qs = self.qs ^ np.uint8(0x80) if vnni_layout else self.qs.view(np.int8)
-        self.vnni = bool(vnni_layout)
+        if wtype == T.Q8_0 and kernels is Kernels.VNNI:     # x + 128, vpdpbusd's unsigned operand
+            self.qs = self.qs ^ np.uint8(0x80)
+        elif wtype == T.Q8_0 and kernels is Kernels.FLOAT:
+            self.qs = self.qs.view(np.int8)
+        self.kernels = kernels
+        self.vnni = kernels is Kernels.VNNI
+        self._int8 = _INT8_ENTRIES[kernels] if int8 else None       # (serial, parallel) entry points
         self.d = _f16_plane(b, 0)
         self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((G, 1), np.uint16)
         self.type, self.M, self.K, self.key = wtype, M, nb * 32, key
@@ -99,20 +127,21 @@ class PackedWeight:
         N, K = x.shape
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
-        tiled = N >= MIN_TOKENS and not self.vnni
+        tiled = N >= MIN_TOKENS and self._int8 is None
         Y, Yb, Y4, Yz, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)     # tiled: 4 tokens at once
         if out is None:
             out = np.empty((N, self.M), F32)
         x = np.ascontiguousarray(x, F32)
         parallel = qkernels.get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
-        if self.vnni:                   # quantize and multiply in one call
-            args = (x, self.type == T.Q4_1, Y, Yb, Y4, Yz, dy, sy, ys, self.kind, self.qs,
-                    self.d, self.m, out)
+        if self._int8 is not None:      # quantize and multiply in one call
+            serial_mm, parallel_mm = self._int8
+            int8_args = (x, self.type == T.Q4_1, Y, Yb, Y4, Yz, dy, sy, ys, self.kind, self.qs,
+                         self.d, self.m, out)
             if not parallel:
-                return out if _prep_mm_v_serial(*args) else None
+                return out if serial_mm(*int8_args) else None
             with qkernels._launch_lock:
                 qkernels.apply_threads()
-                return out if _prep_mm_v(*args, qkernels.get_threads()) else None
+                return out if parallel_mm(*int8_args, qkernels.get_threads()) else None
         if not _prep(x, self.type == T.Q4_1, Y, Yb, dy, sy, ys):
             return None
         args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
@@ -374,43 +403,61 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 
 
 # ------------------------------------------------------------------------------------------------
-# int8 kernels (PackedWeight.vnni): one vnni group intrinsic per (group, token pair), for every token
-# count (a group's bytes stay in L1/L2 while its tokens pass, and the int8 lane sums are cheap enough
-# that decoding codes once per tile, as the float kernels below do, would not pay).
-_LANE_BIAS = (8, 0, 8, 128)             # per kind: vnni's -bias * (sum of a lane's 4 codes) starts a lane
+# int8 kernels (Kernels.VNNI, Kernels.AVX2): one group intrinsic of vnni.py or avx2.py per (group, token
+# pair), for every token count (a group's bytes stay in L1/L2 while its tokens pass, and the int8 lane
+# sums are cheap enough that decoding codes once per tile, as the float kernels below do, would not pay).
+# Each ISA has its own entry points, so a host compiles only the intrinsics it has; the code between them
+# takes the ISA's group function (_group_vnni, _group_avx2) as an argument, inlined.
+_LANE_BIAS_VNNI = (8, 0, 8, 128)        # per kind: -bias * (sum of a lane's 4 codes) starts a lane
+_LANE_BIAS_AVX2 = (8, 0, 8, 0)          # avx2.py keeps Q8_0 codes unbiased
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_v(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads):
+@njit(cache=True, inline="always")
+def _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads, group, bias):
     """_prep, then the work split across n_threads; False (nothing computed) on a non-finite x.
     Work units are (group, token slice) pairs. A product has few groups (192 rows: 3), so with one
     slice per group the threads' shares would be unequal (2 groups against 1) whenever G is not a
     multiple of n_threads; then the tokens are split too, in up to n_threads slices of whole pairs."""
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
-    _lane_starts(Yb, Yz, _LANE_BIAS[kind])
+    _lane_starts(Yb, Yz, bias[kind])
     G, N = qs.shape[0], Y4.shape[0]
     ts = 1 if G % n_threads == 0 else max(1, min((N + 1) // 2, n_threads))
     n_units = G * ts
-    n_chunks = min(n_units, 4 * n_threads)
+    n_chunks = min(n_units, 4 * n_threads) if n_threads > 1 else 1
     for c in prange(n_chunks):
         u0, u1 = c * n_units // n_chunks, (c + 1) * n_units // n_chunks
-        _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts)
+        _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, group)
     return True
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _prep_mm_v(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads):
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads,
+                         _group_vnni, _LANE_BIAS_VNNI)
 
 
 @njit(cache=True, nogil=True)
 def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out):
-    if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
-        return False
-    _lane_starts(Yb, Yz, _LANE_BIAS[kind])
-    _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, 0, qs.shape[0], 1)
-    return True
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, 1,
+                         _group_vnni, _LANE_BIAS_VNNI)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _prep_mm_a(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads):
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads,
+                         _group_avx2, _LANE_BIAS_AVX2)
+
+
+@njit(cache=True, nogil=True)
+def _prep_mm_a_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out):
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, 1,
+                         _group_avx2, _LANE_BIAS_AVX2)
 
 
 @njit(cache=True, nogil=True)
 def _lane_starts(Yb, Yz, bias):
-    """Yz[n, w] = -bias * (the sum of token n's codes 4w .. 4w+3): where vnni's lane w starts."""
+    """Yz[n, w] = -bias * (the sum of token n's codes 4w .. 4w+3): where an int8 kernel's lane w starts."""
     if bias == 0:
         return
     for n in range(Yb.shape[0]):
@@ -419,23 +466,23 @@ def _lane_starts(Yb, Yz, bias):
                                 + np.int32(Yb[n, 4 * w + 2]) + np.int32(Yb[n, 4 * w + 3]))
 
 
-@njit(cache=True, nogil=True)
-def _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts):
-    """Work units u0 .. u1-1 of a vnni-layout weight: unit u = group u // ts against token slice u % ts
+@njit(cache=True, inline="always")
+def _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, group):
+    """Work units u0 .. u1-1 of an int8-layout weight: unit u = group u // ts against token slice u % ts
     of ts (slices of whole token pairs); Y4 [N, K/4] int32 = the tokens' Q8 codes, 4 per word, Yz
     the lanes' starting values."""
     if kind == _KIND_Q4_0:
-        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_0)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_0, group)
     elif kind == _KIND_Q4_1:
-        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_1)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_1, group)
     elif kind == _KIND_Q4_0_CHAIN:
-        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_0_CHAIN)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_0_CHAIN, group)
     else:
-        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q8_0)
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q8_0, group)
 
 
 @njit(cache=True, inline="always")
-def _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, kind):
+def _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, kind, group):
     N = Y4.shape[0]
     pairs = (N + 1) // 2
     res = np.empty(2 * R, F32)
@@ -447,7 +494,7 @@ def _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, kind):
         while n < n1:
             two = n + 1 < n1
             pf = first and u + 1 < u1 and (u + 1) // ts == g + 1
-            _group_v(kind, two, qs[g], d[g], m[g], Y4, Yz, n, dy, sy, res, qs[nxt], d[nxt], m[nxt], pf)
+            group(kind, two, qs[g], d[g], m[g], Y4, Yz, n, dy, sy, res, qs[nxt], d[nxt], m[nxt], pf)
             first = False
             for t in range(2 if two else 1):
                 for r in range(min(R, out.shape[1] - g * R)):
@@ -455,29 +502,39 @@ def _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, kind):
             n += 2
 
 
-@njit(cache=True, inline="always")
-def _group_v(kind, two, q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf):
-    """One group against tokens n and n+1 (two) or n alone, by kind (a constant once inlined)."""
-    if kind == _KIND_Q4_0:
-        if two:
-            vnni.q4_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+def _group_fn(isa):
+    """The group function of intrinsics module isa (vnni or avx2): one group against tokens n and n+1
+    (two) or n alone, by kind (a constant once inlined)."""
+    q4_0_x2, q4_0_x1, q4_1_x2, q4_1_x1 = isa.q4_0_x2, isa.q4_0_x1, isa.q4_1_x2, isa.q4_1_x1
+    chain_x2, chain_x1, q8_0_x2, q8_0_x1 = isa.chain_x2, isa.chain_x1, isa.q8_0_x2, isa.q8_0_x1
+
+    @njit(inline="always")
+    def group(kind, two, q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf):
+        if kind == _KIND_Q4_0:
+            if two:
+                q4_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            else:
+                q4_0_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+        elif kind == _KIND_Q4_1:
+            if two:
+                q4_1_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            else:
+                q4_1_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+        elif kind == _KIND_Q4_0_CHAIN:
+            if two:
+                chain_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            else:
+                chain_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
         else:
-            vnni.q4_0_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
-    elif kind == _KIND_Q4_1:
-        if two:
-            vnni.q4_1_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
-        else:
-            vnni.q4_1_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
-    elif kind == _KIND_Q4_0_CHAIN:
-        if two:
-            vnni.chain_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
-        else:
-            vnni.chain_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
-    else:
-        if two:
-            vnni.q8_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
-        else:
-            vnni.q8_0_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            if two:
+                q8_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            else:
+                q8_0_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+    return group
+
+
+_group_vnni, _group_avx2 = _group_fn(vnni), _group_fn(avx2)
+_INT8_ENTRIES = {Kernels.VNNI: (_prep_mm_v_serial, _prep_mm_v), Kernels.AVX2: (_prep_mm_a_serial, _prep_mm_a)}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,8 +24,10 @@ acc = fma(f32(dx*dy), f32(lane), acc) per lane from acc = +0, block after block,
 lanes; Q4_1 adds the sequential f32 sum of m*s (from -0, so its first term is kept as is); the Q4_0 chain
 (repacked q4_0_8x8) runs acc = fma(f32(isum), f32(dx*dy), acc) per row, isum the block's integer dot.
 
-Only hosts whose LLVM target has avx512vnni compile these (``AVAILABLE``); qpack keeps its float kernels
-and their layout everywhere else, and with GGML_DIST_NO_VNNI=1.
+Only hosts whose LLVM target has avx512vnni compile these (``AVAILABLE``); elsewhere, and with
+GGML_DIST_NO_VNNI=1, qpack takes avx2.py's kernels (the same layout and numerics on 256-bit vectors,
+which reuse this module's Emit and group_intrinsic with their own block emitter) where the CPU has
+AVX2, else its float kernels and their layout.
 """
 from __future__ import annotations
 
@@ -38,29 +40,30 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 R = 64                                  # rows per group (qpack.R): 4 vectors of 16 int32 lanes
-_NV = R // 16
 
 
 def _host_has_vnni() -> bool:
     try:
         return bool(llvm.get_host_cpu_features().get("avx512vnni", False))
-    except Exception:                   # an LLVM that cannot report features: take the portable path
+    except RuntimeError:                # an LLVM that cannot report features: take the portable path
         return False
 
 
 AVAILABLE = _host_has_vnni() and os.environ.get("GGML_DIST_NO_VNNI", "") in ("", "0")
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-_BYTES, _INTS, _FLOATS = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
-_HALVES = ir.VectorType(ir.HalfType(), 16)
-_BLOCK_BYTES = {"q4_0": 16 * R, "q4_1": 16 * R, "chain": 16 * R, "q8_0": 32 * R}
+_INTS = ir.VectorType(_I32, 16)
+BLOCK_BYTES = {"q4_0": 16 * R, "q4_1": 16 * R, "chain": 16 * R, "q8_0": 32 * R}
 
 
-class _Emit:
-    """IR helpers for one intrinsic call: typed pointers into numba arrays, vector loads, splats."""
+class Emit:
+    """IR helpers for one intrinsic call: typed pointers into numba arrays, vector loads, splats. n is
+    the number of int32 lanes (rows) per vector: 16 here (zmm), 8 for avx2.py (ymm)."""
 
-    def __init__(self, context, builder, sig, args):
-        self.context, self.b, self.sig, self.args = context, builder, sig, args
+    def __init__(self, context, builder, sig, args, n=16):
+        self.context, self.b, self.sig, self.args, self.n = context, builder, sig, args, n
+        self.BYTES, self.INTS = ir.VectorType(_I8, 4 * n), ir.VectorType(_I32, n)
+        self.FLOATS, self.HALVES = ir.VectorType(_F32, n), ir.VectorType(ir.HalfType(), n)
 
     def array(self, i):
         return self.context.make_array(self.sig.args[i])(self.context, self.b, self.args[i])
@@ -89,8 +92,8 @@ class _Emit:
                                      ir.Constant(ir.VectorType(_I32, vty.count), None))
 
     def halves(self, p, off):
-        """16 f16 bits at element `off` of p, widened to f32 (vcvtph2ps, exact)."""
-        return self.b.fpext(self.vector(p, off, _HALVES, 2), _FLOATS)
+        """n f16 bits at element `off` of p, widened to f32 (vcvtph2ps, exact)."""
+        return self.b.fpext(self.vector(p, off, self.HALVES, 2), self.FLOATS)
 
     def intrinsic(self, name, ty, n_args):
         return cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ty, [ty] * n_args), name)
@@ -101,7 +104,7 @@ class _Emit:
                            [acc, self.b.bitcast(a, _INTS), b])
 
     def fma(self, a, b, c):
-        return self.b.call(self.intrinsic("llvm.fma.v16f32", _FLOATS, 3), [a, b, c])
+        return self.b.call(self.intrinsic(f"llvm.fma.v{self.n}f32", self.FLOATS, 3), [a, b, c])
 
     def prefetch(self, p, off):
         """prefetcht1 of the line holding byte `off` of p (into L2: the next call reads it)."""
@@ -116,7 +119,7 @@ def _c64(i):
 
 
 def _bytes(v):
-    return ir.Constant(_BYTES, [v] * 64)
+    return ir.Constant(ir.VectorType(_I8, 64), [v] * 64)
 
 
 def _ha(b, a):
@@ -125,19 +128,20 @@ def _ha(b, a):
                   b.fadd(b.fadd(a[1], a[5]), b.fadd(a[3], a[7])))
 
 
-def _group_codegen(kind, T, V):
+def _group_codegen(kind, T, V, block, n):
     """Rows of group q (bytes), scales d and mins m (f16 bits) against tokens n0 .. n0+T-1 of Y4 (codes,
     4 per int32), yz (lane starting values), dy and sy (block scales, Q8_1 sums) into res[t*R + r]. Row
-    vectors v0 .. v0+V-1 (16 rows each) run in one pass over the blocks, their accumulators in allocas
-    that LLVM keeps in registers. With pf set, each pass also prefetches its share of the lines of the
-    next group (pq, pd, pm) block by block, so that group's bytes arrive from L3 while this one computes
-    (the hardware prefetchers do not follow a pass's strided reads across groups)."""
+    vectors v0 .. v0+V-1 (n rows each) run in one pass over the blocks, block(...) adding each block
+    into their accumulators, allocas that LLVM keeps in registers. With pf set, each pass also prefetches
+    its share of the lines of the next group (pq, pd, pm) block by block, so that group's bytes arrive
+    from L3 while this one computes (the hardware prefetchers do not follow a pass's strided reads
+    across groups)."""
     n_acc = 1 if kind == "chain" else 8
-    n_pass = _NV // V
-    lines = _BLOCK_BYTES[kind] // 64                               # cache lines per block of a group
+    n_pass = R // n // V
+    lines = BLOCK_BYTES[kind] // 64                                # cache lines per block of a group
 
     def codegen(context, builder, sig, args):
-        e, b = _Emit(context, builder, sig, args), builder
+        e, b = Emit(context, builder, sig, args, n), builder
         n0 = args[5]
         q, d, m = e.ptr(0, _I8), e.ptr(1, ir.HalfType()), e.ptr(2, ir.HalfType())
         y, yz, dy, sy = (e.rows(i, n0, T, ty) for i, ty in ((3, _I32), (4, _I32), (6, _F32), (7, _F32)))
@@ -145,30 +149,30 @@ def _group_codegen(kind, T, V):
         pq, pd, pm = e.ptr(9, _I8), e.ptr(10, _I8), e.ptr(11, _I8)
         pf = b.icmp_unsigned("!=", args[12], ir.Constant(args[12].type, 0))
         nb = b.extract_value(e.array(6).shape, 1)
-        for k, v0 in enumerate(range(0, _NV, V)):
+        for k, v0 in enumerate(range(0, R // n, V)):
             vs = range(v0, v0 + V)
-            acc = {(t, v, L): cgutils.alloca_once_value(b, ir.Constant(_FLOATS, None))
+            acc = {(t, v, L): cgutils.alloca_once_value(b, ir.Constant(e.FLOATS, None))
                    for t in range(T) for v in vs for L in range(n_acc)}
-            sm = {(t, v): cgutils.alloca_once_value(b, ir.Constant(_FLOATS, [-0.0] * 16))
+            sm = {(t, v): cgutils.alloca_once_value(b, ir.Constant(e.FLOATS, [-0.0] * n))
                   for t in range(T) for v in vs}
             with cgutils.for_range(b, nb) as loop:
                 blk = loop.index
                 with b.if_then(pf, likely=False):
                     share = range(k * lines // n_pass, (k + 1) * lines // n_pass)
                     for j in share:
-                        e.prefetch(pq, b.add(b.mul(blk, _c64(_BLOCK_BYTES[kind])), _c64(64 * j)))
+                        e.prefetch(pq, b.add(b.mul(blk, _c64(BLOCK_BYTES[kind])), _c64(64 * j)))
                     if k == 0:                                     # the block's 2 * R bytes of d and m
                         for p in ((pd, pm) if kind == "q4_1" else (pd,)):
                             for j in range(2 * R // 64):
                                 e.prefetch(p, b.add(b.mul(blk, _c64(2 * R)), _c64(64 * j)))
-                _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm)
+                block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm)
             for t in range(T):
                 for v in vs:
                     lanes = [b.load(acc[t, v, L]) for L in range(n_acc)]
                     h = lanes[0] if kind == "chain" else _ha(b, lanes)
                     if kind == "q4_1":
                         h = b.fadd(h, b.load(sm[t, v]))
-                    b.store(h, b.bitcast(b.gep(res, [_c64(t * R + 16 * v)]), _FLOATS.as_pointer()), align=4)
+                    b.store(h, b.bitcast(b.gep(res, [_c64(t * R + n * v)]), e.FLOATS.as_pointer()), align=4)
         return context.get_dummy_value()
     return codegen
 
@@ -176,17 +180,26 @@ def _group_codegen(kind, T, V):
 def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
     """One block of every (token, row vector) into its accumulators (see _group_codegen)."""
     b, T = e.b, len(y)
-    lane = lambda L: b.add(b.mul(blk, _c64(8)), _c64(L))           # the block's word L of a token's codes
-    rows = lambda v: b.add(b.mul(blk, _c64(R)), _c64(16 * v))      # the block's f16 of row vector v
-    qb = b.gep(q, [b.mul(blk, _c64(_BLOCK_BYTES[kind]))])
-    weights = lambda L, v: e.vector(qb, _c64(L * 4 * R + 64 * v), _BYTES, 1)
-    dyt = [e.splat(dy[t], blk, _FLOATS) for t in range(T)]
-    D = {(t, v): b.fmul(e.halves(d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy), exact
+    qb = b.gep(q, [b.mul(blk, _c64(BLOCK_BYTES[kind]))])
     zero = ir.Constant(_INTS, None)
-    start = lambda t, L: zero if kind == "q4_1" else e.splat(yz[t], lane(L), _INTS)
+
+    def lane(L):                                                   # the block's word L of a token's codes
+        return b.add(b.mul(blk, _c64(8)), _c64(L))
+
+    def rows(v):                                                   # the block's f16 of row vector v
+        return b.add(b.mul(blk, _c64(R)), _c64(16 * v))
+
+    def weights(L, v):
+        return e.vector(qb, _c64(L * 4 * R + 64 * v), e.BYTES, 1)
+
+    def start(t, L):
+        return zero if kind == "q4_1" else e.splat(yz[t], lane(L), _INTS)
+
+    dyt = [e.splat(dy[t], blk, e.FLOATS) for t in range(T)]
+    D = {(t, v): b.fmul(e.halves(d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy), exact
 
     def fold(t, v, L, s):                                          # acc = fma(D, f32(lane), acc)
-        b.store(e.fma(D[t, v], b.sitofp(s, _FLOATS), b.load(acc[t, v, L])), acc[t, v, L])
+        b.store(e.fma(D[t, v], b.sitofp(s, e.FLOATS), b.load(acc[t, v, L])), acc[t, v, L])
 
     if kind == "q8_0":
         for L in range(8):
@@ -196,7 +209,7 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                 for v in vs:
                     fold(t, v, L, e.vpdpbusd(start(t, L), x[v], yv))
         return
-    isum = {}
+    isum: dict[tuple[int, int], ir.Value] = {}
     for l in range(4):
         for v in vs:
             x = weights(l, v)
@@ -211,23 +224,27 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                     fold(t, v, 4 + l, hi)
     if kind == "chain":                                            # acc = fma(f32(isum), D, acc)
         for (t, v), s in isum.items():
-            b.store(e.fma(b.sitofp(s, _FLOATS), D[t, v], b.load(acc[t, v, 0])), acc[t, v, 0])
+            b.store(e.fma(b.sitofp(s, e.FLOATS), D[t, v], b.load(acc[t, v, 0])), acc[t, v, 0])
     if kind == "q4_1":                                             # sm += f32(m) * s, sequential
         for v in vs:
             mv = e.halves(m, rows(v))
             for t in range(T):
-                b.store(b.fadd(b.load(sm[t, v]), b.fmul(mv, e.splat(sy[t], blk, _FLOATS))), sm[t, v])
+                b.store(b.fadd(b.load(sm[t, v]), b.fmul(mv, e.splat(sy[t], blk, e.FLOATS))), sm[t, v])
 
 
-def _group_intrinsic(kind, T, V):
+def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni"):
+    """The numba intrinsic of one group's rows against T tokens, V row vectors of n rows per pass, each
+    block emitted by block(e, kind, blk, vs, ...) (default: this module's vpdpbusd _block)."""
+    block = block or _block
+
     def group(typingctx, q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf):
         u8, u16, f32 = (types.Array(t, 1, "C") for t in (types.uint8, types.uint16, types.float32))
         i32x2, f32x2 = types.Array(types.int32, 2, "C"), types.Array(types.float32, 2, "C")
         ok = (q == pq == u8 and d == m == pd == pm == u16 and res == f32 and y4 == yz == i32x2
               and dy == sy == f32x2 and isinstance(n0, types.Integer) and isinstance(pf, types.Boolean))
         sig = types.void(q, d, m, y4, yz, types.intp, dy, sy, res, pq, pd, pm, types.boolean)
-        return (sig, _group_codegen(kind, T, V)) if ok else None
-    group.__name__ = name = f"{kind}_x{T}"
+        return (sig, _group_codegen(kind, T, V, block, n)) if ok else None
+    group.__name__ = name = f"{isa}_{kind}_x{T}"
     group.__doc__ = (f"{name}(q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf): one group's {R} rows "
                      f"against tokens n0 .. n0+{T - 1}, prefetching the next group's (pq, pd, pm) if pf "
                      "(see _group_codegen).")
@@ -235,9 +252,9 @@ def _group_intrinsic(kind, T, V):
 
 
 # two tokens per call; a lone token with two (Q4) or four (Q8_0) row vectors per pass
-q4_0_x2, q4_0_x1 = _group_intrinsic("q4_0", 2, 1), _group_intrinsic("q4_0", 1, 2)
-q4_1_x2, q4_1_x1 = _group_intrinsic("q4_1", 2, 1), _group_intrinsic("q4_1", 1, 2)
-chain_x2, chain_x1 = _group_intrinsic("chain", 2, 1), _group_intrinsic("chain", 1, 2)
-q8_0_x2, q8_0_x1 = _group_intrinsic("q8_0", 2, 1), _group_intrinsic("q8_0", 1, 4)
+q4_0_x2, q4_0_x1 = group_intrinsic("q4_0", 2, 1), group_intrinsic("q4_0", 1, 2)
+q4_1_x2, q4_1_x1 = group_intrinsic("q4_1", 2, 1), group_intrinsic("q4_1", 1, 2)
+chain_x2, chain_x1 = group_intrinsic("chain", 2, 1), group_intrinsic("chain", 1, 2)
+q8_0_x2, q8_0_x1 = group_intrinsic("q8_0", 2, 1), group_intrinsic("q8_0", 1, 4)
 
 
