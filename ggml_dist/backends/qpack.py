@@ -162,7 +162,7 @@ def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
     codes as int32 words of 4, Yz: the vnni kernels' lane starting values). Rows past a call's N (the
     padding to 4 tokens) hold zeros or an earlier call's finite codes: only the accumulators of those
     padding tokens read them, and those are never stored."""
-    cache = getattr(_WORK, "bufs", None)
+    cache: dict[tuple[int, int], tuple[np.ndarray, ...]] | None = getattr(_WORK, "bufs", None)
     if cache is None:
         cache = _WORK.bufs = {}
     bufs = cache.get((Np, K))
@@ -170,8 +170,8 @@ def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
         if len(cache) > 16:
             cache.clear()
         Yb, Yz = np.zeros((Np, K), np.int8), np.zeros((Np, K // 4), np.int32)
-        bufs = cache[(Np, K)] = ((np.zeros((Np, K), F32), Yb, Yb.view(np.int32), Yz)
-                                 + tuple(np.zeros((Np, K // 32), F32) for _ in range(3)))
+        scales = tuple(np.zeros((Np, K // 32), F32) for _ in range(3))
+        bufs = cache[(Np, K)] = (np.zeros((Np, K), F32), Yb, Yb.view(np.int32), Yz, *scales)
     return bufs
 
 
@@ -234,7 +234,7 @@ def _prep(x, q8_1, Y, Yb, dy, sy, ys, f32_codes=True):
                 Yb[n, j] = qj
                 if f32_codes:                               # the float kernels' Y (not the int8 ones')
                     Y[n, j] = qj
-                isum += qj
+                isum += int(qj)
             d16 = _round_half(d)
             dy[n, b] = d16
             sy[n, b] = _round_half(d * F32(isum)) if q8_1 else d16
