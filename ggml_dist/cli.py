@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -212,6 +212,11 @@ def _load(args: argparse.Namespace):
     return pl.model, pl.ctx, pl
 
 
+def _write_flush(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from .model.generate import generate
     from .model.sampling import SamplingParams
@@ -225,7 +230,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     ids = tok.encode(prompt, add_special=True, parse_special=True)
     sp = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, seed=args.seed)
-    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    on_text = None if args.json else _write_flush
     on_token, recovery_s = _recovery_clock(lctx, _fault_injector(args.inject_fault, pl))
     res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=on_token)
     timings = {"prompt_tok_s": round(res.prompt_tok_s, 3), "decode_tok_s": round(res.decode_tok_s, 3)}
@@ -280,7 +285,7 @@ def _fault_injector(spec: str | None, pl):
         raise ValueError("--inject-fault needs a pipeline: add --stages 2 (or more)")
     if not 0 <= k < len(pl.actors):
         raise ValueError(f"--inject-fault: stage {k} does not exist (stages 0..{len(pl.actors) - 1})")
-    fired = []
+    fired: list[int] = []
 
     def on_token(i: int, tok: int) -> None:
         if i == n and not fired:

@@ -21,7 +21,7 @@ def load_run_config(path: str, known: set[str]) -> dict[str, Any]:
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - yaml/json raise several unrelated types; re-raised as ConfigError
         raise ConfigError(f"{path}: not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a run config is a mapping of option names to values")

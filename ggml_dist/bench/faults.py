@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ def kill_study(path: str, stages: int, runs: int, n_tokens: int, seed: int = 0) 
             n0 = len(pl.ctx.recovery_s)
             try:
                 got = generate(pl.ctx, m.tokenizer, prompt, n_tokens, on_token=on_token, stop_at_eog=False).tokens
-            except Exception as e:                      # a lost request: reported, never hidden
+            except Exception as e:  # noqa: BLE001 - a lost request (any error): counted, never hidden
                 print(f"lost: {type(e).__name__}: {e}", file=sys.stderr)
                 lost += 1
                 continue
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..model.pull import resolve_model
     out = kill_study(str(resolve_model(a.model)), a.stages, a.runs, a.tokens)
     try:
-        from .fuzz_gguf import run_fuzz                                   # the loader fuzzer
+        from .fuzz_gguf import run_fuzz  # the loader fuzzer
         fz = run_fuzz(a.fuzz_cases, jobs=2)
         out.update({"fuzz_cases": fz.fuzz_cases, "fuzz_failures": fz.fuzz_failures,
                     "unclear_errors": fz.unclear_errors})

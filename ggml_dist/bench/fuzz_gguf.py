@@ -53,16 +53,29 @@ import time
 import tracemalloc
 import warnings
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, TypedDict
 
 # value types (gguf_type) and their sizes, duplicated here so the layout walker does not depend on the
 # parser under test
 _VT_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 VT_STRING, VT_ARRAY, VT_UINT32, VT_UINT64 = 8, 9, 4, 10
-SEED_SPEC = dict(n_vocab=300, n_embd=32, n_layer=1, n_head=2, n_head_kv=1, n_ff=64)
+
+
+class _SeedSpec(TypedDict):
+    """The SyntheticSpec fields the seed file sets, typed so that `SyntheticSpec(**SEED_SPEC)` checks."""
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+
+
+SEED_SPEC: _SeedSpec = {"n_vocab": 300, "n_embd": 32, "n_layer": 1, "n_head": 2, "n_head_kv": 1, "n_ff": 64}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -90,7 +103,7 @@ class Layout:
         return [f for f in self.fields if f.kind in kinds]
 
     @classmethod
-    def walk(cls, raw: bytes) -> "Layout":
+    def walk(cls, raw: bytes) -> Layout:
         fields: list[Field] = []
         pos = 0
 
@@ -118,7 +131,7 @@ class Layout:
                 et = fixed("arr_etype", 4, key=key)
                 n = fixed("arr_len", 8, key=key, etype=et)
                 if et in _VT_SIZE:       # numeric arrays: one field for the block, not per element
-                    fields.append(Field("arr_data", pos, n * _VT_SIZE[et], dict(key=key, etype=et)))
+                    fields.append(Field("arr_data", pos, n * _VT_SIZE[et], {"key": key, "etype": et}))
                     pos += n * _VT_SIZE[et]
                 else:
                     for _ in range(n):
@@ -346,7 +359,7 @@ def _mut_alignment(rng: random.Random, buf: bytearray, lay: Layout) -> str:
 
 
 def _mut_dup_key(rng: random.Random, buf: bytearray, lay: Layout) -> str:
-    (k1, s1, _, _), (k2, s2, _, _) = rng.sample(lay.kv_spans, 2)
+    (k1, s1, _, _), (k2, _, _, _) = rng.sample(lay.kv_spans, 2)
     f1 = next(f for f in lay.by_kind("key_len") if f.offset == s1)
     header = bytearray(lay.raw[:s1]) + _gguf_str(k2.encode()) + lay.raw[s1 + 8 + f1.info["value"]:lay.header_end]
     buf[:] = _rebuild(bytes(header), lay)
@@ -566,7 +579,7 @@ def run_case(path: str, case_time_limit: float = 2.0, mem_overhead: int = 64 << 
         else:
             outcome = "failure" if strict_path else "unclear"
             kind += " (message does not name the file)"
-    except BaseException as e:    # noqa: BLE001 - every other exception is a finding
+    except BaseException as e:    # every other exception is a finding
         if isinstance(e, KeyboardInterrupt):
             raise
         outcome, kind, msg = "failure", type(e).__name__, str(e)
@@ -581,8 +594,8 @@ def run_case(path: str, case_time_limit: float = 2.0, mem_overhead: int = 64 << 
         outcome, kind, msg = "failure", "slow", f"took {elapsed:.2f} CPU s (limit {case_time_limit} s); {msg}"
     if outcome != "failure" and over > mem_overhead:
         outcome, kind, msg = "failure", "memory", f"traced peak {peak - base} B for a {size} B file; {msg}"
-    return dict(outcome=outcome, kind=kind, msg=msg[:500], stage=stage, elapsed=elapsed, wall=wall,
-                peak_over_file=over)
+    return {"outcome": outcome, "kind": kind, "msg": msg[:500], "stage": stage, "elapsed": elapsed, "wall": wall,
+            "peak_over_file": over}
 
 
 def _vm_size() -> int:
@@ -648,7 +661,7 @@ class _Worker:
         finally:
             gc.unfreeze()
         child.close()
-        tag, self.rss0 = self.conn.recv()
+        _, self.rss0 = self.conn.recv()
         self.case: tuple[int, str, bytes, list[str]] | None = None
         self.t0 = 0.0
 
@@ -738,8 +751,8 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
             else:
                 rep.fuzz_failures += 1
                 kinds[res["kind"]] += 1
-                info = dict(index=index, mutation=name, mutations=descs, kind=res["kind"], msg=res["msg"],
-                            stage=res.get("stage"), elapsed=round(res.get("elapsed", 0.0), 3))
+                info = {"index": index, "mutation": name, "mutations": descs, "kind": res["kind"], "msg": res["msg"],
+                        "stage": res.get("stage"), "elapsed": round(res.get("elapsed", 0.0), 3)}
                 if failures_dir is not None:
                     d = Path(failures_dir)
                     d.mkdir(parents=True, exist_ok=True)
@@ -770,21 +783,21 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
                             _, res = w.conn.recv()
                         except (EOFError, OSError):
                             w.proc.join(5)
-                            res = dict(outcome="failure", kind="crash",
-                                       msg=f"worker died, exit code {w.proc.exitcode}",
-                                       elapsed=now - w.t0)
+                            res = {"outcome": "failure", "kind": "crash",
+                                   "msg": f"worker died, exit code {w.proc.exitcode}",
+                                   "elapsed": now - w.t0}
                     elif now - w.t0 > hard_timeout:
-                        res = dict(outcome="failure", kind="hang", msg=f"killed after {hard_timeout} s",
-                                   elapsed=now - w.t0)
+                        res = {"outcome": "failure", "kind": "hang", "msg": f"killed after {hard_timeout} s",
+                               "elapsed": now - w.t0}
                     if res is None:
                         continue
                     record(w, res)
                     if res["kind"] in ("crash", "hang"):
                         w.kill()
-                        workers[i] = w = _Worker(ctx, tmpdir, wargs)
+                        workers[i] = _Worker(ctx, tmpdir, wargs)
                     if next_index < n_cases:
                         name, data, descs = make_case(seed, next_index, lay)
-                        w.submit((next_index, name, data, descs))
+                        workers[i].submit((next_index, name, data, descs))
                         next_index += 1
         finally:
             for w in workers:

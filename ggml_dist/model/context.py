@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -119,7 +119,7 @@ class PendingLogits:
     """The logits of a submitted batch; `result()` waits for the ubatches that produce them, and
     recovers the context once if a stage was lost on the way."""
 
-    def __init__(self, ctx: "LlamaContext", records: list[UbatchRecord], n_vocab: int) -> None:
+    def __init__(self, ctx: LlamaContext, records: list[UbatchRecord], n_vocab: int) -> None:
         self._ctx = ctx
         self._records = records
         self._n_vocab = n_vocab
@@ -184,10 +184,12 @@ class LlamaContext:
     waiting: stage k works on ubatch u+1 while stage k+1 still works on u, and logits are fetched only
     when asked for."""
 
-    def __init__(self, model: LlamaModel, params: ContextParams = ContextParams(),
+    def __init__(self, model: LlamaModel, params: ContextParams | None = None,
                  backends: list | None = None, n_copies: int = 1,
                  weights: dict | None = None, layer_buft: Callable | None = None,
                  after_alloc: Callable | None = None) -> None:
+        if params is None:
+            params = ContextParams()
         self.model = model
         self.params = params
         hp = model.hp
@@ -297,11 +299,11 @@ class LlamaContext:
         else:
             need = {}
             for i, s in enumerate(batch.seq_ids):
-                st = {cells.stream_of(q) for q in s}
-                if len(st) > 1:
+                streams = {cells.stream_of(q) for q in s}
+                if len(streams) > 1:
                     raise BatchError(f"token {i} belongs to sequences {sorted(s)}, which own different KV "
                                      f"streams; a token shared by sequences needs a unified KV cache")
-                stream = st.pop()
+                stream = streams.pop()
                 need[stream] = need.get(stream, 0) + 1
         for st, n in need.items():
             free = kv.kv_size - cells.used_in(st)
@@ -430,6 +432,7 @@ class LlamaContext:
             return
         fetch_async = getattr(logits.buffer, "get_tensor_async", None)
         if remote:
+            assert fetch_async is not None, f"{logits.buffer!r} samples its logits but cannot fetch them"
             rec.fetch_tokens = fetch_async(logits, ":tok")
             rec.fetch = fetch_async(logits) if rec.keep_logits else None
             return

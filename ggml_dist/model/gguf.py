@@ -199,7 +199,8 @@ class GGUFFile:
         self.metadata: dict[str, Any] = {}
         self.metadata_types: dict[str, GGUFValueType] = {}
         self.tensors: dict[str, TensorInfo] = {}
-        self._parse(_Reader(memoryview(self._mm), self.path))
+        # .data is memoryview(self._mm): numpy's stubs type arrays as buffers only from Python 3.12
+        self._parse(_Reader(self._mm.data, self.path))
 
     def _parse(self, r: _Reader) -> None:
         magic = bytes(r.buf[0:4])

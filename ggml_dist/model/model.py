@@ -20,7 +20,7 @@ class LlamaModel:
     tokenizer: Tokenizer
 
     @classmethod
-    def load(cls, path: str | Path, layers: range | None = None) -> "LlamaModel":
+    def load(cls, path: str | Path, layers: range | None = None) -> LlamaModel:
         """Validate the file, then map the weights (all, or those of `layers` plus embeddings/head)."""
         f = load_gguf(path)
         hp = hparams_from_gguf(f)

@@ -58,7 +58,7 @@ class RowSampling:
         return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.n]
 
     @classmethod
-    def from_list(cls, v: list) -> "RowSampling":
+    def from_list(cls, v: list) -> RowSampling:
         if not (isinstance(v, list) and len(v) == 6 and all(isinstance(x, (int, float)) for x in v)):
             raise ValueError(f"a row's sampling is 6 numbers, not {str(v)[:60]}")
         t, k, p, m, seed, n = v
@@ -90,12 +90,20 @@ def sample_row(logits: np.ndarray, rs: RowSampling) -> int:
     return int(ids[rng.choice(len(ids), p=probs)])
 
 
+def _random_seed() -> int:
+    """A seed from the OS's entropy, below 2**63."""
+    entropy = np.random.SeedSequence().entropy
+    # numpy types entropy as int | Sequence[int] | None: the last two only echo a seed that was given
+    assert isinstance(entropy, int), f"SeedSequence() drew {type(entropy).__name__} entropy, not an int"
+    return int(entropy % 2**63)
+
+
 class Sampler:
     """A sequence's sampler: its parameters, seed and count of choices made."""
 
     def __init__(self, params: SamplingParams = SamplingParams()) -> None:
         self.params = params
-        self.seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        self.seed = params.seed if params.seed is not None else _random_seed()
         self.n = 0
 
     @property

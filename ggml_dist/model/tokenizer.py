@@ -7,11 +7,10 @@ produced (tests/data/make_tokenizer_ref.py).
 """
 from __future__ import annotations
 
-import logging
-
 import enum
 import functools
 import heapq
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,7 +18,6 @@ import numpy as np
 import regex
 
 from ggml_dist.model.gguf import GGUFError, GGUFFile
-
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +156,7 @@ def _bpe_merge(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 # SPM session (llm_tokenizer_spm_session::tokenize): score-ordered merges, byte fallback
 
-def _spm_tokenize(text: str, tok: "Tokenizer") -> list[int]:
+def _spm_tokenize(text: str, tok: Tokenizer) -> list[int]:
     sym = list(text)
     n = len(sym)
     if n == 0:
@@ -269,8 +267,8 @@ class Tokenizer:
         self._find_eog()
         # special tokens matched in the text, longest first (llama_vocab cache_special_tokens)
         special_types = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
-        self._special = sorted((i for i in range(n) if self.token_types[i] in special_types
-                                and self.tokens[i]), key=lambda i: -len(self.tokens[i].encode("utf-8")))
+        self._special_ids = sorted((i for i in range(n) if self.token_types[i] in special_types
+                                    and self.tokens[i]), key=lambda i: -len(self.tokens[i].encode("utf-8")))
         self._bpe_cache: dict[str, tuple[int, ...]] = {}
         self._pieces: dict[bool, list[bytes | None]] = {True: [None] * n, False: [None] * n}
 
@@ -303,13 +301,13 @@ class Tokenizer:
             eog.add(self.eot_id)
         for i in eog:
             self.token_types[i] = TokenType.CONTROL
-        for i in (self.eos_id, self.eom_id):
-            if i is not None:
-                eog.add(i)
+        for tid in (self.eos_id, self.eom_id):
+            if tid is not None:
+                eog.add(tid)
         self.eog_ids = frozenset(eog)
 
     @classmethod
-    def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
+    def from_gguf(cls, f: GGUFFile) -> Tokenizer:
         md = f.metadata
         model = md.get("tokenizer.ggml.model")
         if not isinstance(model, str):
@@ -344,7 +342,7 @@ class Tokenizer:
         return tok
 
     @classmethod
-    def _from_metadata(cls, model, tokens, arr, opt, merges) -> "Tokenizer":
+    def _from_metadata(cls, model, tokens, arr, opt, merges) -> Tokenizer:
         return cls(model, tokens, scores=arr("tokenizer.ggml.scores"),
                    token_types=arr("tokenizer.ggml.token_type"), merges=merges,
                    pre=opt("tokenizer.ggml.pre", str) or "default",
@@ -388,7 +386,7 @@ class Tokenizer:
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """tokenizer_st_partition: split text around special tokens (ints), longest tokens first."""
         frags: list[str | int] = [text]
-        for tid in self._special:
+        for tid in self._special_ids:
             ttype = self.token_types[tid]
             if not parse_special and ttype in (TokenType.CONTROL, TokenType.UNKNOWN):
                 continue   # user-defined tokens are always matched
@@ -456,9 +454,8 @@ class Tokenizer:
                     out.append(fr)
                     is_prev_special = True
                     continue
-                if self.add_space_prefix and is_prev_special:
-                    fr = " " + fr
-                out.extend(_spm_tokenize(fr.replace(" ", "\u2581"), self))
+                piece = " " + fr if self.add_space_prefix and is_prev_special else fr
+                out.extend(_spm_tokenize(piece.replace(" ", "\u2581"), self))
                 is_prev_special = False
         if add_special and self.add_eos:
             if self.eos_id is None:
@@ -552,9 +549,9 @@ def _clean_spaces(text: bytes) -> bytes:
     n = len(text)
     for i in range(1, n):
         x = text[i]
-        if text[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
-            if text[i + 1] in b"sm" or (i + 2 < n and text[i + 1:i + 3] in (b"re", b"ve")):
-                out.pop()
+        if text[i - 1] == 0x20 and x == 0x27 and i + 1 < n and (
+                text[i + 1] in b"sm" or (i + 2 < n and text[i + 1:i + 3] in (b"re", b"ve"))):
+            out.pop()
         out.append(x)
     return bytes(out)
 

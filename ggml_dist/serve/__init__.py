@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["create_app", "serve", "Engine", "EngineConfig", "ReplicaSet", "ServerThread"]
+__all__ = ["Engine", "EngineConfig", "ReplicaSet", "ServerThread", "create_app", "serve"]
 
 _HOME = {"create_app": "app", "serve": "server", "ServerThread": "server", "Engine": "engine",
          "EngineConfig": "engine", "ReplicaSet": "replicas"}

@@ -9,26 +9,41 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import sys
 import threading
 import time
 import traceback
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any, cast
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..model.sampling import SamplingParams
-from .engine import Engine, Event, NotReady, QueueFull, Request
+from .engine import Engine, Event, NotReady, QueueFull, Request, ServingEngine
 from .grammar import grammar_of, tokenizer_of
+from .protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    chat_logprobs,
+    completion_body,
+    completion_logprobs,
+    new_id,
+    refuse_unsupported,
+    usage,
+    usage_chunk,
+    validation_error,
+)
 from .tools import check_tools, forced_grammar, held_back, parse_calls, style_of
-from .protocol import (APIError, ChatRequest, CompletionRequest, chat_body, chat_logprobs, completion_body,
-                       completion_logprobs, new_id, refuse_unsupported, usage, usage_chunk, validation_error)
 
 MAX_BODY_BYTES = 1 << 20          # a 1 MiB prompt is far past any context this server runs
 _DISCONNECT_POLL_S = 0.25         # how often a non-streaming handler asks whether its client left
@@ -45,11 +60,12 @@ class _Deliver:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._pending: list[tuple[asyncio.Queue[tuple[int, Event]], tuple[int, Event]]] = []
 
-    def post(self, queue: asyncio.Queue[Event], ev: Event) -> None:
+    def post(self, queue: asyncio.Queue[tuple[int, Event]], item: tuple[int, Event]) -> None:
+        """Put item, (choice index, event), on queue, from the engine's thread."""
         with self._lock:
-            self._pending.append((queue, ev))
+            self._pending.append((queue, item))
             if len(self._pending) > 1:          # a drain is scheduled and has not run yet
                 return
         self.loop.call_soon_threadsafe(self._drain)
@@ -57,8 +73,14 @@ class _Deliver:
     def _drain(self) -> None:
         with self._lock:
             batch, self._pending = self._pending, []
-        for queue, ev in batch:
-            queue.put_nowait(ev)
+        for queue, item in batch:
+            queue.put_nowait(item)
+
+
+def _post_choice(deliver: _Deliver, queue: asyncio.Queue[tuple[int, Event]], first: int, ev: Event) -> None:
+    """A request's on_event: its event, under the response's choice index (the request's first, plus
+    the event's own index among the request's n choices)."""
+    deliver.post(queue, (first + ev.index, ev))
 
 
 _DELIVER: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Deliver] = weakref.WeakKeyDictionary()
@@ -71,7 +93,7 @@ def _deliver(loop: asyncio.AbstractEventLoop) -> _Deliver:
     return d
 
 
-def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(engine: ServingEngine, model_name: str, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="ggml-dist", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = engine.metrics
     created = int(time.time())
@@ -196,6 +218,7 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
                            "with --pooling mean|last|cls", "input")
         if engine.cfg.n_replicas > 1:
             raise _invalid("embeddings need --replicas 1", "input")
+        assert isinstance(engine, Engine), f"one replica, so one Engine, not {type(engine).__name__}"
         tok = _tokenizer(engine)
         inputs = _embedding_inputs(body.get("input"), tok.n_vocab)
         prompts = [await asyncio.to_thread(tok.encode, x, add_special=True, parse_special=True)
@@ -237,6 +260,7 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
                 _check_length_before_encoding(tok, p, engine.n_ctx_slot, "prompt")
                 prompts.append(await asyncio.to_thread(tok.encode, p, add_special=True, parse_special=True))
             else:
+                p = cast(list[int], p)      # token ids: a list of strings is `texts` itself
                 bad = [t for t in p if not 0 <= t < tok.n_vocab]
                 if bad:
                     raise _invalid(f"token id {bad[0]} is outside the vocabulary "
@@ -268,7 +292,7 @@ def create_app(engine: Engine, model_name: str, max_body_bytes: int = MAX_BODY_B
         try:                        # rendering and encoding off the event loop
             text = await asyncio.to_thread(tok.apply_chat_template, messages, add_generation_prompt=True,
                                            template=template, **extra)
-        except Exception as e:      # a template's raise_exception (e.g. roles out of order)
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception (roles out of order): a 400
             raise _invalid(f"the chat template rejected the messages: {e}", "messages") from None
         _check_length_before_encoding(tok, text, engine.n_ctx_slot, "messages")
         ids = await asyncio.to_thread(tok.encode, text, add_special=True, parse_special=True)
@@ -323,7 +347,7 @@ def _check_length_before_encoding(tok: Any, text: str, n_slot: int, param: str) 
     n / (the longest token's bytes) tokens."""
     longest = _MAX_PIECE.get(id(tok))
     if longest is None:
-        longest = _MAX_PIECE[id(tok)] = max(1, max(len(tok.token_to_piece(i)) for i in range(tok.n_vocab)))
+        longest = _MAX_PIECE[id(tok)] = max(1, *(len(tok.token_to_piece(i)) for i in range(tok.n_vocab)))
     n_bytes = len(text.encode("utf-8", errors="replace"))
     if n_bytes // longest >= n_slot:
         raise APIError(400, f"the prompt has at least {n_bytes // longest} tokens ({n_bytes} bytes); this "
@@ -331,7 +355,7 @@ def _check_length_before_encoding(tok: Any, text: str, n_slot: int, param: str) 
                        code="context_length_exceeded")
 
 
-def _tokenizer(engine: Engine) -> Any:
+def _tokenizer(engine: ServingEngine) -> Any:
     try:
         return engine.tokenizer
     except NotReady as e:
@@ -370,7 +394,7 @@ class _Choice:
     echo: int = 0                 # completions' echo: the prompt's characters that `text` starts with
 
 
-async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: CompletionRequest | ChatRequest,
+async def _generate(http: HTTPRequest, engine: ServingEngine, endpoint: str, req: CompletionRequest | ChatRequest,
                     prompts: list[list[int]], max_tokens: int, model_name: str, chat: bool,
                     echos: list[str] | None = None, grammar: str | None = None,
                     tool_style: str | None = None) -> Response:
@@ -409,7 +433,7 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
     for k, ids in enumerate(prompts):
         seed_k = None if req.seed is None else req.seed + k * n
         greqs.append(Request(ids, max_tokens, replace(sampling, seed=seed_k), req.stop_list(),
-                             on_event=lambda ev, k=k: deliver.post(queue, (k * n + ev.index, ev)), n=n))
+                             on_event=functools.partial(_post_choice, deliver, queue, k * n), n=n))
     try:
         for g in greqs:
             engine.submit(g)
@@ -434,7 +458,7 @@ async def _generate(http: HTTPRequest, engine: Engine, endpoint: str, req: Compl
             try:
                 c, ev = await asyncio.wait_for(queue.get(), timeout=_DISCONNECT_POLL_S)
                 answer.take(c, ev)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             if time.monotonic() - t_check >= _DISCONNECT_POLL_S:
                 t_check = time.monotonic()
@@ -509,7 +533,7 @@ class _Answer:
         return b
 
 
-async def _sse(engine: Engine, endpoint: str, greqs: list[Request], queue: asyncio.Queue[tuple[int, Event]],
+async def _sse(engine: ServingEngine, endpoint: str, greqs: list[Request], queue: asyncio.Queue[tuple[int, Event]],
                answer: _Answer, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events, a chunk per piece of each choice; Starlette cancels this generator when the
     client goes away, and the `finally` then cancels the sequences so their slots are freed at the

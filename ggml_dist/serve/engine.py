@@ -36,8 +36,9 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Protocol, Self
 
 import numpy as np
 
@@ -49,7 +50,6 @@ from ..model.tokenizer import Tokenizer
 from ..model.ubatch import Batch
 from .metrics import Metrics
 from .stop import StopMatcher
-
 
 TRICKLE = 16        # with a KV stream per slot, prompts with at most this many tokens left trickle in
                     # beside decoding sequences (Engine._short_chunk)
@@ -103,6 +103,29 @@ class Request:
     n: int = 1                             # choices: n sequences, the prompt evaluated once (seq_cp)
 
 
+class ServingEngine(Protocol):
+    """What the app and the server use of an engine: an Engine in this process, or a ReplicaSet of engine
+    processes (serve.replicas). Embeddings are an Engine's only: the app refuses them with replicas."""
+    cfg: EngineConfig
+    metrics: Metrics
+    n_ctx_slot: int
+    ready: threading.Event
+    load_error: str | None
+
+    def start(self) -> Self: ...
+    def wait_ready(self, timeout: float | None = None) -> None: ...
+    def shutdown(self) -> None: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    def submit(self, req: Request) -> None: ...
+    def cancel(self, req: Request) -> None: ...
+    def queue_length(self) -> int: ...
+    def n_running(self) -> int: ...
+    def health(self) -> dict[str, float]: ...
+    def status(self) -> dict[str, float]: ...
+    def stage_busy(self) -> list[float]: ...
+
+
 @dataclass(eq=False)
 class Sequence:
     req: Request
@@ -118,7 +141,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent (with the next event)
     constraint: Any = None                  # serve/grammar.Constraint when the request has a grammar
     index: int = 0                          # the request's choice this sequence makes
-    parent: "Sequence | None" = None        # choice > 0: waits for choice 0's prompt, then copies it
+    parent: Sequence | None = None          # choice > 0: waits for choice 0's prompt, then copies it
     children: list = field(default_factory=list)   # choice 0: the choices waiting for its prompt
 
     @property
@@ -200,7 +223,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="ggml-dist-engine", daemon=True)
 
     # -- life cycle (any thread) ------------------------------------------------------------------------
-    def start(self) -> "Engine":
+    def start(self) -> Self:
         self._thread.start()
         return self
 
@@ -271,13 +294,14 @@ class Engine:
             return [self.busy_s]
         try:
             self._stage_busy = [float(st["compute_s"]) for st in self.pipeline.stats()]
-        except Exception:                                 # a stage is down: metrics must still answer
+        except Exception:  # noqa: BLE001 - a stage is down: metrics must still answer
             pass
         return list(getattr(self, "_stage_busy", []))
 
     # -- engine thread ----------------------------------------------------------------------------------
     def _load(self) -> None:
         cfg = self.cfg
+        assert cfg.kv_unified is not None, "EngineConfig.__post_init__ chooses kv_unified"
         params = ContextParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
                                n_seq_max=cfg.n_parallel, kv_unified=cfg.kv_unified)
         if cfg.n_stages <= 1 and not cfg.address:
@@ -326,7 +350,7 @@ class Engine:
     def _run(self) -> None:
         try:
             self._load()
-        except Exception as e:      # reported by /health and to every request, not raised
+        except Exception as e:  # noqa: BLE001 - reported by /health and to every request, not raised
             self.load_error = f"loading {self.cfg.model_path} failed: {type(e).__name__}: {e}"
             print(f"ggml-dist serve: {self.load_error}", file=sys.stderr)
             self.ready.set()
@@ -347,7 +371,7 @@ class Engine:
                 self._fill()
                 if self._in_flight:
                     self._collect(self._in_flight.popleft())
-            except Exception as e:   # a failed step fails its requests; the server keeps serving
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the server keeps serving
                 self._fail_all(f"{type(e).__name__}: {e}")
         for s in self._slots:
             if s is not None:
@@ -375,7 +399,7 @@ class Engine:
                 continue
             try:
                 fut.set_result(self._embed_now(prompt, self._slots.index(None)))
-            except Exception as e:           # this request fails, not the engine
+            except Exception as e:  # noqa: BLE001 - this request fails (the future holds it), not the engine
                 fut.set_exception(e)
 
     def _embed_now(self, prompt: list[int], slot: int) -> np.ndarray:
@@ -425,10 +449,13 @@ class Engine:
         while True:
             busy = [k for k, s in enumerate(self._slots) if s is not None]
             free = [k for k, s in enumerate(self._slots) if s is None]
-            if not busy or not free or free[0] > busy[-1] or self._slots[busy[-1]].in_flight:
+            if not busy or not free or free[0] > busy[-1]:
                 return
             src, dst = busy[-1], free[0]
             s = self._slots[src]
+            assert s is not None, f"slot {src} is busy but holds no sequence"
+            if s.in_flight:
+                return
             if self._cached[dst]:
                 self.ctx.seq_swap(src, dst)
             else:
@@ -449,7 +476,7 @@ class Engine:
             try:
                 constraints = [self._constraint(req.sampling.grammar) if req.sampling.grammar is not None
                                else None for _ in range(req.n)]
-            except Exception as e:              # an invalid grammar: this request fails, not the engine
+            except Exception as e:  # noqa: BLE001 - an invalid grammar: this request fails, not the engine
                 for i in range(req.n):
                     req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=f"grammar: {e}",
                                        index=i))

@@ -28,19 +28,20 @@ from .protocol import APIError
 try:
     import llguidance
     import llguidance.numpy as llg_np
+    _HAVE_LLGUIDANCE = True
 except ImportError:                     # pragma: no cover - a dependency of the serve extra
-    llguidance = None
+    _HAVE_LLGUIDANCE = False            # every use of llguidance is behind _need()
 
 _LOCK = threading.Lock()
 _TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, Any] = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
-    return llguidance is not None
+    return _HAVE_LLGUIDANCE
 
 
 def _need() -> None:
-    if llguidance is None:
+    if not _HAVE_LLGUIDANCE:
         raise APIError(400, "structured output needs the llguidance package (pip install llguidance)",
                        param="response_format", code="unsupported_parameter")
 
@@ -67,7 +68,7 @@ def grammar_of(response_format: Any = None, grammar: Any = None, json_schema: An
             text = _response_format(v)
     except APIError:
         raise
-    except Exception as e:             # llguidance's compile errors (ValueError, RuntimeError)
+    except Exception as e:  # noqa: BLE001 - llguidance's compile errors (ValueError, RuntimeError): a 400
         raise APIError(400, f"invalid {name}: {e}", param=name) from None
     err = llguidance.LLMatcher.validate_grammar(text)
     if err and not err.startswith("WARNING"):

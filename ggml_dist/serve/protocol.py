@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable, Literal, Sequence as Sequence_
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
+from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
 # -- errors ------------------------------------------------------------------------------------------
 

@@ -21,13 +21,14 @@ process dies fails its requests and is started again; the others keep serving.
 from __future__ import annotations
 
 import collections
+import functools
 import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Self
 
 from ..backends import qkernels
 from ..model.tokenizer import Tokenizer
@@ -126,16 +127,15 @@ def _replica_main(conn: Connection) -> None:
             msg = conn.recv()
             if msg[0] == "submit":
                 rid, prompt, max_tokens, sampling, stops, t_arrival = msg[1:]
-                req = Request(prompt, max_tokens, sampling, stops, lambda ev, rid=rid: on_event(rid, ev),
-                              t_arrival)
+                req = Request(prompt, max_tokens, sampling, stops, functools.partial(on_event, rid), t_arrival)
                 reqs[rid] = req
                 try:
                     engine.submit(req)
                 except (QueueFull, NotReady) as e:     # the front bounds the queue: not expected
                     on_event(rid, Event(finish_reason="error", n_prompt=len(prompt), error=str(e)))
             elif msg[0] == "cancel":
-                if (req := reqs.get(msg[1])) is not None:
-                    engine.cancel(req)
+                if (target := reqs.get(msg[1])) is not None:
+                    engine.cancel(target)
             elif msg[0] == "threads":                  # the front's share of the cores for this one
                 qkernels.set_threads(msg[1])
             elif msg[0] == "status":
@@ -205,7 +205,7 @@ class ReplicaSet:
                          for k, n in enumerate(shares)]
 
     # -- life cycle -----------------------------------------------------------------------------------
-    def start(self) -> "ReplicaSet":
+    def start(self) -> Self:
         threading.Thread(target=self._start, name="ggml-dist-replicas", daemon=True).start()
         return self
 
@@ -213,7 +213,7 @@ class ReplicaSet:
         try:
             from ..model.gguf import load_gguf
             self._tokenizer = Tokenizer.from_gguf(load_gguf(self.cfg.model_path))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - reported by /health and to every request, as Engine._run
             self._fail_load(f"loading {self.cfg.model_path} failed: {type(e).__name__}: {e}")
             return
         for r in self.replicas:

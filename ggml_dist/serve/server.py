@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 
 from .app import MAX_BODY_BYTES, create_app
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, ServingEngine
 from .metrics import Metrics
 
 
@@ -24,7 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _uvicorn_config(engine: Engine, model_name: str, host: str, port: int,
+def _uvicorn_config(engine: ServingEngine, model_name: str, host: str, port: int,
                     max_body_bytes: int) -> uvicorn.Config:
     app = create_app(engine, model_name, max_body_bytes)
     # one event loop thread; the engine thread does the compute. uvloop and httptools (C) where installed:
@@ -33,11 +33,11 @@ def _uvicorn_config(engine: Engine, model_name: str, host: str, port: int,
                           timeout_graceful_shutdown=5, http="auto", loop="auto", lifespan="off")
 
 
-def make_engine(cfg: EngineConfig, metrics: Metrics) -> Engine:
+def make_engine(cfg: EngineConfig, metrics: Metrics) -> ServingEngine:
     """The engine behind the app: one in this process, or a set of replica processes (--replicas)."""
     if cfg.n_replicas > 1:
         from .replicas import ReplicaSet
-        return ReplicaSet(cfg, metrics)         # type: ignore[return-value]  (Engine's interface)
+        return ReplicaSet(cfg, metrics)
     return Engine(cfg, metrics)
 
 
@@ -85,7 +85,7 @@ class ServerThread:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, wait_ready_s: float = 300.0) -> "ServerThread":
+    def start(self, wait_ready_s: float = 300.0) -> ServerThread:
         self.engine.start()
         self.thread.start()
         t0 = time.monotonic()
@@ -101,7 +101,7 @@ class ServerThread:
         self.thread.join(timeout=15)
         self.engine.shutdown()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

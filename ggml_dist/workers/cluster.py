@@ -325,11 +325,12 @@ def _lost(e: BaseException) -> bool:
         "ObjectReconstructionFailedError", "NodeDiedError", "WorkerCrashedError",
         "ActorUnschedulableError")) if t is not None)
     seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, lost_types) or isinstance(e, PlanMissingError):
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (*lost_types, PlanMissingError)):
             return True
-        e = getattr(e, "cause", None) or e.__cause__          # RayTaskError keeps the original in .cause
+        cur = getattr(cur, "cause", None) or cur.__cause__    # RayTaskError keeps the original in .cause
     return False
 
 
@@ -373,17 +374,19 @@ class Pipeline:
     manifests: dict[int, tuple[list[str], WeightManifest]] = field(default_factory=dict)
 
     @classmethod
-    def launch(cls, model_path: str, n_stages: int | None, params: ContextParams = ContextParams(),
+    def launch(cls, model_path: str, n_stages: int | None, params: ContextParams | None = None,
                n_copies: int | None = None, layers: list[tuple[int, int]] | None = None,
                budgets: list[int] | None = None, threads_per_stage: int = 1,
                max_restarts: int = 3, node_ids: list[str] | None = None,
                stage_model_path: str | None = None, nodes: list[NodeInfo] | None = None,
-               on_plan: Callable[[Placement], None] | None = None) -> "Pipeline":
+               on_plan: Callable[[Placement], None] | None = None) -> Pipeline:
         """Place the layers (n_stages None: the fewest stages that fit the cluster's nodes), start one
         actor per stage and wait until every stage holds its weights. On a cluster this process joined
         (not a local Ray it started), stages go one per node, sized by the nodes' Ray memory; node_ids
         limits them to those nodes. on_plan sees the placement before any actor starts."""
         import ray
+        if params is None:
+            params = ContextParams()
         model = LlamaModel.load(model_path)
         if nodes is None and not node_ids and not _started_local and budgets is None:
             nodes = cluster_nodes()
