@@ -301,7 +301,9 @@ def _stage_summary(pl) -> list[dict]:
     for k, st in enumerate(pl.stats()):
         tl = st["timeline"]
         span = (tl[-1][3] - tl[0][0]) if tl else 0.0
-        out.append({"stage": k, "layers": list(pl.placement.stages[k].layers), "calls": st["n_calls"],
+        node = pl.infos[k].get("node_id", "") if k < len(pl.infos) else ""   # where the actor runs
+        out.append({"stage": k, "node_id": node, "layers": list(pl.placement.stages[k].layers),
+                    "calls": st["n_calls"],
                     "plans": st["n_plans"], "compute_s": round(st["compute_s"], 4),
                     "transfer_s": round(st["decode_s"], 4),
                     "idle_s": round(max(0.0, span - st["compute_s"] - st["decode_s"]), 4),

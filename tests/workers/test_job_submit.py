@@ -43,6 +43,8 @@ def test_ray_job_submit_two_nodes(tmp_path):
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith('{"prompt_tokens"'))
         out = json.loads(line)
         assert len(out["tokens"]) == 4 and len(out["stages"]) == 2
-        assert len({s["node_id"] for s in out["plan"]}) == 2             # on both nodes, one stage each
+        assert len({s["node_id"] for s in out["plan"]}) == 2             # planned on both nodes
+        ran = [s["node_id"] for s in out["stages"]]                        # and the actors ran there
+        assert len(set(ran)) == 2 and ran == [s["node_id"] for s in out["plan"]]
     finally:
         cluster.shutdown()
