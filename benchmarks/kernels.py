@@ -32,6 +32,7 @@ import numpy as np
 
 from ggml_dist.backends import qkernels
 from ggml_dist.backends import quants as Q
+from ggml_dist.backends import threads as kernel_threads
 from ggml_dist.core.types import GGMLType
 
 # (type, M rows, K): a 1B-class Q4_0 matrix and the SmolLM2-135M shapes (q/o, ffn up/gate, ffn down, head)
@@ -59,11 +60,9 @@ def copy_bandwidth(nbytes: int = 256 << 20) -> dict[str, float]:
 
 
 def mm(wtype: GGMLType, w: np.ndarray, x: np.ndarray, use_numba: bool, order: str = "fast") -> np.ndarray:
-    Q.USE_NUMBA = use_numba
-    try:
-        return Q.mul_mat(wtype, w, x, order=order, repacked=False)
-    finally:
-        Q.USE_NUMBA = True
+    if use_numba and wtype in qkernels.COVERED:
+        return qkernels.mul_mat_q(wtype, w, x, order=order, repacked=False)
+    return Q.mul_mat(wtype, w, x, order=order, repacked=False)
 
 
 def run_case(tname: str, M: int, K: int, n_gemm: int, skip_numpy_gemm: bool,
@@ -133,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the numpy gemm timings (slowest part)")
     ap.add_argument("--orders", default="fast,ggml", help="comma-separated accumulation orders to time")
     ap.add_argument("--suites", default="quants,packed",
-                    help="quants: quants.mul_mat numpy vs numba; packed: qpack's float/AVX2/VNNI kernels")
+                    help="quants: quants.mul_mat (numpy) vs qkernels (numba); packed: qpack's float/AVX2/VNNI kernels")
     args = ap.parse_args(argv)
     suites = set(args.suites.split(","))
-    qkernels.set_threads(args.threads)
+    kernel_threads.set_threads(args.threads)
     result: dict[str, Any] = {"threads": args.threads, "copy": copy_bandwidth(), "cases": []}
     for tname, M, K in CASES if "quants" in suites else ():
         result["cases"].append(run_case(tname, M, K, args.n_gemm, args.quick, tuple(args.orders.split(","))))

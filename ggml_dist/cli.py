@@ -1,4 +1,4 @@
-"""The `ggml-dist` command: pull, run, logits, tokenize, bench."""
+"""The `ggml-dist` command: pull, run, logits, plan, tokenize, serve, bench."""
 from __future__ import annotations
 
 import argparse
@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
                    "whose GGUF has none")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
-    p.add_argument("what", choices=["alloc", "pipeline", "decode", "faults"])
+    p.add_argument("what", choices=["alloc", "pipeline", "decode", "faults", "fuzz-gguf"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
 
@@ -199,8 +199,8 @@ def _load(args: argparse.Namespace):
         args.stages = 1
     if args.stages == 1 and not args.address:         # one stage: this process (also inside a job)
         if getattr(args, "threads_given", False):
-            from .backends import qkernels
-            qkernels.set_threads(args.threads)
+            from .backends import threads
+            threads.set_threads(args.threads)
         model = LlamaModel.load(path)
         return model, LlamaContext(model, _params(args)), None
     from .workers.cluster import Pipeline, connect
@@ -296,7 +296,9 @@ def _fault_injector(spec: str | None, pl):
 
 
 def _stage_summary(pl) -> list[dict]:
-    """Per stage: compute, input-decoding and idle time over the run, and bytes moved."""
+    """Per stage over the run: compute time; prepare time, each call's part before its compute (finding
+    or building the plan, decoding the received messages, writing the inputs: the stage's `decode_s`);
+    the rest of the stage's span as idle (which includes encoding the outputs); bytes moved."""
     out = []
     for k, st in enumerate(pl.stats()):
         tl = st["timeline"]
@@ -305,7 +307,7 @@ def _stage_summary(pl) -> list[dict]:
         out.append({"stage": k, "node_id": node, "layers": list(pl.placement.stages[k].layers),
                     "calls": st["n_calls"],
                     "plans": st["n_plans"], "compute_s": round(st["compute_s"], 4),
-                    "transfer_s": round(st["decode_s"], 4),
+                    "prepare_s": round(st["decode_s"], 4),
                     "idle_s": round(max(0.0, span - st["compute_s"] - st["decode_s"]), 4),
                     "bytes_in": st["bytes_in"], "bytes_out": st["bytes_out"]})
     return out
@@ -395,8 +397,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import alloc, decode, faults, pipeline
-    mains = {"alloc": alloc.main, "pipeline": pipeline.main, "decode": decode.main, "faults": faults.main}
+    from .bench import alloc, decode, faults, fuzz_gguf, pipeline
+    mains = {"alloc": alloc.main, "pipeline": pipeline.main, "decode": decode.main, "faults": faults.main,
+             "fuzz-gguf": fuzz_gguf.main}
     return mains[args.what](args.rest)
 
 

@@ -1,4 +1,4 @@
-"""The ggml-dist command: run/tokenize/logits/plan/pull on real files, and clear errors."""
+"""The ggml-dist command: run/tokenize/logits/plan/pull on real files, bench's routing, and clear errors."""
 from __future__ import annotations
 
 import json
@@ -93,3 +93,15 @@ def test_serve_replicas_checked(capsys, model):
     assert code == 1 and "--replicas must be 1..--parallel (2), got 3" in err
     code, _, err = _run(capsys, "serve", "--model", str(model), "--stages", "2", "--replicas", "2")
     assert code == 1 and "does not combine with a pipeline" in err
+
+
+# `ggml-dist bench NAME ARGS...` hands ARGS to ggml_dist/bench/NAME.py's main (the benchmarks' one home)
+@pytest.mark.parametrize("name,module", [("alloc", "alloc"), ("decode", "decode"), ("pipeline", "pipeline"),
+                                         ("faults", "faults"), ("fuzz-gguf", "fuzz_gguf")])
+def test_bench_routes_to_the_package(monkeypatch, capsys, name, module):
+    import importlib
+    mod = importlib.import_module(f"ggml_dist.bench.{module}")
+    seen: list[list[str]] = []
+    monkeypatch.setattr(mod, "main", lambda argv: seen.append(list(argv)) or 0)
+    rc, _, _ = _run(capsys, "bench", name, "--cases", "3", "--json")
+    assert rc == 0 and seen == [["--cases", "3", "--json"]]

@@ -26,11 +26,6 @@ _INPLACE_OP_NAMES = ("FILL", "SCALE", "DIAG_MASK_ZERO", "DIAG_MASK_INF", "ADD", 
 INPLACE_OPS = frozenset(Op[n] for n in _INPLACE_OP_NAMES if n in Op.__members__)
 
 
-def op_can_inplace(op: Op) -> bool:
-    """ggml_op_can_inplace."""
-    return op in INPLACE_OPS
-
-
 def are_same_layout(a: Tensor, b: Tensor) -> bool:
     """ggml_are_same_layout: same type, ne and nb."""
     return a.type == b.type and a.ne == b.ne and a.nb == b.nb
@@ -38,7 +33,9 @@ def are_same_layout(a: Tensor, b: Tensor) -> bool:
 
 # -- buffer types (duck-typed; alloc never imports backends) -------------------------------------------
 class BufferLike(Protocol):
-    """A chunk buffer: only its size is needed here (optional: reset(), init_tensor(t))."""
+    """A chunk buffer: only its size is needed here. A backend buffer also declares reset() and
+    init_tensor(t) (backends/base.py's optional slots, no-ops by default); a size-only planning buffer
+    (bench/alloc.py's PlanOnlyBuffer) has neither, so VBuffer.reset and _init_tensor look them up."""
     size: int
 
 
@@ -104,7 +101,7 @@ class VBuffer:
     def reset(self) -> None:
         """ggml_vbuffer_reset: let each chunk drop per-tensor extras; memory is kept."""
         for b in self.chunks:
-            reset = getattr(b, "reset", None)
+            reset = getattr(b, "reset", None)      # BufferLike: a size-only buffer has no reset
             if reset is not None:
                 reset()
 
@@ -116,7 +113,7 @@ class VBuffer:
 
 
 def _init_tensor(buf: Any, t: Tensor) -> None:
-    init = getattr(buf, "init_tensor", None)
+    init = getattr(buf, "init_tensor", None)       # BufferLike: a size-only buffer has no init_tensor
     if init is not None:
         init(t)
 
@@ -328,14 +325,6 @@ class Gallocr:
     def reserve(self, graph: Graph) -> bool:
         """ggml_gallocr_reserve: everything in buffer 0."""
         return self.reserve_n(graph, None, None)
-
-    def reserve_n_size(self, graph: Graph, node_buffer_ids: Sequence[int] | None = None,
-                       leaf_buffer_ids: Sequence[int] | None = None) -> list[int]:
-        """ggml_gallocr_reserve_n_size: plan only; per buffer the summed chunk sizes (aliases repeated)."""
-        self._plan(graph, node_buffer_ids, leaf_buffer_ids)
-        sizes = [self.buf_tallocs[i].total_max_size() for i in range(self.n_buffers)]
-        self._realloc_buffers(no_alloc=True)
-        return sizes
 
     def _plan(self, graph: Graph, node_buffer_ids: Sequence[int] | None,
               leaf_buffer_ids: Sequence[int] | None) -> None:

@@ -30,14 +30,15 @@ def aligned_size(size: int, alignment: int) -> int:
 class Tallocr:
     """Mirrors ggml_tallocr: places tensors one after another in `buffer`, each padded to the alignment.
 
-    `buffer` needs `.size`; its buffer type (`buffer.buft`, if present) supplies `alignment` and
-    `get_alloc_size`, unless `alignment` is given here. Used for weights and the KV cache, never freed.
+    `buffer` is a backend buffer (backends/base.py's Buffer: `size`, `buft`, `init_tensor`); its buffer
+    type supplies `get_alloc_size`, and `alignment` unless given here. Used for weights and the KV cache,
+    never freed.
     """
 
     def __init__(self, buffer: Any, alignment: int | None = None) -> None:
-        buft = getattr(buffer, "buft", None)
+        buft = buffer.buft
         if alignment is None:
-            alignment = buft.alignment if buft is not None else getattr(buffer, "alignment", 1)
+            alignment = buft.alignment
         assert alignment > 0 and alignment & (alignment - 1) == 0, \
             f"alignment must be a power of two, got {alignment}"
         self.buffer = buffer
@@ -49,15 +50,12 @@ class Tallocr:
         """ggml_tallocr_alloc: bind t at the current offset, then bump by its padded size."""
         assert t.data is None and t.buffer is None and t.view_src is None, \
             f"'{t.name}' is already allocated or is a view"
-        size = self.buft.get_alloc_size(t) if self.buft is not None else t.nbytes
-        size = aligned_size(size, self.alignment)
+        size = aligned_size(self.buft.get_alloc_size(t), self.alignment)
         if self.offset + size > self.buffer.size:
             raise AllocError(f"tallocr: '{t.name}' needs {size} B at offset {self.offset}, but the buffer "
                              f"holds {self.buffer.size} B; allocate a larger buffer")
         t.buffer, t.data = self.buffer, self.offset
-        init = getattr(self.buffer, "init_tensor", None)
-        if init is not None:
-            init(t)
+        self.buffer.init_tensor(t)
         self.offset += size
 
 

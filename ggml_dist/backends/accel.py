@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.tensor import VIEW_OPS, Op, Tensor
-from .base import DeviceType
+from .base import BufferType, Device, DeviceType
 from .cpu import CPUBackend, CPUBufferType, cpu_supports_op
 from .cpu_ops import ComputeOptions
 
 
-class AccelDevice:
+class AccelDevice(Device):
     """A ggml_backend_device of type GPU whose memory and kernels are really the CPU's."""
     type = DeviceType.GPU
 
@@ -57,10 +57,10 @@ class AccelDevice:
             return False
         return cpu_supports_op(t)
 
-    def supports_buft(self, buft: object) -> bool:
+    def supports_buft(self, buft: BufferType) -> bool:
         if buft is self.buft:
             return True
-        return self.shares_cpu_buft and bool(getattr(buft, "is_host", False))
+        return self.shares_cpu_buft and buft.is_host
 
     def offload_op(self, t: Tensor) -> bool:
         return t.op in self.offload_ops
@@ -71,4 +71,4 @@ class AccelDevice:
     def init_backend(self, async_compute: bool = False,
                      opts: ComputeOptions = ComputeOptions()) -> CPUBackend:
         """The CPU backend machinery (worker thread, events) bound to this device."""
-        return CPUBackend(self, async_compute, opts)  # type: ignore[arg-type]
+        return CPUBackend(self, async_compute, opts)

@@ -1,12 +1,28 @@
 """The device protocol: device -> buffer type -> buffer -> backend (ggml-backend-impl.h).
 
-Each level is a small Protocol; implementations do not inherit from each other. The one place where a
-tensor's (buffer, data) becomes an array with ggml's strides is `tensor_array`: `ne`/`nb` are reversed
+Each level is a small Protocol. An implementation subclasses its Protocol explicitly (`class
+CPUBuffer(Buffer)`), one level deep; implementations do not inherit from each other. The one place where
+a tensor's (buffer, data) becomes an array with ggml's strides is `tensor_array`: `ne`/`nb` are reversed
 into a numpy shape/strides there and nowhere else.
+
+Optional slots. ggml's `*_i` tables mark some slots "(optional)", leave them NULL, and the caller tests
+the pointer or the public wrapper supplies the default. Here every optional slot is declared on its
+Protocol with its default, an implementation inherits the defaults by subclassing and overrides what it
+supports, and callers read the slot instead of probing for it. Two kinds:
+  * neutral defaults, used as they are: a value (`Buffer.usage` ANY, `BufferType.is_host` False,
+    `Backend.inputs_by_value` False) or a method that does what ggml's wrapper does for a NULL slot
+    (`Buffer.init_tensor`, `reset` and `release_pages` do nothing, `BufferType.get_alloc_size` is
+    nbytes, `Device.offload_op` is False, `Backend.submit` runs fn now);
+  * `None` slots, where the caller takes another path without one, and tests `is not None` as ggml
+    tests a NULL pointer: `Buffer.base` (host bytes; None: copies go through get/set_tensor),
+    `Buffer.get_tensor_async`, `Buffer.set_sampling`, `Backend.event_record` / `event_wait` (events:
+    the scheduler orders streams with them; None: it synchronises) and `Backend.cpy_tensor_async`
+    (None: the scheduler's own copy, scheduler/copy.py).
 """
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -44,15 +60,35 @@ class UnsupportedOpError(RuntimeError):
 
 @runtime_checkable
 class Buffer(Protocol):
-    """ggml_backend_buffer: a byte arena. Host buffers expose `base`, a uint8 numpy array."""
+    """ggml_backend_buffer: a byte arena."""
     size: int
-    usage: BufferUsage
+    buft: BufferType    # a subclass may narrow it to its own buffer type class
+    usage: BufferUsage = BufferUsage.ANY
+    base: np.ndarray | None = None    # host buffers: the uint8 arena; None: bytes this process cannot address
+    # (optional) get_tensor_async(t, suffix="") -> a call that returns t's value: a fetch started now and
+    # waited for later (a stage's export); None: read with get_tensor after synchronising
+    get_tensor_async: Callable[..., Callable[[], np.ndarray]] | None = None
+    # (optional) set_sampling(t, rows, keep_logits): the next compute of t (the logits) samples one token
+    # per row where it runs (workers/proxy.py); None: the caller samples from the fetched logits
+    set_sampling: Callable[[Tensor, list, bool], None] | None = None
 
-    @property
-    def buft(self) -> BufferType: ...     # read-only here, so a buffer may name its own buffer type class
     def set_tensor(self, t: Tensor, data: np.ndarray, offset: int = 0) -> None: ...
     def get_tensor(self, t: Tensor) -> np.ndarray: ...
     def clear(self, value: int = 0) -> None: ...
+
+    def init_tensor(self, t: Tensor) -> None:
+        """(optional) ggml's init_tensor: called when t is placed in this buffer. Default: nothing."""
+        return None
+
+    def reset(self) -> None:
+        """(optional) ggml's reset: drop per-tensor extras before a replay; memory is kept. Default:
+        nothing."""
+        return None
+
+    def release_pages(self, offset: int, size: int) -> None:
+        """(optional) drop the resident pages of bytes [offset, offset+size) that a backend now keeps in
+        a form of its own (a file mapping's pages, model/weights.py). Default: nothing to drop."""
+        return None
 
 
 @runtime_checkable
@@ -61,10 +97,18 @@ class BufferType(Protocol):
     name: str
     alignment: int      # power of two; the allocator pads every size to it
     max_size: int       # bytes per chunk; one oversize tensor may still get a larger chunk
-    is_host: bool       # an array of the buffer can be read by the CPU directly
+    is_host: bool = False   # an array of the buffer can be read by the CPU directly
 
     def alloc_buffer(self, size: int) -> Buffer: ...
-    def get_alloc_size(self, t: Tensor) -> int: ...   # default: nbytes(t)
+
+    def get_alloc_size(self, t: Tensor) -> int:
+        """(optional) bytes t takes in a buffer of this type. Default: nbytes(t)."""
+        return nbytes(t)
+
+
+class Event(Protocol):
+    """ggml_backend_event: what Backend.event_record returns; wait() blocks the host until it is done."""
+    def wait(self) -> object: ...
 
 
 @runtime_checkable
@@ -72,9 +116,24 @@ class Backend(Protocol):
     """ggml_backend: computes graphs whose tensors live in buffers it can use."""
     name: str
     device: Device
+    # graph inputs are snapshotted when copied in (a stage proxy sends them with its next call), so the
+    # scheduler need not wait before overwriting an input's copy slot
+    inputs_by_value: bool = False
+    # (optional) events, both or neither: event_record() -> an Event set once everything submitted so
+    # far has run; event_wait(ev): later work waits for ev (recorded on another backend). None: the
+    # scheduler synchronises the backend where it would wait for an event
+    event_record: Callable[[], Event] | None = None
+    event_wait: Callable[[Event], None] | None = None
+    # (optional) cpy_tensor_async(src_backend, src, dst) -> bool: this backend's own copy of src into
+    # dst (one of its tensors); False: the caller copies synchronously. None: the scheduler's own copy
+    cpy_tensor_async: Callable[[Any, Tensor, Tensor], bool] | None = None
 
     def graph_compute(self, graph: Graph) -> None: ...
     def synchronize(self) -> None: ...
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        """(optional) run fn in this backend's stream order. Default: now (a synchronous backend)."""
+        fn()
 
 
 @runtime_checkable
@@ -86,9 +145,12 @@ class Device(Protocol):
     def get_buffer_type(self) -> BufferType: ...
     def supports_op(self, t: Tensor) -> bool: ...
     def supports_buft(self, buft: BufferType) -> bool: ...
-    def offload_op(self, t: Tensor) -> bool: ...          # optional: default False
     def memory(self) -> tuple[int, int]: ...              # (free, total) bytes
     def init_backend(self) -> Backend: ...
+
+    def offload_op(self, t: Tensor) -> bool:
+        """(optional) run t here although its weights live elsewhere (ggml's offload_op). Default: no."""
+        return False
 
 
 # -- binding tensors to arrays ----------------------------------------------------------------------

@@ -19,7 +19,18 @@ import numpy as np
 from ..core.graph import Graph
 from ..core.tensor import Op, Tensor, TensorFlag, nbytes
 from ..core.types import is_quantized
-from .base import BufferType, BufferUsage, DeviceType, UnsupportedOpError, array_at, tensor_array
+from .base import (
+    Backend,
+    Buffer,
+    BufferType,
+    BufferUsage,
+    Device,
+    DeviceType,
+    Event,
+    UnsupportedOpError,
+    array_at,
+    tensor_array,
+)
 from .cpu_ops import KERNELS, QUANT_SRC_OPS, ComputeOptions, bind
 
 TENSOR_ALIGNMENT = 32               # ggml's CPU buffer alignment
@@ -51,8 +62,9 @@ def keep_freed_host_memory() -> None:
         pass
 
 
-class CPUBuffer:
+class CPUBuffer(Buffer):
     """ggml_backend_cpu_buffer: a numpy uint8 arena (`base`)."""
+    base: np.ndarray
 
     def __init__(self, buft: CPUBufferType, size: int) -> None:
         self.buft: BufferType = buft        # a CPUBufferType, or a stage's arena (workers/stage.py)
@@ -77,7 +89,7 @@ class CPUBuffer:
         self.base.fill(value)
 
 
-class CPUBufferType:
+class CPUBufferType(BufferType):
     """ggml_backend_cpu_buffer_type: host memory, 32-byte alignment, no size limit."""
 
     def __init__(self, name: str = "CPU", alignment: int = TENSOR_ALIGNMENT,
@@ -93,9 +105,6 @@ class CPUBufferType:
     def alloc_buffer(self, size: int) -> CPUBuffer:
         return CPUBuffer(self, size)
 
-    def get_alloc_size(self, t: Tensor) -> int:
-        return nbytes(t)
-
 
 def cpu_supports_op(t: Tensor) -> bool:
     """What the CPU kernels implement: every op in KERNELS; quantized operands only where the kernel
@@ -107,10 +116,11 @@ def cpu_supports_op(t: Tensor) -> bool:
     return not any(s is not None and is_quantized(s.type) for s in t.src)
 
 
-class CPUBackend:
-    """ggml_backend_cpu: graph_compute walks the nodes and runs each COMPUTE node's kernel."""
+class CPUBackend(Backend):
+    """ggml_backend_cpu: graph_compute walks the nodes and runs each COMPUTE node's kernel. It has events
+    (synchronous or not) and no cpy_tensor_async of its own: the scheduler copies in the source's stream."""
 
-    def __init__(self, device: CPUDevice, async_compute: bool = False,
+    def __init__(self, device: Device, async_compute: bool = False,
                  opts: ComputeOptions = ComputeOptions()) -> None:
         self.device = device
         self.name = device.name
@@ -154,7 +164,7 @@ class CPUBackend:
         self.submit(ev.set)
         return ev
 
-    def event_wait(self, ev: threading.Event) -> None:
+    def event_wait(self, ev: Event) -> None:
         """Make this backend's later work wait for ev (recorded on another backend)."""
         self.submit(ev.wait)
 
@@ -229,7 +239,7 @@ def compute_node(t: Tensor, opts: ComputeOptions = ComputeOptions()) -> None:
     kernel(t, tensor_array(t), srcs, opts)
 
 
-class CPUDevice:
+class CPUDevice(Device):
     """ggml_backend_cpu_device."""
     type = DeviceType.CPU
 
@@ -243,11 +253,8 @@ class CPUDevice:
     def supports_op(self, t: Tensor) -> bool:
         return cpu_supports_op(t)
 
-    def supports_buft(self, buft) -> bool:
-        return bool(getattr(buft, "is_host", False))
-
-    def offload_op(self, t: Tensor) -> bool:
-        return False
+    def supports_buft(self, buft: BufferType) -> bool:
+        return buft.is_host
 
     def memory(self) -> tuple[int, int]:
         try:

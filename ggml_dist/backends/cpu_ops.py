@@ -8,17 +8,18 @@ CPU numerics (ggml-numerics.md): float32 steps, sums in double where ggml uses g
 Ops that may run in place (gallocr's in-place set) must allow `dst` to alias `srcs[0]`: every kernel here
 reads its sources completely before writing, or works row by row on the same row.
 
-Fast paths: with numba on (quants.USE_NUMBA, GGML_DIST_NO_NUMBA unset) the common cases (f32 activations,
+Fast paths: with numba on (ComputeOptions.numba; GGML_DIST_NO_NUMBA=1 turns it off) the common cases (f32 activations,
 f16/f32 KV cache) run one fkernels call per op, with the same bits as the numpy code below, which stays the
 reference and the fallback; F32 ADD/MUL with numpy-broadcastable operands are one ufunc into dst.
 """
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from types import ModuleType
-from typing import Literal
 
 import numpy as np
 
@@ -32,29 +33,54 @@ from .rope import rope_forward
 F32 = np.float32
 
 
+# the compiled kernels (fkernels, qkernels, qpack) unless GGML_DIST_NO_NUMBA=1 (or numba is missing)
+NUMBA_DEFAULT = os.environ.get("GGML_DIST_NO_NUMBA", "") not in ("1", "true", "yes")
+
+
 @dataclass(frozen=True, slots=True)
 class ComputeOptions:
-    """exact=True keeps f32 activations in MUL_MAT instead of ggml's vec_dot_type conversion."""
+    """How a CPU backend computes; fixed per backend, read by every kernel.
+
+    exact: keep f32 activations in MUL_MAT instead of ggml's vec_dot_type conversion.
+    numba: run the compiled twins of the numpy kernels (the same bits; False: the numpy reference only).
+    order: MUL_MAT's accumulation order (quants module docstring): "ggml", the one llama.cpp's x86 build
+    has, or "fast" (ULP-level off it; kept for the kernels' tests and studies)."""
     exact: bool = False
+    numba: bool = NUMBA_DEFAULT
+    order: str = "ggml"
 
 
 Kernel = Callable[[Tensor, np.ndarray, list, ComputeOptions], None]
 
-_FK: ModuleType | Literal[False] | None = None     # the fkernels module once imported; False without numba
+_COMPILED: dict[str, ModuleType | None] = {}      # fkernels / qkernels once imported; None without numba
 
 
-def _fk() -> ModuleType | None:
-    """fkernels when the numba kernels are on (quants.USE_NUMBA, read per call: tests flip it), else None."""
-    global _FK
-    if not quants.USE_NUMBA:
+def _compiled(name: str, opts: ComputeOptions) -> ModuleType | None:
+    """The compiled-kernel module `name` when opts.numba, imported on first use, else None."""
+    if not opts.numba:
         return None
-    if _FK is None:
+    if name not in _COMPILED:
         try:
-            from . import fkernels
-            _FK = fkernels
+            _COMPILED[name] = importlib.import_module(f"{__package__}.{name}")
         except ImportError:
-            _FK = False
-    return _FK or None
+            _COMPILED[name] = None
+    return _COMPILED[name]
+
+
+def _fk(opts: ComputeOptions) -> ModuleType | None:
+    return _compiled("fkernels", opts)
+
+
+def weights_mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, opts: ComputeOptions,
+                    vec_n: int | None = None) -> np.ndarray:
+    """quants.mul_mat (ggml's repack rule) in opts' order, by its compiled twin qkernels.mul_mat_q (the same
+    bits) where opts.numba and the type is covered. w: uint8 rows of blocks (F16/BF16 raw rows, F32 as
+    float32); x: f32 [N, K]."""
+    qk = None if opts.exact or x.shape[0] == 0 or w.shape[0] == 0 else _compiled("qkernels", opts)
+    if qk is None or wtype not in qk.COVERED:
+        return quants.mul_mat(wtype, w, x, exact=opts.exact, order=opts.order, vec_n=vec_n)
+    repacked = wtype in (GGMLType.Q4_0, GGMLType.Q4_K) and w.shape[0] % 8 == 0
+    return qk.mul_mat_q(wtype, w, x, order=opts.order, repacked=repacked, vec_n=vec_n)
 
 
 def _all_f32(t: Tensor, n_src: int) -> bool:
@@ -142,7 +168,7 @@ def _scale(t, dst, srcs, opts):
 
 
 def _rms_norm(t, dst, srcs, opts):
-    fk = _fk()
+    fk = _fk(opts)
     if fk and _all_f32(t, 1):
         fk.rms_norm(srcs[0], F32(t.op_param(0)), _ONE4, False, dst)
         return
@@ -171,7 +197,7 @@ def _unary(t, dst, srcs, opts):
 def _glu(t, dst, srcs, opts):
     gop, swapped = GLUOp(t.op_param(0)), bool(t.op_param(1))
     split = len(t.src) > 1 and t.src[1] is not None
-    fk = _fk()
+    fk = _fk(opts)
     if fk and gop == GLUOp.SWIGLU and _all_f32(t, 2 if split else 1) and dst.shape[-1] % 8 == 0:
         g, u = _glu_halves(srcs[0], srcs[1] if split else None, swapped)
         fk.swiglu(g, u, dst)
@@ -200,7 +226,7 @@ def _glu_halves(a: np.ndarray, b: np.ndarray | None, swapped: bool) -> tuple[np.
 def _mul_mat(t, dst, srcs, opts):
     """dst[i3, i2, j, i] = W[i3', i2', i, :] . X[i3, i2, j, :]; W broadcasts over dims 2, 3.
 
-    The r2 slices of X that share one weight slice (GQA heads) go through one quants.mul_mat call with
+    The r2 slices of X that share one weight slice (GQA heads) go through one weights_mul_mat call with
     their rows stacked: every output element depends only on its own row pair in every path, and
     ``vec_n`` keeps the per-slice row count that picks ggml's F16/F32 order (vec_dot vs tinyBLAS).
     Not for exact=True (float32 BLAS) nor F32/BF16 weights in the "fast" order (float64 BLAS), whose
@@ -215,7 +241,7 @@ def _mul_mat(t, dst, srcs, opts):
     if _mul_mat_packed(t, dst, srcs, opts):
         return
     stack = r2 > 1 and not opts.exact and n11 > 0 and \
-        (quants.DEFAULT_ORDER == "ggml" or a_t.type not in (GGMLType.F32, GGMLType.BF16))
+        (opts.order == "ggml" or a_t.type not in (GGMLType.F32, GGMLType.BF16))
     g2 = r2 if stack else 1
     for i3 in range(b_t.ne[3]):
         for i2 in range(0, b_t.ne[2], g2):
@@ -224,10 +250,10 @@ def _mul_mat(t, dst, srcs, opts):
                 wm = (wm if wm.strides[-1] == 2 else np.ascontiguousarray(wm)).view(np.uint8)
             if g2 == 1:
                 xm = to_f32(x[i3, i2], b_t.type, K)
-                dst[i3, i2] = quants.mul_mat(a_t.type, wm, np.ascontiguousarray(xm, F32), exact=opts.exact)
+                dst[i3, i2] = weights_mul_mat(a_t.type, wm, np.ascontiguousarray(xm, F32), opts)
                 continue
             xm = np.ascontiguousarray(to_f32(x[i3, i2:i2 + g2], b_t.type, K), F32).reshape(g2 * n11, K)
-            r = quants.mul_mat(a_t.type, wm, xm, exact=False, vec_n=n11)
+            r = weights_mul_mat(a_t.type, wm, xm, opts, vec_n=n11)
             dst[i3, i2:i2 + g2] = r.reshape(g2, n11, r.shape[-1])
 
 
@@ -235,9 +261,9 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
     """MUL_MAT on a 2-D Q4_0/Q4_1/Q8_0 model weight through its packed form (qpack.py: repacked once,
     ggml's "extra" buffer; the same bits as quants.mul_mat). False where that path does not apply."""
     a_t, b_t = t.src[0], t.src[1]
-    if (opts.exact or a_t.type not in _PACKABLE or not quants.USE_NUMBA or quants.DEFAULT_ORDER != "ggml"
+    if (opts.exact or a_t.type not in _PACKABLE or not opts.numba or opts.order != "ggml"
             or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1 or b_t.type != GGMLType.F32
-            or getattr(a_t.buffer, "usage", None) != BufferUsage.WEIGHTS):
+            or a_t.buffer.usage != BufferUsage.WEIGHTS):
         return False
     from . import qpack
     pw = qpack.packed(a_t.type, srcs[0][0, 0], a_t)
@@ -260,7 +286,7 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
     is the packed product itself. None where the packed path cannot apply."""
     a_t, b_t = t.src[0], t.src[1]
     if (a_t.type not in _PACKABLE or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1
-            or b_t.type != GGMLType.F32 or getattr(a_t.buffer, "usage", None) != BufferUsage.WEIGHTS
+            or b_t.type != GGMLType.F32 or a_t.buffer.usage != BufferUsage.WEIGHTS
             or not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous)):
         return None
     w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
@@ -268,7 +294,7 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
     bound: list = [None]
 
     def run(opts: ComputeOptions) -> None:
-        if opts.exact or not quants.USE_NUMBA or quants.DEFAULT_ORDER != "ggml":
+        if opts.exact or not opts.numba or opts.order != "ggml":
             return _mul_mat(t, dst, srcs, opts)
         pw = bound[0]
         if pw is None or a_t.extra is not pw:
@@ -285,8 +311,8 @@ def _mul_mat_float(t, dst, srcs, opts, mask=None, skip: int = 0) -> bool:
     for one activation row, tinyBLAS for more when K % 8 == 0 and M % 4 == 0). mask/skip: the attention
     chain's skipped cells (fkernels.SKIP_*, bound by _bind_attention)."""
     a_t, b_t = t.src[0], t.src[1]
-    fk = _fk()
-    if not fk or opts.exact or quants.DEFAULT_ORDER != "ggml" or a_t.type not in (GGMLType.F16, GGMLType.F32) \
+    fk = _fk(opts)
+    if not fk or opts.exact or opts.order != "ggml" or a_t.type not in (GGMLType.F16, GGMLType.F32) \
             or b_t.type != GGMLType.F32 or t.type != GGMLType.F32:
         return False
     half = a_t.type == GGMLType.F16
@@ -322,7 +348,7 @@ def _set_rows(t, dst, srcs, opts):
     b, c = srcs[0], srcs[1]
     b_t = t.src[0]
     assert b_t is not None
-    fk = _fk()
+    fk = _fk(opts)
     if fk and b_t.type == GGMLType.F32 and t.type in (GGMLType.F32, GGMLType.F16):
         fk.set_rows(b, c, dst.view(np.uint16) if t.type == GGMLType.F16 else dst)
         return
@@ -384,7 +410,7 @@ def _soft_max(t, dst, srcs, opts):
     a_t = t.src[0]
     assert a_t is not None
     has_mask = len(t.src) > 1 and t.src[1] is not None
-    fk = _fk()
+    fk = _fk(opts)
     if fk and _all_f32(t, 2 if has_mask else 1) and a_t.ne[0] % 8 == 0:
         slopes = _alibi_slopes_cached(a_t.ne[2], max_bias)
         fk.soft_max(srcs[0], scale, srcs[1] if has_mask else _ONE4, slopes, has_mask, dst)
@@ -458,7 +484,7 @@ def _nop(t, dst, srcs, opts):
 
 
 def _rope(t, dst, srcs, opts):
-    rope_forward(t, dst, srcs, _fk())
+    rope_forward(t, dst, srcs, _fk(opts))
 
 
 def _bind_attention(t, dst, srcs, consumers, array) -> Callable[[ComputeOptions], None] | None:

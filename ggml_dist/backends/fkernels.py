@@ -37,8 +37,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
-from . import qkernels
+from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from .numerics import _C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4, _C_SHIFT
+from .threads import get_threads, launch
 
 F32 = np.float32
 F64 = np.float64
@@ -150,16 +151,10 @@ def f16_value(h):
 
 
 @njit(cache=True, inline="always")
-def f16_round(v):
-    """float32 -> nearest-even float16 -> float64 (x.astype(float16) as a value)."""
-    return f16_value(f16_bits(v))
-
-
-@njit(cache=True, inline="always")
 def vexp(x):
     """ggml_v_expf for one float32 lane with ggml's true fmas (_fma: llvm.fma.f32, one rounding): these
-    give numerics.vexp_numpy's bits (fma emulated in float64) on every non-NaN float32 (all 2^32 checked,
-    each fma alone and all together). A NaN x gives x quieted with its sign flipped, as vexp_numpy's
+    give numerics.vexp's bits (fma emulated in float64) on every non-NaN float32 (all 2^32 checked,
+    each fma alone and all together). A NaN x gives x quieted with its sign flipped, as vexp's
     steps do (-n carries it); set explicitly, as the NaN an fma passes on depends on the instruction
     form LLVM picks. Branch-free, so loops calling it vectorise: both outcomes of |n| > 126 are computed
     and one is selected. The lanes that are not selected must not make subnormals or underflow (each
@@ -253,14 +248,13 @@ _NO_MASK = np.zeros((1, 1, 1, 1), F32)
 
 
 def mul_mat_threads(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SKIP_NONE) -> None:
-    """mul_mat, with F16 products split by activation slice (query head) across qkernels' threads when
+    """mul_mat, with F16 products split by activation slice (query head) across the kernels' threads (threads.py) when
     there are several and the product is big enough to pay for a launch. mask/skip: see _mm_h_rows."""
     B3, B2, M = x.shape[0], x.shape[1], w.shape[2]
     mask = _NO_MASK if mask is None else mask
-    if half and B3 * B2 > 1 and qkernels.get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
-        with qkernels._launch_lock:
-            qkernels.apply_threads()
-            _mm_h_rows_par(w, x, dst, tiny, qkernels.get_threads(), mask, skip)
+    if half and B3 * B2 > 1 and get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
+        with launch():
+            _mm_h_rows_par(w, x, dst, tiny, get_threads(), mask, skip)
         return
     mul_mat(w, x, dst, tiny, half, mask, skip)
 
@@ -952,12 +946,11 @@ _ROW_PARALLEL_WORK = 1 << 14
 
 
 def _rows_threads(serial, par, n_rows, row_len, *args) -> None:
-    """A row op on one thread, or split by rows across qkernels' threads (as ggml splits every op's rows
+    """A row op on one thread, or split by rows across the kernels' threads (threads.py) (as ggml splits every op's rows
     among its threads) when it has rows enough to pay for a launch."""
-    nt = qkernels.get_threads()
+    nt = get_threads()
     if nt > 1 and n_rows > 1 and n_rows * row_len >= _ROW_PARALLEL_WORK:
-        with qkernels._launch_lock:
-            qkernels.apply_threads()
+        with launch():
             par(*args, min(nt, n_rows))
         return
     serial(*args)
@@ -980,13 +973,12 @@ def set_rows(b, c, dst):
     """ggml_compute_forward_set_rows: dst[i3, i2, c[0, i3 % c1, i2 % c2, j]] = b[i3, i2, j] for each row
     j, converted to dst's type (uint16 = f16 bits, RNE; or float32). Rows are written in order, so a
     repeated index keeps the last row. Many rows (a batch's transposed V writes: one element per cache
-    line, each a miss that waits on its line) are split across qkernels' threads by destination row,
+    line, each a miss that waits on its line) are split across the kernels' threads (threads.py) by destination row,
     hashed from the row's first cache line: a row is always written by the same thread, so repeated
     indices keep their order, and no two threads write one line unless a row straddles lines."""
-    nt = qkernels.get_threads()
+    nt = get_threads()
     if nt > 1 and b.shape[0] * b.shape[1] * b.shape[2] >= _SET_ROWS_PARALLEL:
-        with qkernels._launch_lock:
-            qkernels.apply_threads()
+        with launch():
             _set_rows_par(b, c, dst, nt)
         return
     _set_rows_part(b, c, dst, 0, 1)

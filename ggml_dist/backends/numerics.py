@@ -17,10 +17,6 @@ def fma32(a: npt.ArrayLike, b: npt.ArrayLike, c: npt.ArrayLike) -> np.ndarray:
         return (np.asarray(a, F64) * np.asarray(b, F64) + np.asarray(c, F64)).astype(F32)
 
 
-def _f(bits: int) -> np.float32:
-    return np.array([bits], np.uint32).view(F32)[0]
-
-
 _C_LOG2E = F32(float.fromhex("0x1.715476p+0"))
 _C_SHIFT = F32(float.fromhex("0x1.8p23"))
 _C_LN2_HI = F32(float.fromhex("0x1.62e4p-1"))
@@ -33,19 +29,8 @@ _C_P4 = F32(float.fromhex("0x1.ffffecp-1"))
 
 
 def vexp(x: np.ndarray) -> np.ndarray:
-    """ggml_v_expf (AVX2+FMA): the vectorised exp softmax and SiLU use on full chunks of 8.
-    Runs the numba twin _vexp_nb (same float steps, one pass) when numba is available."""
-    x = np.asarray(x, F32)
-    nb = _vexp_kernel()
-    if nb:
-        out = np.empty(x.shape, F32)
-        nb(np.ascontiguousarray(x).reshape(-1), out.reshape(-1))
-        return out
-    return vexp_numpy(x)
-
-
-def vexp_numpy(x: np.ndarray) -> np.ndarray:
-    """vexp in numpy (the reference for _vexp_nb)."""
+    """ggml_v_expf (AVX2+FMA): the vectorised exp softmax and SiLU use on full chunks of 8. In numpy:
+    this module is the reference; fkernels.vexp is its compiled twin."""
     x = np.asarray(x, F32)
     z = fma32(x, _C_LOG2E, _C_SHIFT)
     n = (z - _C_SHIFT).astype(F32)
@@ -141,61 +126,3 @@ def gelu(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, F32)
     g = gelu_table()[x.astype(np.float16).view(np.uint16)]
     return np.where(x <= -10, F32(0), np.where(x >= 10, x, g)).astype(F32)
-
-
-# -- numba twin of vexp ----------------------------------------------------------------------------
-_VEXP_NB = None          # the compiled kernel once built; False without numba
-
-
-def _vexp_kernel():
-    global _VEXP_NB
-    if _VEXP_NB is None:
-        try:
-            _VEXP_NB = _build_vexp_nb()
-        except ImportError:
-            _VEXP_NB = False
-    return _VEXP_NB
-
-
-def _build_vexp_nb():
-    from numba import njit
-
-    from . import kernel_cache  # noqa: F401  (where the kernel is cached)
-
-    c_log2e, c_shift, c_ln2_hi, c_ln2_lo = _C_LOG2E, _C_SHIFT, _C_LN2_HI, _C_LN2_LO
-    p0, p1, p2, p3, p4 = _C_P0, _C_P1, _C_P2, _C_P3, _C_P4
-
-    @njit(cache=True, fastmath=False)
-    def _vexp_nb(x, out):
-        """vexp_numpy elementwise: fma32(a, b, c) = f32(f64(a) * f64(b) + f64(c)); uint32 bit steps."""
-        n_el = x.shape[0]
-        zs = np.empty(n_el, F32)
-        ks = np.empty(n_el, F32)
-        ss = np.empty(2, F32)
-        zb = zs.view(np.uint32)
-        kb = ks.view(np.uint32)
-        sb = ss.view(np.uint32)
-        for i in range(n_el):
-            xi = x[i]
-            z = F32(F64(xi) * F64(c_log2e) + F64(c_shift))
-            zs[i] = z
-            n = F32(z - c_shift)
-            b = F32(F64(-n) * F64(c_ln2_lo) + F64(F32(F64(-n) * F64(c_ln2_hi) + F64(xi))))
-            e = (np.uint64(zb[i]) << np.uint64(23)) & np.uint64(0xFFFFFFFF)
-            kb[i] = np.uint32((e + np.uint64(0x3F800000)) & np.uint64(0xFFFFFFFF))
-            k = ks[i]
-            u = F32(b * b)
-            q = F32(F64(F32(F64(p0) * F64(b) + F64(p1))) * F64(u) + F64(F32(F64(p2) * F64(b) + F64(p3))))
-            j = F32(F64(q) * F64(u) + F64(F32(p4 * b)))
-            r = F32(F64(j) * F64(k) + F64(k))
-            an = abs(n)
-            if an > 126:
-                g = np.uint64(0x82000000) if n <= 0 else np.uint64(0)
-                sb[0] = np.uint32((g + np.uint64(0x7F000000)) & np.uint64(0xFFFFFFFF))
-                sb[1] = np.uint32((e - g) & np.uint64(0xFFFFFFFF))
-                s1 = ss[0]
-                s2 = ss[1]
-                r = F32(s1 * s1) if an > 192 else F32(F32(F64(s2) * F64(j) + F64(s2)) * s1)
-            out[i] = r
-
-    return _vexp_nb

@@ -27,20 +27,17 @@ run in one numba call (``_prep_q8_g``, same bits as quants.quantize_q8_0/_q8_1);
 parallel launch, which costs more than such a product).
 
 API: ``mul_mat_q(wtype, w, x, order="fast", repacked=False, vec_n=None) -> f32 [N, M]`` (None when the
-type is not covered; ``vec_n`` as in quants.mul_mat), ``set_threads(n)``,
-``get_threads()``, ``COVERED``.
+type is not covered; ``vec_n`` as in quants.mul_mat), ``COVERED``. Threads: threads.py.
 """
 from __future__ import annotations
 
-import os
-import threading
-
-import numba
 import numpy as np
 from numba import njit, prange
 
 from ..core.types import GGMLType, row_size
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
+from . import quants as Q
+from .threads import get_threads, launch
 
 T = GGMLType
 F32 = np.float32
@@ -57,61 +54,6 @@ COVERED = frozenset(_KIND) | {T.F16}
 
 # f16 bits -> f32 value (exact); numba has no float16 on the CPU
 _F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
-
-
-# ------------------------------------------------------------------------------------------------
-# threads
-# OpenMP first: its workers spin briefly (GOMP_SPINCOUNT, 300k by default) before sleeping, so a decode
-# step's back-to-back launches cost a few us each, where numba's workqueue layer wakes sleeping threads
-# (50-100 us per launch on this 2-core VM: more than the product it splits). workqueue where no OpenMP
-# runtime loads. A user's NUMBA_THREADING_LAYER is kept. Takes effect only before the first parallel launch.
-# (numba.config sets its options at run time, from the environment, so mypy cannot see them: attr-defined)
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "default"                                    # type: ignore[attr-defined]
-    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]         # type: ignore[attr-defined]
-
-
-def _numba_num_threads() -> int:
-    """numba.config.NUMBA_NUM_THREADS: the most threads a launch may use."""
-    return numba.config.NUMBA_NUM_THREADS                                       # type: ignore[attr-defined]
-
-
-def _default_threads() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:          # not Linux
-        n = os.cpu_count() or 1
-    return max(1, min(n, _numba_num_threads()))
-
-
-_n_threads = _default_threads()
-# numba's default "workqueue" threading layer aborts on concurrent launches from two Python threads
-_launch_lock = threading.Lock()
-
-
-def set_threads(n: int) -> None:
-    """Threads used by the kernels (numba.set_num_threads); applied on every launch, since numba's
-    setting is per calling thread."""
-    global _n_threads
-    if not 1 <= n <= _numba_num_threads():
-        raise ValueError(f"set_threads({n}): must be 1..{_numba_num_threads()} "
-                         f"(NUMBA_NUM_THREADS)")
-    _n_threads = int(n)
-
-
-def get_threads() -> int:
-    return _n_threads
-
-
-_applied = threading.local()
-
-
-def apply_threads() -> None:
-    """numba.set_num_threads(get_threads()) for the calling thread before a parallel launch; skipped when
-    this thread already has that count (the call costs ~3 us, and a decode step makes ~150 launches)."""
-    if getattr(_applied, "n", None) != _n_threads:
-        numba.set_num_threads(_n_threads)
-        _applied.n = _n_threads
 
 
 # ------------------------------------------------------------------------------------------------
@@ -826,7 +768,6 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
     """quants.mul_mat(order=order, repacked=repacked) for covered types: w uint8 [M, row_bytes] (F16: uint8
     or float16 [M, K]); x f32 [N, K]. Returns f32 [N, M], or None if wtype is not covered.
     order="ggml" with repacked Q4_0/Q4_K, and Q2_K/Q3_K, have the "fast" numerics (quants docstring)."""
-    from . import quants as Q
     wtype = GGMLType(wtype)
     N, K = x.shape
     M = w.shape[0]
@@ -839,7 +780,7 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
         raise ValueError(f"{wtype.name} rows of {K} elements need {row_size(wtype, K)} B, got w {w.shape} "
                          f"{w.dtype}")
     out = np.empty((N, M), F32)
-    serial = _n_threads == 1 or N * M * K <= _SERIAL_WORK
+    serial = get_threads() == 1 or N * M * K <= _SERIAL_WORK
     if wtype == T.F16:
         w16 = _readonly(w).view(np.uint16).reshape(M, K)
         y = np.ascontiguousarray(x.astype(np.float16).astype(F64))
@@ -848,8 +789,7 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
         if serial:
             _mm_f16_serial(w16, y, _F16_LUT, out, mode)
             return out
-        with _launch_lock:
-            apply_threads()
+        with launch():
             _mm_f16(w16, y, _F16_LUT, out, mode)
         return out
     kind = _KIND[wtype]
@@ -867,9 +807,8 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
             if serial:
                 _mm_g_serial(kind, wr, yr, dy, sy, _NO_BSUMS, _F16_LUT, _SPREAD, out)
                 return out
-            with _launch_lock:
-                apply_threads()
-                _mm_g(kind, wr, yr, dy, sy, _NO_BSUMS, _F16_LUT, _SPREAD, out, 16 * _n_threads)
+            with launch() as nt:
+                _mm_g(kind, wr, yr, dy, sy, _NO_BSUMS, _F16_LUT, _SPREAD, out, 16 * nt)
             return out
     if kind <= 4:
         if kind in (1, 3):
@@ -886,7 +825,6 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
         bsums = bs.reshape(N, -1).astype(np.int32 if ggml else np.int64)
     dy = np.ascontiguousarray(dy, F32)
     sy = np.ascontiguousarray(sy, F32)
-    n_chunks = 16 * _n_threads
     if ggml:
         # yr[n, 128g + 32i + 8r + p] = element 32g + 4*_PI[p] + i, for each of the _R rows r
         yg = qy.reshape(N, K // 32, 8, 4)[:, :, _PI].transpose(0, 1, 3, 2)[:, :, :, None, :]
@@ -894,14 +832,12 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
         if serial:
             _mm_g_serial(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out)
             return out
-        with _launch_lock:
-            apply_threads()
-            _mm_g(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out, n_chunks)
+        with launch() as nt:
+            _mm_g(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out, 16 * nt)
         return out
     W = 2 if kind >= 7 else 4
     yw = np.ascontiguousarray(qy.reshape(N, K // (8 * W), W, 8).transpose(0, 2, 1, 3)).reshape(N, K)
-    with _launch_lock:
-        apply_threads()
-        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, n_chunks, _n_gemm(wtype, repacked, N),
+    with launch() as nt:
+        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, 16 * nt, _n_gemm(wtype, repacked, N),
               tiled)
     return out

@@ -41,8 +41,9 @@ import numpy as np
 from numba import njit, prange
 
 from ..core.types import GGMLType, row_size
-from . import avx2, qkernels, vnni
+from . import avx2, vnni
 from .fkernels import _bits, _float, _fma, _half, _round_half
+from .threads import get_threads, launch
 
 T = GGMLType
 F32 = np.float32
@@ -132,25 +133,23 @@ class PackedWeight:
         if out is None:
             out = np.empty((N, self.M), F32)
         x = np.ascontiguousarray(x, F32)
-        parallel = qkernels.get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
+        parallel = get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
         if self._int8 is not None:      # quantize and multiply in one call
             serial_mm, parallel_mm = self._int8
             int8_args = (x, self.type == T.Q4_1, Y, Yb, Y4, Yz, dy, sy, ys, self.kind, self.qs,
                          self.d, self.m, out)
             if not parallel:
                 return out if serial_mm(*int8_args) else None
-            with qkernels._launch_lock:
-                qkernels.apply_threads()
-                return out if parallel_mm(*int8_args, qkernels.get_threads()) else None
+            with launch():
+                return out if parallel_mm(*int8_args, get_threads()) else None
         if not _prep(x, self.type == T.Q4_1, Y, Yb, dy, sy, ys):
             return None
         args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
         if not parallel:
             (_mm_t_serial if tiled else _mm_serial)(*args)
             return out
-        with qkernels._launch_lock:
-            qkernels.apply_threads()
-            (_mm_t if tiled else _mm)(*args, 4 * qkernels.get_threads())
+        with launch():
+            (_mm_t if tiled else _mm)(*args, 4 * get_threads())
         return out
 
 

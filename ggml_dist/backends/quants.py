@@ -7,10 +7,13 @@ API
   ``quantize``).
 * ``quantize_q8_0 / quantize_q8_1 / quantize_q8_K``: activation quantization, exactly as §1.2 (x86).
 * ``VEC_DOT_TYPE``: what X is converted to before a matmul with a weight of a given type.
-* ``mul_mat(wtype, w, x, exact=False, repacked=None, order=None)``: dst[n, m] = W[m] . X[n] -> [N, M],
+* ``mul_mat(wtype, w, x, exact=False, repacked=None, order="ggml")``: dst[n, m] = W[m] . X[n] -> [N, M],
   as ggml's CPU backend.
 
-``mul_mat(exact=False)`` has two accumulation orders (``order=`` / module ``DEFAULT_ORDER``, default "fast").
+This is the reference: it imports no numba. qkernels.py, fkernels.py and qpack.py are its compiled twins
+(the same bits); cpu_ops chooses between them per op (``ComputeOptions.numba``).
+
+``mul_mat(exact=False)`` has two accumulation orders (``order=``, default "ggml", the one that runs).
 Both quantize X exactly as ggml and compute the integer block sums exactly; they differ only at ULP level.
 * "fast": one fma chain per output over blocks, ``acc = fma(f32(isum_b), f32(dx*dy), acc)`` (= the repacked
   Q4_0 kernel's order; Q4_1/Q5_1 add the sequential f32 sum of ``m*s`` at the end; Q4_K/Q5_K two chains
@@ -38,10 +41,6 @@ fma is emulated in float64 (exact product, one double rounding of the add: vanis
 """
 from __future__ import annotations
 
-import os
-from types import ModuleType
-from typing import Literal
-
 import numpy as np
 
 from ..core.types import TYPE_TRAITS, GGMLType, row_size
@@ -59,27 +58,8 @@ VEC_DOT_TYPE: dict[GGMLType, GGMLType] = {
     T.Q2_K: T.Q8_K, T.Q3_K: T.Q8_K, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K,
 }
 
-# "ggml": bit-faithful AVX2 accumulation orders; "fast": one fma chain per output (see mul_mat)
-DEFAULT_ORDER = "ggml"
-
 # temporaries budget for mul_mat row chunks (bytes)
 _CHUNK_BYTES = 48 << 20
-
-# mul_mat runs the numba kernels of qkernels.py (same bits, both orders) unless GGML_DIST_NO_NUMBA=1 or numba is
-# missing; tests flip USE_NUMBA to compare the two.
-USE_NUMBA = os.environ.get("GGML_DIST_NO_NUMBA", "") not in ("1", "true", "yes")
-_qkernels: ModuleType | Literal[False] | None = None      # the module once imported; False if numba is missing
-
-
-def _numba_kernels() -> ModuleType | Literal[False]:
-    global _qkernels
-    if _qkernels is None:
-        try:
-            from . import qkernels
-            _qkernels = qkernels
-        except ImportError:
-            _qkernels = False
-    return _qkernels
 
 
 # ------------------------------------------------------------------------------------------------
@@ -732,7 +712,7 @@ def _chunk_rows(M: int, per_row: int) -> int:
 
 
 def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
-            repacked: bool | None = None, order: str | None = None, vec_n: int | None = None) -> np.ndarray:
+            repacked: bool | None = None, order: str = "ggml", vec_n: int | None = None) -> np.ndarray:
     """ggml CPU MUL_MAT: dst[n, m] = dot(W[m], X[n]) -> float32 [N, M].
 
     w: uint8 [M, row_bytes] (block types, F16, BF16; f16/uint16 arrays are accepted too) or float32 [M, K]
@@ -746,7 +726,7 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     order: "ggml" = the AVX2 accumulation orders of the module docstring (bit-faithful, costs one float64
     pass per block over 8 lanes x M x N); "fast" = one fma chain per output over blocks (the repacked
     kernels' order, ULP-level off the vec_dot order) and, for F32/F16/BF16, a float64 BLAS product
-    rounded once. None = DEFAULT_ORDER.
+    rounded once.
     vec_n: the row count of X that picks the F32/F16/BF16 order="ggml" path (vec_dot for 1, tinyBLAS for
     >= 2) and the tiled K-quant path (``takes_tiled``); None = N. Lets a caller stack the rows of several
     ggml slices (each output depends only on its own row pair in every path) and keep each slice's order.
@@ -774,7 +754,6 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
             out[:, m0:m0 + step] = x @ wc.T
         return out[0] if squeeze else out
 
-    order = DEFAULT_ORDER if order is None else order
     if order not in ("ggml", "fast"):
         raise ValueError(f"order must be 'ggml' or 'fast', not {order!r}")
     vt = VEC_DOT_TYPE.get(wtype)
@@ -783,12 +762,6 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     if repacked is None:
         repacked = wtype in (T.Q4_0, T.Q4_K) and M % 8 == 0
     repacked = bool(repacked) and wtype in (T.Q4_0, T.Q4_K)
-
-    if USE_NUMBA:                         # same bits as the numpy paths below, either order
-        qk = _numba_kernels()
-        if qk and wtype in qk.COVERED:
-            r = qk.mul_mat_q(wtype, w, x, order=order, repacked=repacked, vec_n=vec_n)
-            return r[0] if squeeze else r
 
     if wtype in (T.F32, T.F16, T.BF16):
         if wtype == T.F32:

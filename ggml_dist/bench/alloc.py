@@ -6,7 +6,6 @@ Builds llama.cpp-style graphs (SmolLM2-135M shapes by default) for prefill (n_ub
 "replay_ms", ...}]}. planned_bytes_ggml is the plan with ggml's exact rules (no in-place through views).
 
     ggml-dist bench alloc --model smollm2-135m --ctx 4096 --ubatch 512 --json
-    python benchmarks/alloc.py ...  (the same)
 """
 from __future__ import annotations
 

@@ -27,11 +27,11 @@ def _prompt(n_vocab: int, n: int) -> list[int]:
 
 
 def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
-    from ..backends import qkernels
+    from ..backends import threads as kernel_threads
     from ..model.context import ContextParams, LlamaContext
     from ..model.model import LlamaModel
     from ..model.ubatch import Batch
-    qkernels.set_threads(threads)
+    kernel_threads.set_threads(threads)
     m = LlamaModel.load(path)
     ctx = LlamaContext(m, ContextParams(n_ctx=prompt_len + gen + 16, n_batch=512, n_ubatch=512))
     toks = _prompt(m.hp.n_vocab, prompt_len)

@@ -34,7 +34,7 @@ reported as a second, independent number.
 Failing inputs are written to --failures-dir as case-NNNNN-<mutation>.gguf with a .txt beside each;
 `--replay PATH` reloads one file (or every .gguf in a directory) and prints the outcome.
 
-    python benchmarks/fuzz_gguf.py --cases 10000 --json
+    ggml-dist bench fuzz-gguf --cases 10000 --json
 """
 from __future__ import annotations
 
@@ -514,7 +514,8 @@ def forward_probe(model: Any, tokens: list[int]) -> None:
 
     n_vocab = model.hp.n_vocab
     prompt = list(tokens[:PROBE_N_PROMPT]) or [0]
-    lctx = LlamaContext(model, ContextParams(n_ctx=PROBE_N_CTX, n_batch=PROBE_N_CTX, n_ubatch=PROBE_N_CTX))
+    lctx = LlamaContext(model, ContextParams(n_ctx=PROBE_N_CTX, n_batch=PROBE_N_CTX, n_ubatch=PROBE_N_CTX,
+                                             numba=_probe_numba))
     logits = lctx.decode(Batch.from_tokens(prompt, all_outputs=True))
     if logits.shape != (len(prompt), n_vocab):
         raise AssertionError(f"logits of shape {logits.shape} for {len(prompt)} tokens, n_vocab {n_vocab}")
@@ -527,6 +528,7 @@ def forward_probe(model: Any, tokens: list[int]) -> None:
 
 
 _warmed = False
+_probe_numba = True         # False in a forked worker (_worker)
 
 
 def warm_up() -> None:
@@ -614,8 +616,8 @@ def _worker(conn: Any, tmpdir: str, case_time_limit: float, mem_overhead: int, a
     # a forked worker must not start numba's OpenMP threads: after a parent that ran kernels (bench
     # faults decodes first, pytest ran other tests) GNU OpenMP terminates the child ("fork() called from
     # a process already using GNU OpenMP"); the numpy reference kernels compute the same bits
-    from ggml_dist.backends import quants
-    quants.USE_NUMBA = False
+    global _probe_numba
+    _probe_numba = False
     warm_up()                     # imports and first allocations before the address-space limit
     # a corrupt file's weights overflow and its special ids are "bad": numpy's warnings and the
     # tokenizer's log lines are expected here, once per case, and say nothing the outcome does not

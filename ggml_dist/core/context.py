@@ -105,10 +105,6 @@ class Context:
         self.tensors.append(t)
         return t
 
-    def dup_tensor(self, a: Tensor) -> Tensor:
-        """ggml_dup_tensor: same type and shape, fresh dense strides, no op."""
-        return self.new_tensor(a.type, a.ne)
-
     def view_tensor(self, src: Tensor) -> Tensor:
         """ggml_view_tensor: a full-size view with src's strides (op NONE)."""
         t = self.new_tensor(src.type, src.ne, src, 0)

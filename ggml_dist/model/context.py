@@ -20,7 +20,7 @@ import numpy as np
 
 from ..backends.base import tensor_get, tensor_set
 from ..backends.cpu import CPUDevice
-from ..backends.cpu_ops import ComputeOptions
+from ..backends.cpu_ops import NUMBA_DEFAULT, ComputeOptions
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
 from .kv_cache import ContextFullError, KVCache
@@ -42,6 +42,7 @@ class ContextParams:
     type_v: GGMLType = GGMLType.F16
     exact: bool = False             # keep f32 activations in MUL_MAT (not ggml's numerics)
     kv_unified: bool = True         # one KV stream for all sequences; False: a stream per sequence
+    numba: bool = True              # False: the numpy reference kernels only (same bits; GGML_DIST_NO_NUMBA=1)
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.n_batch <= 0 or self.n_ubatch <= 0:
@@ -50,6 +51,10 @@ class ContextParams:
         self.n_ubatch = min(self.n_ubatch, self.n_batch)
         if self.type_k not in (GGMLType.F16, GGMLType.F32) or self.type_v not in (GGMLType.F16, GGMLType.F32):
             raise ValueError("the KV cache type must be F16 or F32")
+
+    def compute_options(self) -> ComputeOptions:
+        """The options of the CPU backends this context creates."""
+        return ComputeOptions(exact=self.exact, numba=self.numba and NUMBA_DEFAULT)
 
 
 class StageLostError(RuntimeError):
@@ -194,9 +199,9 @@ class LlamaContext:
         self.params = params
         hp = model.hp
         if backends is None:
-            backends = [CPUDevice().init_backend(opts=ComputeOptions(exact=params.exact))]
+            backends = [CPUDevice().init_backend(opts=params.compute_options())]
         self.backends = backends
-        self.pipelined = any(getattr(b, "inputs_by_value", False) for b in backends)
+        self.pipelined = any(b.inputs_by_value for b in backends)
         self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, range(hp.n_layer),
                           params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
         self.kv.allocate(backends[-1].device.get_buffer_type(), layer_buft)
@@ -411,7 +416,7 @@ class LlamaContext:
             self.gf_res_prev = res
         self._set_inputs(res, ub, slot, key.n_kv)
         logits = res.logits
-        remote = rec.sampling is not None and ub.n_outputs > 0 and hasattr(logits.buffer, "set_sampling")
+        remote = rec.sampling is not None and ub.n_outputs > 0 and logits.buffer.set_sampling is not None
         if remote:                             # the stage that computes the logits samples them
             logits.buffer.set_sampling(logits, rec.sampling, rec.keep_logits)
         if self.pipelined:                     # at most n_copies ubatches in flight
@@ -422,15 +427,14 @@ class LlamaContext:
                         ev.wait()
         self.sched.graph_compute_async(res.graph)
         if self.pipelined:
-            self._inflight.append((rec.fetched, [b.event_record() for b in self.backends
-                                                 if hasattr(b, "inputs_by_value")]))
+            self._inflight.append((rec.fetched, [b.event_record() for b in self.backends if b.inputs_by_value]))
         rec.value, rec.tokens, rec.fetch_tokens, rec.done = None, None, None, False
         if ub.n_outputs == 0:                  # nothing to read: pin no result
             if not self.pipelined:
                 self.sched.synchronize()
             rec.fetch = None
             return
-        fetch_async = getattr(logits.buffer, "get_tensor_async", None)
+        fetch_async = logits.buffer.get_tensor_async
         if remote:
             assert fetch_async is not None, f"{logits.buffer!r} samples its logits but cannot fetch them"
             rec.fetch_tokens = fetch_async(logits, ":tok")

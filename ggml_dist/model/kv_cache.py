@@ -308,7 +308,7 @@ class KVCache:
         v_idx = (0, dst, slice(None), c), (0, src, slice(None), c)
         for il in self.layers:
             for t, (to, frm) in ((self.k_l[il], k_idx), (self.v_l[il], v_idx)):
-                host = getattr(t.buffer, "base", None) is not None
+                host = t.buffer.base is not None
                 arr = tensor_array(t) if host else tensor_get(t)
                 arr[to] = arr[frm]
                 if not host:

@@ -10,13 +10,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..backends.base import BufferUsage
+from ..backends.base import Buffer, BufferType, BufferUsage
 from ..core.context import Context
-from ..core.tensor import Tensor, nbytes
+from ..core.tensor import Tensor
 from .gguf import GGUFFile
 
 
-class MappedBufferType:
+class MappedBufferType(BufferType):
     """Host memory backed by a file mapping; readable by every host backend."""
     name = "CPU_Mapped"
     alignment = 32
@@ -26,15 +26,13 @@ class MappedBufferType:
     def alloc_buffer(self, size: int):
         raise RuntimeError("a mapped buffer is created from a file, not allocated")
 
-    def get_alloc_size(self, t: Tensor) -> int:
-        return nbytes(t)
-
 
 MAPPED_BUFT = MappedBufferType()
 
 
-class MappedBuffer:
-    """The GGUF file's bytes, read-only, as a host buffer (`base`)."""
+class MappedBuffer(Buffer):
+    """The GGUF file's bytes, read-only, as a host buffer (`base`); its release_pages drops pages."""
+    base: np.memmap
 
     def __init__(self, path: str) -> None:
         self.path = path

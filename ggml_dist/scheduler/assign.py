@@ -7,10 +7,11 @@ Each pass is one function and records, per tensor, the cause label ggml's SET_CA
   pass 3  _pass3_best_upgrade    3.best, 3.upg
   pass 4  _pass4_views_srcs      4.vsrc, 4.cur, 2.sup (last resort)
 
-Pass 5 (splits and copies) lives with the Sched (sched.py), because it creates the copies it owns.
-The functions take the scheduler duck-typed (`SchedLike`): they read backends/bufts/op_offload and write
-hv_tensor_backend_ids and causes. A missing hash entry reads as -1 (ggml's find_or_insert quirk of §3.2
-is harmless here: a dict lookup with .get inserts nothing).
+`assign_backends` runs the four in order; pass 5 (splits and the copies of their inputs) is in
+split.py. The functions take the scheduler duck-typed (`SchedLike`): they read backends, bufts,
+n_backends and op_offload and write hv_tensor_backend_ids and causes. A missing hash entry reads as -1
+(ggml's find_or_insert quirk of §3.2 is harmless here: a dict lookup with .get inserts nothing). A
+tensor no backend can place raises SchedAssignError where ggml aborts.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def root_buffer(t: Tensor) -> Any:
 
 def is_weight(t: Tensor) -> bool:
     """The tensor's own buffer (not its root's, as ggml checks src->buffer) holds weights."""
-    return t.buffer is not None and getattr(t.buffer, "usage", None) == BufferUsage.WEIGHTS
+    return t.buffer is not None and t.buffer.usage == BufferUsage.WEIGHTS
 
 
 def backend_from_buffer(sched: SchedLike, t: Tensor, op: Tensor) -> int:

@@ -13,14 +13,15 @@ def tensor_copy(src: Tensor, dst: Tensor) -> None:
     sb, db = src.buffer, dst.buffer
     assert sb is not None and db is not None and src.data is not None and dst.data is not None, \
         f"copy {src.name} -> {dst.name} between unallocated tensors"
-    if hasattr(sb, "base") and hasattr(db, "base"):
+    if sb.base is not None and db.base is not None:
         array_at(db.base, dst.data, dst)[...] = array_at(sb.base, src.data, src)
     else:
         db.set_tensor(dst, sb.get_tensor(src))
 
 
 def _is_async_capable(backend: Any) -> bool:
-    return all(hasattr(backend, m) for m in ("submit", "event_record", "event_wait"))
+    """Stream-ordered: work is submitted in order and events order it across backends."""
+    return backend.event_record is not None and backend.event_wait is not None
 
 
 def cpy_tensor_async(src_backend: Any, dst_backend: Any, src: Tensor, dst: Tensor,
@@ -32,7 +33,7 @@ def cpy_tensor_async(src_backend: Any, dst_backend: Any, src: Tensor, dst: Tenso
     differs from ggml: the source stream first waits for `dst_free` (the destination's event of this copy
     slot), because a copy slot is rewritten every n_copies micro-batches and nothing else stops the source
     from overwriting it while the destination still reads it."""
-    own = getattr(dst_backend, "cpy_tensor_async", None)
+    own = dst_backend.cpy_tensor_async
     if own is not None:
         return bool(own(src_backend, src, dst))
     if not (_is_async_capable(src_backend) and _is_async_capable(dst_backend)):

@@ -2,18 +2,22 @@
 
 `Sched` runs one graph over an ordered list of backends (priority order, CPU last), ggml-mechanisms.md §3:
 
-  split_graph     passes 1-4 (assign.py), then pass 5 (_pass5_split: splits and copies) and the graph
-                  copy the allocator sees (_build_graph_copy, §3.5)
+  split_graph     passes 1-4 (assign.py), then pass 5 (splits and the copies of their inputs) and the
+                  graph copy the allocator sees (split.py, §3.3 S5, §3.5)
   alloc_splits    one Gallocr over the backends' buffer types; buffer id = backend id (§3.4)
-  compute_splits  copy each split's inputs, compute the split on its backend, record events (§3.6)
+  compute_splits  copy each split's inputs (copy.py), compute the split on its backend, record events
+                  (§3.6); an eval callback may look at nodes as they are computed, a trace recorder
+                  (trace.py) times each split
 
 Lifecycle (§3.7): reset -> [set_tensor_backend] -> alloc_graph -> graph_compute(_async) ... -> reset.
 With n_copies > 1 (pipeline parallelism) every split input has one copy per micro-batch slot and
 cur_copy rotates on each alloc_graph, so micro-batch m+1's first splits can run while m's later
-splits still run on other (asynchronous) backends.
+splits still run on other (asynchronous) backends. Not in ggml: save_plan/restore_plan keep an
+allocated graph's assignments, splits and allocator plan, so a graph whose shape comes back is bound
+again without being split and planned again.
 
-Layers, bottom-up: constants and records; copies between backends; the Sched (lifecycle, split_graph,
-alloc_splits, compute_splits, getters, debug).
+Layers, bottom-up: constants; the Sched (lifecycle, saved plans, split_graph, alloc_splits,
+compute_splits, getters and callbacks, debug).
 """
 from __future__ import annotations
 
@@ -288,7 +292,7 @@ class Sched:
     def compute_splits(self) -> None:
         """ggml_backend_sched_compute_splits: per split, wait as ggml does, copy the inputs, compute."""
         backends, cc = self.backends, self.cur_copy
-        by_value = [getattr(b, "inputs_by_value", False) for b in backends]
+        by_value = [b.inputs_by_value for b in backends]
         trace = self.trace
         prev = -1
         for split_id, sp in enumerate(self.splits):

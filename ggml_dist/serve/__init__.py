@@ -3,8 +3,12 @@ side, or on a Ray pipeline.
 
     engine.py   continuous batching: slots, admission queue, micro-batches, sampling, stop strings
     replicas.py --replicas: engine processes sharing the slots and cores, behind one front (Engine's face)
-    app.py      FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+    app.py      FastAPI routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
+                /tokenize, /detokenize, /health, /metrics
     protocol.py request validation and response shapes (OpenAI's wire format and error object)
+    stop.py     stop strings over streamed text (held back until they can no longer match)
+    grammar.py  constrained decoding: response_format, grammar and json_schema as llguidance token masks
+    tools.py    tool calls: tools rendered by the chat template, calls parsed from the text, forced calls
     metrics.py  Prometheus text exposition
     server.py   `serve` (blocking, for the CLI) and `ServerThread` (tests, benchmarks)
 """

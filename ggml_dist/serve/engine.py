@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import sys
@@ -201,9 +202,13 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, metrics: Metrics | None = None,
+                 collecting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
+        # entered on the engine thread around each micro-batch's collection, where sampling posts the
+        # step's events: a replica sends them as one message (serve.replicas)
+        self.collecting = collecting
         self.n_ctx_slot = cfg.n_ctx // cfg.n_parallel
         self.model: LlamaModel | None = None
         self.ctx: LlamaContext | None = None
@@ -370,7 +375,8 @@ class Engine:
             try:
                 self._fill()
                 if self._in_flight:
-                    self._collect(self._in_flight.popleft())
+                    with self.collecting():
+                        self._collect(self._in_flight.popleft())
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the server keeps serving
                 self._fail_all(f"{type(e).__name__}: {e}")
         for s in self._slots:

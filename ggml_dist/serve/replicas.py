@@ -4,8 +4,9 @@ behind one HTTP front (vLLM's data parallelism over a CPU's cores).
     front (the HTTP process)                      replica k (a spawned process)
       submit  -> route: a free slot, least load,    Engine over n_parallel/R slots, n_ctx/R cells,
                  the longest cached prompt prefix   cores/(busy replicas) threads: all of them while
-      cancel  -> ("cancel", rid)                    it is the only one with requests
-      reader thread per replica <- ("events", [(rid, event), ...], metric updates), one per step
+      cancel  -> Cancel(rid)                        it is the only one with requests
+      sender thread per replica -> Submit, Cancel, SetThreads, ... (the event loop only queues them)
+      reader thread per replica <- EventBatch([(rid, event), ...], metric updates), one per step
 
 Why: one process decoding 8 sequences on 2 cores runs each op's kernel split in two, and between the
 kernels its Python holds the GIL while the other core waits at the next launch; every op is a barrier,
@@ -21,21 +22,116 @@ process dies fails its requests and is started again; the others keep serving.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import queue
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
-from typing import Any, Self
+from typing import Any, Self, assert_never
 
-from ..backends import qkernels
+from ..backends import threads as kernel_threads
+from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer
 from .engine import Engine, EngineConfig, Event, NotReady, QueueFull, Request, _common_prefix
 from .metrics import Metrics
 
 _STATUS_TIMEOUT_S = 10.0
+
+
+# -- messages (pickled over a replica's socket) -------------------------------------------------------
+# One frozen record per kind, so that each side dispatches on the type (match) and mypy checks the
+# fields at both ends. They pickle by this module's name: a replica runs its loop from the module
+# imported as ggml_dist.serve.replicas, not from __main__.
+
+@dataclass(frozen=True, slots=True)
+class Configure:
+    """The front's first message: the replica's engine and its compute threads."""
+    cfg: EngineConfig
+    threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    rid: int                                # the front's id of the request (the Request stays there)
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    t_arrival: float
+
+    def request(self, on_event: Callable[[Event], None]) -> Request:
+        return Request(self.prompt, self.max_tokens, self.sampling, self.stops, on_event, self.t_arrival)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetThreads:
+    """The front's share of the cores for this replica."""
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatusQuery:
+    """Asks for a StatusReply."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Ends the replica; its running requests end "cancelled", and those events are sent first."""
+
+
+ToReplica = Submit | Cancel | SetThreads | StatusQuery | Stop      # after the Configure
+
+
+@dataclass(frozen=True, slots=True)
+class PromptAdded:
+    n: int
+    cached: int
+
+    def apply(self, m: Metrics) -> None:
+        m.add_prompt(self.n, self.cached)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAdded:
+    ttft: float | None
+    itl: float | None
+
+    def apply(self, m: Metrics) -> None:
+        m.add_token(self.ttft, self.itl)
+
+
+MetricUpdate = PromptAdded | TokenAdded
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The replica's first message: its engine has loaded (error None), or why it did not."""
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    events: tuple[tuple[int, Event], ...]       # (rid, event), in the order the engine posted them
+    updates: tuple[MetricUpdate, ...]           # the metrics since the last message, applied first
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    figures: dict[str, float]                   # Engine.status() and busy_s
+    updates: tuple[MetricUpdate, ...]
+
+
+ToFront = EventBatch | StatusReply            # after the Ready
 
 
 # -- replica process ---------------------------------------------------------------------------------
@@ -45,103 +141,107 @@ class _ForwardMetrics(Metrics):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple] = []
+        self.updates: list[MetricUpdate] = []
 
     def add_prompt(self, n: int, cached: int = 0) -> None:
         with self.lock:
-            self.ops.append(("add_prompt", n, cached))
+            self.updates.append(PromptAdded(n, cached))
 
     def add_token(self, ttft: float | None, itl: float | None) -> None:
         with self.lock:
-            self.ops.append(("add_token", ttft, itl))
+            self.updates.append(TokenAdded(ttft, itl))
 
-    def drain(self) -> list[tuple]:
+    def drain(self) -> tuple[MetricUpdate, ...]:
         with self.lock:
-            ops, self.ops = self.ops, []
-        return ops
+            out, self.updates = tuple(self.updates), []
+        return out
 
 
-class _ReplicaEngine(Engine):
-    """An Engine whose step's events leave in one message: the events that sampling posts during
-    _collect are sent together at its end (one write and one wake-up of the front per step); any
-    other event (a cancelled request's end, an error from the main thread) goes at once."""
+class _Outbox:
+    """A replica's events on their way to the front. Those that sampling posts while the engine thread
+    collects a micro-batch (Engine's `collecting` hook) leave together at its end: one write and one
+    wake-up of the front per step. Any other event (a cancelled request's end, an error from the main
+    thread) goes at once."""
 
-    def __init__(self, cfg: EngineConfig, metrics: _ForwardMetrics, send: Any) -> None:
-        super().__init__(cfg, metrics)
-        self.fmetrics, self.send = metrics, send
-        self._out: list[tuple] = []
-        self._out_lock = threading.Lock()
-        self._batching = False
+    def __init__(self, send: Callable[[Ready | ToFront], None], metrics: _ForwardMetrics) -> None:
+        self.send, self.metrics = send, metrics
+        self._events: list[tuple[int, Event]] = []
+        self._lock = threading.Lock()
+        self._collector: threading.Thread | None = None     # the engine thread, while it collects
 
-    def _collect(self, mb: Any) -> None:
-        self._batching = True
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        self._collector = threading.current_thread()
         try:
-            super()._collect(mb)
+            yield
         finally:
-            self._batching = False
+            self._collector = None
             self.flush()
 
     def post(self, rid: int, ev: Event) -> None:
-        with self._out_lock:
-            self._out.append((rid, ev.text, ev.finish_reason, ev.n_prompt, ev.n_gen, ev.error, ev.logprobs,
-                              ev.index))
-        if not (self._batching and threading.current_thread() is self._thread):
+        with self._lock:
+            self._events.append((rid, ev))
+        if threading.current_thread() is not self._collector:
             self.flush()
 
     def flush(self) -> None:
-        with self._out_lock:                # held while sending: two flushes keep their order
-            if self._out:
-                self.send(("events", self._out, self.fmetrics.drain()))
-                self._out = []
+        with self._lock:                # held while sending: two flushes keep their order
+            if self._events:
+                self.send(EventBatch(tuple(self._events), self.metrics.drain()))
+                self._events = []
 
 
 def _replica_main(conn: Connection) -> None:
     """A replica process: an engine, driven by the front's messages; its events go back on `conn`.
-    The first message is ("config", EngineConfig, threads)."""
-    _, cfg, threads = conn.recv()
-    qkernels.set_threads(threads)
+    The first message is a Configure."""
+    first: Configure = conn.recv()
+    cfg, threads = first.cfg, first.threads
+    kernel_threads.set_threads(threads)
     lock = threading.Lock()             # the engine thread and this one both send
 
-    def send(msg: tuple) -> None:
+    def send(msg: Ready | ToFront) -> None:
         with lock:
             try:
                 conn.send(msg)
             except OSError:             # the front is gone: the main loop sees EOF and shuts down
                 pass
     metrics = _ForwardMetrics()
-    engine = _ReplicaEngine(cfg, metrics, send).start()
+    outbox = _Outbox(send, metrics)
+    engine = Engine(cfg, metrics, collecting=outbox.collecting).start()
     try:
         engine.wait_ready(None)
     except NotReady as e:
-        send(("ready", str(e)))
+        send(Ready(str(e)))
         return
-    send(("ready", None))
+    send(Ready(None))
     reqs: dict[int, Request] = {}
 
     def on_event(rid: int, ev: Event) -> None:
         if ev.finish_reason is not None:
             reqs.pop(rid, None)
-        engine.post(rid, ev)
+        outbox.post(rid, ev)
     try:
         while True:
-            msg = conn.recv()
-            if msg[0] == "submit":
-                rid, prompt, max_tokens, sampling, stops, t_arrival = msg[1:]
-                req = Request(prompt, max_tokens, sampling, stops, functools.partial(on_event, rid), t_arrival)
-                reqs[rid] = req
-                try:
-                    engine.submit(req)
-                except (QueueFull, NotReady) as e:     # the front bounds the queue: not expected
-                    on_event(rid, Event(finish_reason="error", n_prompt=len(prompt), error=str(e)))
-            elif msg[0] == "cancel":
-                if (target := reqs.get(msg[1])) is not None:
-                    engine.cancel(target)
-            elif msg[0] == "threads":                  # the front's share of the cores for this one
-                qkernels.set_threads(msg[1])
-            elif msg[0] == "status":
-                send(("status", {**engine.status(), "busy_s": engine.busy_s}, metrics.drain()))
-            else:                                       # "stop"
-                break
+            msg: ToReplica = conn.recv()
+            match msg:
+                case Submit(rid=rid):
+                    req = msg.request(functools.partial(on_event, rid))
+                    reqs[rid] = req
+                    try:
+                        engine.submit(req)
+                    except (QueueFull, NotReady) as e:     # the front bounds the queue: not expected
+                        on_event(rid, Event(finish_reason="error", n_prompt=len(msg.prompt), error=str(e)))
+                case Cancel(rid=rid):
+                    if (target := reqs.get(rid)) is not None:
+                        engine.cancel(target)
+                case SetThreads():                          # the front's share of the cores for this one
+                    kernel_threads.set_threads(msg.n)
+                case StatusQuery():
+                    send(StatusReply({**engine.status(), "busy_s": engine.busy_s}, metrics.drain()))
+                case Stop():
+                    break
+                case _:
+                    assert_never(msg)
     except (EOFError, OSError):                         # the front is gone
         pass
     finally:
@@ -150,12 +250,43 @@ def _replica_main(conn: Connection) -> None:
 
 # -- front ---------------------------------------------------------------------------------------------
 
+class _Sender:
+    """Writes one replica's messages from a thread of its own, in the order they were queued: the event
+    loop (submit, cancel, and the threads' split under ReplicaSet._lock) never blocks on a socket whose
+    buffer a busy replica has not drained. The sender closes the connection once told to (the reader
+    has seen it end), after what it holds, so no write races the close."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self._q: queue.SimpleQueue[Configure | ToReplica | None] = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def send(self, msg: Configure | ToReplica) -> None:
+        """Queue msg; OSError once the connection has ended, as the socket's own send would raise."""
+        if self._closed:
+            raise OSError("the replica's connection is closed")
+        self._q.put(msg)
+
+    def close(self) -> None:
+        self._closed = True
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while (msg := self._q.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError:             # the replica is gone: its reader sees EOF and fails its requests
+                pass
+        self.conn.close()
+
+
 @dataclass(eq=False)
 class _Replica:
     index: int
     cfg: EngineConfig
     proc: Any = None
-    conn: Connection | None = None
+    sender: _Sender | None = None
     ready: bool = False
     load: int = 0                                       # requests routed here and not finished
     threads: int = 0                                    # compute threads it was told to use
@@ -164,16 +295,14 @@ class _Replica:
     status: dict | None = None
     status_ev: threading.Event = field(default_factory=threading.Event)
     status_lock: threading.Lock = field(default_factory=threading.Lock)
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def slots(self) -> int:
         return self.cfg.n_parallel
 
-    def send(self, msg: tuple) -> None:
-        with self.send_lock:
-            assert self.conn is not None
-            self.conn.send(msg)
+    def send(self, msg: Configure | ToReplica) -> None:
+        assert self.sender is not None
+        self.sender.send(msg)
 
     def affinity(self, prompt: list[int]) -> int:
         """The longest prefix of `prompt` among the prompts recently routed here (whose tokens a free
@@ -197,7 +326,7 @@ class ReplicaSet:
         self._stopping = False
         self._next_rid = 0
         self._where: dict[Request, tuple[_Replica, int]] = {}
-        self._threads = qkernels.get_threads()
+        self._threads = kernel_threads.get_threads()
         R, P = cfg.n_replicas, cfg.n_parallel
         shares = [P // R + (k < P % R) for k in range(R)]
         self.replicas = [_Replica(k, replace(cfg, n_replicas=1, n_parallel=n, n_ctx=n * self.n_ctx_slot,
@@ -226,9 +355,11 @@ class ReplicaSet:
         r.proc = subprocess.Popen([sys.executable, "-m", __name__, str(child.fileno())],
                                   pass_fds=(child.fileno(),))
         child.close()
-        r.conn, r.ready, r.threads = Connection(front.detach()), False, self._threads
-        r.send(("config", r.cfg, r.threads))
-        threading.Thread(target=self._read, args=(r, r.conn), name=f"ggml-dist-replica-{r.index}-reader",
+        conn = Connection(front.detach())
+        r.sender = _Sender(conn, name=f"ggml-dist-replica-{r.index}-sender")
+        r.ready, r.threads = False, self._threads
+        r.send(Configure(r.cfg, r.threads))
+        threading.Thread(target=self._read, args=(r, conn, r.sender), name=f"ggml-dist-replica-{r.index}-reader",
                          daemon=True).start()
 
     def _fail_load(self, msg: str) -> None:
@@ -245,7 +376,7 @@ class ReplicaSet:
         for r in self.replicas:
             if r.proc is not None and r.proc.poll() is None:
                 try:
-                    r.send(("stop",))
+                    r.send(Stop())
                 except OSError:
                     pass
         for r in self.replicas:
@@ -257,31 +388,34 @@ class ReplicaSet:
                     r.proc.wait()
 
     # -- messages from a replica (its reader thread) --------------------------------------------------
-    def _read(self, r: _Replica, conn: Connection) -> None:
+    def _read(self, r: _Replica, conn: Connection, sender: _Sender) -> None:
         try:
+            ready: Ready = conn.recv()
+            self._on_ready(r, ready.error)
+            if ready.error is not None:
+                return
             while True:
-                msg = conn.recv()
-                if msg[0] == "events":
-                    self._apply(msg[2])
-                    for rid, *ev in msg[1]:
-                        self._deliver(r, rid, Event(*ev))
-                elif msg[0] == "status":
-                    self._apply(msg[2])
-                    r.status = msg[1]
-                    r.status_ev.set()
-                else:                                       # "ready"
-                    self._on_ready(r, msg[1])
-                    if msg[1] is not None:
-                        return
+                msg: ToFront = conn.recv()
+                match msg:
+                    case EventBatch(events, updates):
+                        self._apply(updates)
+                        for rid, ev in events:
+                            self._deliver(r, rid, ev)
+                    case StatusReply(figures, updates):
+                        self._apply(updates)
+                        r.status = figures
+                        r.status_ev.set()
+                    case _:
+                        assert_never(msg)
         except (EOFError, OSError):
             pass
         finally:
-            conn.close()
+            sender.close()                                  # and with it the connection
         self._lost(r)
 
-    def _apply(self, ops: list[tuple]) -> None:
-        for name, *args in ops:
-            getattr(self.metrics, name)(*args)
+    def _apply(self, updates: tuple[MetricUpdate, ...]) -> None:
+        for u in updates:
+            u.apply(self.metrics)
 
     def _deliver(self, r: _Replica, rid: int, ev: Event) -> None:
         with self._lock:
@@ -346,7 +480,7 @@ class ReplicaSet:
             r.recent.append(req.prompt)
             self._where[req] = (r, rid)
         try:
-            r.send(("submit", rid, req.prompt, req.max_tokens, req.sampling, req.stops, req.t_arrival))
+            r.send(Submit(rid, req.prompt, req.max_tokens, req.sampling, req.stops, req.t_arrival))
         except OSError:                 # the replica just died: its reader fails the request
             pass
 
@@ -358,7 +492,7 @@ class ReplicaSet:
         for x in self.replicas:
             if x.ready and x.threads != want:
                 try:
-                    x.send(("threads", want))
+                    x.send(SetThreads(want))
                     x.threads = want
                 except OSError:
                     pass
@@ -386,7 +520,7 @@ class ReplicaSet:
             where = self._where.get(req)
         if where is not None:
             try:
-                where[0].send(("cancel", where[1]))
+                where[0].send(Cancel(where[1]))
             except OSError:
                 pass
 
@@ -405,7 +539,7 @@ class ReplicaSet:
             with r.status_lock:
                 r.status_ev.clear()
                 try:
-                    r.send(("status",))
+                    r.send(StatusQuery())
                 except OSError:
                     continue
                 if r.status_ev.wait(_STATUS_TIMEOUT_S) and r.status is not None:
@@ -432,4 +566,7 @@ class ReplicaSet:
 
 
 if __name__ == "__main__":          # a replica process, started by ReplicaSet._spawn
-    _replica_main(Connection(int(sys.argv[1])))
+    # the loop of the module by its name, whose message classes are the ones the front pickles (this
+    # file's own run, as __main__, would pickle its replies as __main__'s classes)
+    from ggml_dist.serve.replicas import _replica_main as main
+    main(Connection(int(sys.argv[1])))

@@ -19,7 +19,6 @@ from typing import Any
 
 from ..backends.base import BufferUsage
 from ..backends.cpu import CPUDevice
-from ..backends.cpu_ops import ComputeOptions
 from ..core.context import Context
 from ..core.graph import Graph
 from ..core.tensor import Tensor
@@ -34,7 +33,7 @@ from .stage import EVERY_STAGE
 
 def driver_context(model: LlamaModel, params: ContextParams, placement: Placement,
                    proxies: list[StageProxy], n_copies: int) -> LlamaContext:
-    cpu = CPUDevice("driver").init_backend(opts=ComputeOptions(exact=params.exact))
+    cpu = CPUDevice("driver").init_backend(opts=params.compute_options())
     stage_of = {il: p for p in proxies for il in range(*p.layers)}
     return LlamaContext(model, params, backends=[*proxies, cpu], n_copies=n_copies,
                         weights=driver_weights(model, placement, proxies),

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import BufferUsage, DeviceType
+from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, Event
 from ..backends.cpu import cpu_supports_op
 from ..core.graph import Graph
-from ..core.tensor import Tensor, TensorFlag, nbytes
+from ..core.tensor import Tensor, TensorFlag
 from .plan import describe, plan_id
 from .wire import WireTensor, decode, encode
 
@@ -55,9 +55,8 @@ class Exports:
         return ex
 
 
-class RemoteBufferType:
-    """A stage's memory as the driver sees it: planned, never touched."""
-    is_host = False
+class RemoteBufferType(BufferType):
+    """A stage's memory as the driver sees it: planned, never touched (not host memory)."""
 
     def __init__(self, name: str, alignment: int = 32, max_size: int = 2**62) -> None:
         self.name = name
@@ -68,11 +67,11 @@ class RemoteBufferType:
     def alloc_buffer(self, size: int) -> RemoteBuffer:
         return RemoteBuffer(self, size)
 
-    def get_alloc_size(self, t: Tensor) -> int:
-        return nbytes(t)
 
+class RemoteBuffer(Buffer):
+    """No bytes here (base None): set_tensor and get_tensor(_async) go through the stage's calls."""
+    buft: RemoteBufferType
 
-class RemoteBuffer:
     def __init__(self, buft: RemoteBufferType, size: int, usage: BufferUsage = BufferUsage.ANY) -> None:
         self.buft = buft
         self.size = size
@@ -111,7 +110,7 @@ class RemoteBuffer:
         pass                                   # the stage clears its own memory
 
 
-class StageDevice:
+class StageDevice(Device):
     type = DeviceType.GPU                      # a non-CPU device: the scheduler expands onto it
 
     def __init__(self, name: str, free: int = 0, total: int = 0) -> None:
@@ -125,11 +124,8 @@ class StageDevice:
     def supports_op(self, t: Tensor) -> bool:
         return cpu_supports_op(t)
 
-    def supports_buft(self, buft: Any) -> bool:
+    def supports_buft(self, buft: BufferType) -> bool:
         return buft is self.buft
-
-    def offload_op(self, t: Tensor) -> bool:
-        return False
 
     def memory(self) -> tuple[int, int]:
         return self._mem
@@ -146,8 +142,9 @@ class Call:
     wait: Callable[[list], object]
 
 
-class StageProxy:
-    """The scheduler's backend for one stage actor."""
+class StageProxy(Backend):
+    """The scheduler's backend for one stage actor: events are call handles, copies between stages are
+    its own (cpy_tensor_async)."""
     inputs_by_value = True           # graph inputs are snapshotted at copy time (no slot hazards)
 
     def __init__(self, stage_id: int, layers: tuple[int, int], call: Call, device: StageDevice) -> None:
@@ -223,7 +220,7 @@ class StageProxy:
             if t in host:
                 return "input", f"h:{t.name}"
             buf = t.buffer
-            if buf is not None and getattr(buf, "usage", None) == BufferUsage.WEIGHTS:
+            if buf is not None and buf.usage == BufferUsage.WEIGHTS:
                 return "weight", t.name
             if buf is not None and buf.buft is self.device.buft:
                 return "kv", t.name
@@ -260,13 +257,13 @@ class StageProxy:
         if self.last_handle is not None:
             self.call.wait([self.last_handle])
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], object]) -> None:
         fn()                              # nothing runs on the driver in this backend's stream
 
     def event_record(self) -> HandleEvent:
         return HandleEvent(self.call, self.last_handle)
 
-    def event_wait(self, ev: Any) -> None:
+    def event_wait(self, ev: Event) -> None:
         pass                              # Ray orders a call after the calls whose results it takes
 
 

@@ -129,8 +129,8 @@ class StageWorker:
         if spec.n_threads > 0:
             os.environ.setdefault("OMP_NUM_THREADS", str(spec.n_threads))
             try:
-                from ..backends import qkernels
-                qkernels.set_threads(spec.n_threads)
+                from ..backends import threads
+                threads.set_threads(spec.n_threads)
             except (ImportError, ValueError):
                 pass
         self.weights: dict[str, Tensor] = {}

@@ -6,11 +6,13 @@ import numpy as np
 from ggml_dist.alloc.tallocr import SIZE_MAX
 from typing import Callable
 
+from ggml_dist.backends.base import Buffer, BufferType
 from ggml_dist.core.tensor import Tensor
 
 
-class FakeBuffer:
-    """A chunk of host memory: `.size` and a numpy uint8 `.base`; counts resets and inits."""
+class FakeBuffer(Buffer):
+    """A chunk of host memory: `.size` and a numpy uint8 `.base`; counts resets (the protocol's other
+    optional slots keep their defaults)."""
 
     def __init__(self, buft: "FakeBufferType", size: int) -> None:
         self.buft = buft
@@ -25,9 +27,10 @@ class FakeBuffer:
         return f"FakeBuffer({self.buft.name}, {self.size})"
 
 
-class FakeBufferType:
-    """Satisfies alloc.gallocr.BufferTypeLike. `extra` pads get_alloc_size beyond nbytes (backend padding);
-    it may be a function of the tensor, as a backend's padding may depend on more than the layout."""
+class FakeBufferType(BufferType):
+    """Satisfies alloc.gallocr.BufferTypeLike; not host memory (is_host keeps its default, False).
+    `extra` pads get_alloc_size beyond nbytes (backend padding); it may be a function of the tensor, as a
+    backend's padding may depend on more than the layout."""
 
     def __init__(self, alignment: int = 32, max_size: int = SIZE_MAX, name: str = "fake",
                  extra: int | Callable[[Tensor], int] = 0) -> None:

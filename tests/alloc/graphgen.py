@@ -16,10 +16,12 @@ from typing import Any
 
 from ggml_dist.alloc.tallocr import Tallocr
 from ggml_dist.core import ops
-from ggml_dist.core.context import Context, HostMemory
+from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph
 from ggml_dist.core.tensor import Op, Tensor, TensorFlag, is_contiguous
 from ggml_dist.core.types import GGMLType
+
+from .fakes import FakeBufferType
 
 F32 = GGMLType.F32
 _NE0 = (4, 8, 16)
@@ -191,7 +193,7 @@ def random_graph(rng: random.Random, n_ops: int = 24, weight_buffer: Any = None,
                  p_output: float = 0.1) -> GenGraph:
     """Build a random graph; weights go into `weight_buffer` (a fresh host buffer if None)."""
     if weight_buffer is None:
-        weight_buffer = HostMemory(1 << 20, "weights")
+        weight_buffer = FakeBufferType(name="weights").alloc_buffer(1 << 20)
     b = _Builder(rng, weight_buffer)
     for _ in range(rng.randint(1, 3)):
         b.leaf((rng.choice(_NE0), rng.choice(_NE1)), "input")

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_dist.backends import quants as Q
+from ggml_dist.backends import threads as kt
 from ggml_dist.core.types import GGMLType as T
 
 from .test_quants import random_rows
@@ -30,13 +31,8 @@ needs_avx2 = pytest.mark.skipif(not avx2.AVAILABLE, reason="the CPU lacks AVX2/F
 
 
 def oracle(t, w, x):
-    """quants.mul_mat on its numpy path (ggml's AVX2 orders; repacked Q4_0 iff M % 8 == 0)."""
-    use = Q.USE_NUMBA
-    Q.USE_NUMBA = False
-    try:
-        return Q.mul_mat(t, w, x, order="ggml")
-    finally:
-        Q.USE_NUMBA = use
+    """quants.mul_mat, the numpy reference (ggml's AVX2 orders; repacked Q4_0 iff M % 8 == 0)."""
+    return Q.mul_mat(t, w, x, order="ggml")
 
 
 def weights(t, M, K, seed):
@@ -107,14 +103,14 @@ def test_threads_do_not_change_bits(t, M):
     w = weights(t, M, K, seed=7)
     pw = qpack.PackedWeight(t, w, kernels=AVX2)
     x = activations(40, K, seed=8)
-    before = qk.get_threads()
+    before = kt.get_threads()
     try:
-        qk.set_threads(1)
+        kt.set_threads(1)
         one = [pw.mul_mat(x[:n]) for n in (1, 3, 8, 13, 40)]
-        qk.set_threads(min(2, qk.numba.config.NUMBA_NUM_THREADS))
+        kt.set_threads(min(2, kt.numba.config.NUMBA_NUM_THREADS))
         two = [pw.mul_mat(x[:n]) for n in (1, 3, 8, 13, 40)]
     finally:
-        qk.set_threads(before)
+        kt.set_threads(before)
     for n, a, b in zip((1, 3, 8, 13, 40), one, two):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, oracle(t, w, x[:n]))

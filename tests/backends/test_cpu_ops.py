@@ -609,17 +609,3 @@ def test_mul_mat_broadcast_stacked_bits(ctx, rng, wtype, n11):
             wm = wm.view(np.uint8)
         exp = Q.mul_mat(wtype, wm, x[0, i2])
         assert np.array_equal(got[0, i2], exp), (wtype, n11, i2)
-
-
-# vexp's numba twin gives vexp_numpy's bits: random f32 bit patterns (nan, inf, subnormals), the
-# softmax/SiLU range and the |n| > 126 / > 192 rescaling branches
-def test_vexp_numba_twin_bits():
-    from ggml_dist.backends import numerics as nm
-    rng = np.random.default_rng(5)
-    x = np.concatenate([rng.integers(0, 2 ** 32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
-                        rng.uniform(-200, 200, 200_000).astype(np.float32),
-                        np.array([np.inf, -np.inf, np.nan, 0, -0.0, 88.7, 88.8, -87.3, -103, -104, 126.5,
-                                  -126.5, 192.5, -192.5], np.float32)])
-    with np.errstate(all="ignore"):
-        got, ref = nm.vexp(x.reshape(-1, 2)), nm.vexp_numpy(x.reshape(-1, 2))
-    assert got.shape == ref.shape and np.array_equal(got.view(np.uint32), ref.view(np.uint32))

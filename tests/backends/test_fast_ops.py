@@ -1,14 +1,17 @@
 """The numba fast paths of cpu_ops (backends/fkernels.py) give the numpy kernels' bits exactly.
 
-Each test runs an op with quants.USE_NUMBA on (fkernels) and off (the numpy reference) and compares
+Each test runs an op with ComputeOptions.numba on (fkernels) and off (the numpy reference) and compares
 the results bit for bit (uint32 views, so NaN payloads and signed zeros count), on awkward shapes: lengths
 not a multiple of 8 or 32, -inf masks and fully masked rows, strided and permuted views, dst aliasing src0
 as gallocr's in-place reuse allows, and KV-cache style views with padded empty cells.
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from ggml_dist.backends import cpu_ops, qkernels, quants
+from ggml_dist.backends import cpu_ops
+from ggml_dist.backends import threads as kt
 from ggml_dist.backends import fkernels as fk
 from ggml_dist.backends.cpu_ops import KERNELS, ComputeOptions
 from ggml_dist.backends.base import tensor_array
@@ -44,26 +47,24 @@ def assert_same_bits(got, ref):
     assert np.array_equal(bits(got), bits(ref)), f"{np.sum(bits(got) != bits(ref))} elements differ"
 
 
-def run_both(monkeypatch, out, inputs, opts=ComputeOptions()):
+def run_both(out, inputs, opts=ComputeOptions()):
     """out's value with the numba kernels and with the numpy ones; asserts equal bits, returns it."""
     g = Graph()
     g.build_forward_expand(out)
     res = {}
     for use in (True, False):
-        monkeypatch.setattr(quants, "USE_NUMBA", use)
-        res[use] = ReferenceExecutor(opts).compute(g, inputs)[out]
+        res[use] = ReferenceExecutor(replace(opts, numba=use)).compute(g, inputs)[out]
     assert_same_bits(res[True], res[False])
     return res[True]
 
 
-def kernel_both(monkeypatch, t, make_args):
+def kernel_both(t, make_args):
     """Call t's kernel directly on the arrays make_args() returns ((dst, srcs); dst may be srcs[0], the
     in-place case) with numba on and off; asserts equal bits of dst."""
     outs = []
     for use in (True, False):
-        monkeypatch.setattr(quants, "USE_NUMBA", use)
         dst, srcs = make_args()
-        KERNELS[t.op](t, dst, srcs, ComputeOptions())
+        KERNELS[t.op](t, dst, srcs, ComputeOptions(numba=use))
         outs.append(dst.copy())
     assert_same_bits(outs[0], outs[1])
     return outs[0]
@@ -107,7 +108,7 @@ def test_f16_conversions():
     assert np.array_equal(np.isnan(v), np.isnan(ref)) and np.array_equal(v[np.isinf(ref)], ref[np.isinf(ref)])
 
 
-# vexp (scalar numba) gives numerics.vexp_numpy's bits, incl. nan, inf and the |n| > 126 branches
+# vexp (scalar numba) gives numerics.vexp's bits, incl. nan, inf and the |n| > 126 branches
 def test_vexp_scalar_bits():
     from numba import njit
 
@@ -126,7 +127,7 @@ def test_vexp_scalar_bits():
     got = np.empty_like(x)
     run(x, got)
     with np.errstate(all="ignore"):
-        assert_same_bits(got, nm.vexp_numpy(x))
+        assert_same_bits(got, nm.vexp(x))
 
 
 # -- element-wise and norms --------------------------------------------------------------------------
@@ -134,10 +135,10 @@ def test_vexp_scalar_bits():
 def test_binary_f32(ctx, rng, monkeypatch, fn):
     a, b, c = ctx.new_tensor(F32, (37, 5, 3)), ctx.new_tensor(F32, (37,)), ctx.new_tensor(F32, (37, 1, 3))
     xa, xb, xc = randn(rng, 3, 5, 37), randn(rng, 37), randn(rng, 3, 1, 37)
-    run_both(monkeypatch, fn(ctx, a, b), {a: xa, b: xb})
-    run_both(monkeypatch, fn(ctx, a, c), {a: xa, c: xc})
+    run_both(fn(ctx, a, b), {a: xa, b: xb})
+    run_both(fn(ctx, a, c), {a: xa, c: xc})
     t = fn(ctx, a, a)
-    got = kernel_both(monkeypatch, t, lambda: (lambda x: (x, [x, x]))(xa.reshape(1, 3, 5, 37).copy()))
+    got = kernel_both(t, lambda: (lambda x: (x, [x, x]))(xa.reshape(1, 3, 5, 37).copy()))
     assert_same_bits(got[0], (xa + xa if fn is ops.add else xa * xa))
 
 
@@ -147,11 +148,11 @@ def test_rms_norm_bits(ctx, rng, monkeypatch, ne0):
     x = randn(rng, 3, 4, ne0, scale=3.0)
     x[0, 0, :] = 0.0                                          # zero row: scale = 1/sqrt(eps)
     x[1, 2, :] *= 1e-20
-    run_both(monkeypatch, ops.rms_norm(ctx, a, 1e-5), {a: x})
+    run_both(ops.rms_norm(ctx, a, 1e-5), {a: x})
     v = ops.view_2d(ctx, ops.reshape(ctx, a, ne0, 12), max(ne0 - 3, 1), 6, 2 * a.nb[1], 0)   # strided rows
-    run_both(monkeypatch, ops.rms_norm(ctx, v, 1e-6), {a: x})
+    run_both(ops.rms_norm(ctx, v, 1e-6), {a: x})
     t = ops.rms_norm(ctx, a, 1e-5)
-    kernel_both(monkeypatch, t, lambda: (lambda y: (y, [y]))(x.reshape(1, 3, 4, ne0).copy()))   # in place
+    kernel_both(t, lambda: (lambda y: (y, [y]))(x.reshape(1, 3, 4, ne0).copy()))   # in place
 
 
 @pytest.mark.parametrize("n", [8, 24, 1536, 13])
@@ -161,11 +162,11 @@ def test_swiglu_bits(ctx, rng, monkeypatch, n, split):
     x[0, :4] = [-100, 100, 0, -0.0]
     if split:
         g, u = ctx.new_tensor(F32, (n, 3)), ctx.new_tensor(F32, (n, 3))
-        run_both(monkeypatch, ops.swiglu(ctx, g, u), {g: x[:, :n].copy(), u: x[:, n:].copy()})
+        run_both(ops.swiglu(ctx, g, u), {g: x[:, :n].copy(), u: x[:, n:].copy()})
     else:
         a = ctx.new_tensor(F32, (2 * n, 3))
-        run_both(monkeypatch, ops.swiglu(ctx, a), {a: x})
-        run_both(monkeypatch, ops.glu(ctx, a, None, GLUOp.SWIGLU, swapped=True), {a: x})
+        run_both(ops.swiglu(ctx, a), {a: x})
+        run_both(ops.glu(ctx, a, None, GLUOp.SWIGLU, swapped=True), {a: x})
 
 
 # -- softmax -----------------------------------------------------------------------------------------
@@ -183,10 +184,10 @@ def test_soft_max_bits(ctx, rng, monkeypatch, n_kv, max_bias):
     if max_bias:
         mask[2, :3] = -np.abs(randn(rng, 3))
     with np.errstate(all="ignore"):
-        got = run_both(monkeypatch, ops.soft_max_ext(ctx, a, m, 0.125, max_bias), {a: x, m: mask})
-        run_both(monkeypatch, ops.soft_max_ext(ctx, a, None, 0.3), {a: x})
+        got = run_both(ops.soft_max_ext(ctx, a, m, 0.125, max_bias), {a: x, m: mask})
+        run_both(ops.soft_max_ext(ctx, a, None, 0.3), {a: x})
         t = ops.soft_max_ext(ctx, a, m, 0.125, max_bias)
-        kernel_both(monkeypatch, t, lambda: (lambda y: (y, [y, mask.reshape(1, 1, n_q + 3, n_kv)]))(
+        kernel_both(t, lambda: (lambda y: (y, [y, mask.reshape(1, 1, n_q + 3, n_kv)]))(
             x.reshape(1, n_head, n_q, n_kv).copy()))          # in place
     assert np.all(np.isnan(got[0, :, 1]))
 
@@ -212,14 +213,13 @@ def test_soft_max_sparse_rows_bits(ctx, rng, monkeypatch, max_bias):
     res = []
     with np.errstate(all="ignore"):
         for use in (True, False):
-            monkeypatch.setattr(quants, "USE_NUMBA", use)
-            res.append(ReferenceExecutor().compute(g, {a: x, m: mask})[out])
+            res.append(ReferenceExecutor(ComputeOptions(numba=use)).compute(g, {a: x, m: mask})[out])
     nan = np.isnan(res[1])                    # NaN rows: the same NaNs (payloads may differ)
     assert np.array_equal(np.isnan(res[0]), nan) and nan[0, 0, 1].all() and nan[0, 1, 2].all()
     assert_same_bits(np.where(nan, 0, res[0]), np.where(nan, 0, res[1]))
     xf, mf = np.nan_to_num(x, posinf=9.0), mask.copy()        # in place (dst = x), finite scores
     mf[4, 4] = mf[5, 5] = 0
-    kernel_both(monkeypatch, out, lambda: (lambda y: (y, [y, mf.reshape(1, 1, n_q, n_kv)]))(
+    kernel_both(out, lambda: (lambda y: (y, [y, mf.reshape(1, 1, n_q, n_kv)]))(
         xf.reshape(1, n_head, n_q, n_kv).copy()))
 
 
@@ -234,9 +234,9 @@ def test_rope_bits(ctx, rng, monkeypatch, mode, n_dims, with_ff):
     ff_t = ctx.new_tensor(F32, (n_dims // 2,)) if with_ff else None     # llama3 rope scaling's divisors
     f = rng.uniform(1, 8, n_dims // 2).astype(np.float32)
     out = ops.rope_ext(ctx, a, pos, ff_t, n_dims, mode, 4096, freq_base=500000.0)
-    run_both(monkeypatch, out, {a: x, pos: p} | ({ff_t: f} if with_ff else {}))
+    run_both(out, {a: x, pos: p} | ({ff_t: f} if with_ff else {}))
     srcs = (lambda y: [y, p, f] if with_ff else [y, p])
-    kernel_both(monkeypatch, out, lambda: (lambda y: (y, srcs(y)))(x.reshape(1, 7, 3, 64).copy()))  # in place
+    kernel_both(out, lambda: (lambda y: (y, srcs(y)))(x.reshape(1, 7, 3, 64).copy()))  # in place
 
 
 # -- set_rows ----------------------------------------------------------------------------------------
@@ -249,10 +249,10 @@ def test_set_rows_bits(ctx, rng, monkeypatch, dtype, itype):
     xb[0, 0, :6] = [7e4, -1e9, 2 ** -25, 3 * 2 ** -26, np.nan, -np.inf]
     idx = np.array([7, 2, 7, 0], np.int64 if itype == I64 else np.int32)      # a repeated index: last wins
     with np.errstate(all="ignore"):
-        run_both(monkeypatch, ops.set_rows(ctx, a, b, c), {a: xa, b: xb, c: idx})
+        run_both(ops.set_rows(ctx, a, b, c), {a: xa, b: xb, c: idx})
     # the V cache's shape: rows of one element at idx j * kv_size + cell
     v, vb, vc = ctx.new_tensor(F16, (1, 6 * 16)), ctx.new_tensor(F32, (1, 6)), ctx.new_tensor(I64, (6,))
-    run_both(monkeypatch, ops.set_rows(ctx, v, vb, vc),
+    run_both(ops.set_rows(ctx, v, vb, vc),
              {v: np.zeros((96, 1), np.float16), vb: randn(rng, 6, 1), vc: np.arange(6) * 16 + 3})
 
 
@@ -264,22 +264,23 @@ def test_set_rows_split_across_threads_same_bits(ctx, rng, monkeypatch, ne0):
     idx = rng.integers(0, n_rows, nr)                       # many repeats
     a, b, c = ctx.new_tensor(F16, (ne0, n_rows)), ctx.new_tensor(F32, (ne0, nr)), ctx.new_tensor(I64, (nr,))
     inputs = {a: np.zeros((n_rows, ne0), np.float16), b: randn(rng, nr, ne0), c: idx}
-    before = qkernels.get_threads()
+    before = kt.get_threads()
     try:
         for n in (1, 2):
-            qkernels.set_threads(n)
-            res = run_both(monkeypatch, ops.set_rows(ctx, a, b, c), inputs)
+            kt.set_threads(n)
+            res = run_both(ops.set_rows(ctx, a, b, c), inputs)
             last = {r: j for j, r in enumerate(idx)}
             want = np.asarray(inputs[b])[list(last.values())].astype(np.float16)
             assert_same_bits(res.reshape(n_rows, ne0)[list(last.keys())], want)
     finally:
-        qkernels.set_threads(before)
+        kt.set_threads(before)
 
 
 # -- mul_mat -----------------------------------------------------------------------------------------
-def _mm_per_slice(wtype, w, x, n11, use_numba, monkeypatch):
-    """quants.mul_mat per slice with vec_n = n11, the reference the fast kernel must equal."""
-    monkeypatch.setattr(quants, "USE_NUMBA", use_numba)
+def _mm_per_slice(wtype, w, x, n11, use_numba):
+    """weights_mul_mat per slice with vec_n = n11 (quants.mul_mat, or qkernels' twin), the reference the
+    fast kernel must equal."""
+    opts = ComputeOptions(numba=use_numba)
     A3, A2 = w.shape[:2]
     B3, B2 = x.shape[:2]
     out = np.empty(x.shape[:3] + (w.shape[2],), np.float32)
@@ -288,7 +289,7 @@ def _mm_per_slice(wtype, w, x, n11, use_numba, monkeypatch):
             wm = w[i3 // (B3 // A3), i2 // (B2 // A2)]
             if wtype == F16:
                 wm = np.ascontiguousarray(wm).view(np.uint8)
-            out[i3, i2] = quants.mul_mat(wtype, wm, np.ascontiguousarray(x[i3, i2]), vec_n=n11)
+            out[i3, i2] = cpu_ops.weights_mul_mat(wtype, wm, np.ascontiguousarray(x[i3, i2]), opts, vec_n=n11)
     return out
 
 
@@ -308,7 +309,7 @@ def test_mul_mat_float_bits(rng, monkeypatch, wtype, K, M, n11):
     fk.mul_mat(wv.view(np.uint16) if wtype == F16 else wv, x, dst, n11 >= 2 and K % 8 == 0 and M % 4 == 0,
                wtype == F16)
     for use in (True, False):
-        assert_same_bits(dst, _mm_per_slice(wtype, wv, x, n11, use, monkeypatch))
+        assert_same_bits(dst, _mm_per_slice(wtype, wv, x, n11, use))
 
 
 @pytest.mark.parametrize("r2,K", [(2, 64), (4, 64), (5, 96), (8, 40)])
@@ -319,7 +320,7 @@ def test_mul_mat_f16_query_head_groups(rng, monkeypatch, r2, K):
     x = randn(rng, 2, 2 * r2, 1, K)
     dst = np.empty((2, 2 * r2, 1, 37), np.float32)
     fk.mul_mat(w.view(np.uint16), x, dst, False, True)
-    assert_same_bits(dst, _mm_per_slice(F16, w, x, 1, True, monkeypatch))
+    assert_same_bits(dst, _mm_per_slice(F16, w, x, 1, True))
 
 
 @pytest.mark.parametrize("n11", [1, 3, 20])
@@ -332,14 +333,14 @@ def test_mul_mat_float_threads_same_bits(rng, n11, a2, b3):
     x = randn(rng, b3, 6, n11, 64)
     one, two = (np.empty((b3, 6, n11, 256), np.float32) for _ in range(2))
     tiny = n11 >= 2
-    before = qkernels.get_threads()
+    before = kt.get_threads()
     try:
-        qkernels.set_threads(1)
+        kt.set_threads(1)
         fk.mul_mat_threads(w, x, one, tiny, True)
-        qkernels.set_threads(2)
+        kt.set_threads(2)
         fk.mul_mat_threads(w, x, two, tiny, True)
     finally:
-        qkernels.set_threads(before)
+        kt.set_threads(before)
     assert_same_bits(one, two)
     fk.mul_mat(w, x, one, tiny, True)
     assert_same_bits(one, two)
@@ -369,7 +370,7 @@ def test_attention_products_bits(ctx, monkeypatch, rng, n_tok):
     mask[:, :used - n_tok + 1] = 0
     for i in range(n_tok):
         mask[i, used - n_tok + 1:used - n_tok + 1 + i] = 0
-    run_both(monkeypatch, out, {kc: xk, vc: xv, q: randn(rng, n_tok, n_head, d), m: mask})
+    run_both(out, {kc: xk, vc: xv, q: randn(rng, n_tok, n_head, d), m: mask})
 
 
 def _bound_run(g, out, inputs):
@@ -412,9 +413,7 @@ def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok
     inputs = {kc: xk, vc: xv, q: randn(rng, n_tok, n_head, d), m: mask}
     g = Graph()
     g.build_forward_expand(out)
-    monkeypatch.setattr(quants, "USE_NUMBA", False)
-    want = ReferenceExecutor().compute(g, inputs)[out]
-    monkeypatch.setattr(quants, "USE_NUMBA", True)
+    want = ReferenceExecutor(ComputeOptions(numba=False)).compute(g, inputs)[out]
     skips = []
     real = fk.mul_mat_threads
     monkeypatch.setattr(fk, "mul_mat_threads", lambda *a: skips.append(a[6]) or real(*a))
@@ -425,17 +424,15 @@ def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok
 # exact=True keeps the numpy float32 path (no fast kernel)
 def test_mul_mat_exact_keeps_numpy(ctx, rng, monkeypatch):
     a, b = ctx.new_tensor(F16, (64, 8, 2)), ctx.new_tensor(F32, (64, 3, 4))
-    got = run_both(monkeypatch, ops.mul_mat(ctx, a, b),
+    got = run_both(ops.mul_mat(ctx, a, b),
                    {a: randn(rng, 2, 8, 64).astype(np.float16), b: randn(rng, 4, 3, 64)},
                    ComputeOptions(exact=True))
     assert got.shape == (1, 4, 3, 8)
 
 
-def test_fast_path_is_taken(monkeypatch):
-    monkeypatch.setattr(quants, "USE_NUMBA", True)
-    assert cpu_ops._fk() is fk
-    monkeypatch.setattr(quants, "USE_NUMBA", False)
-    assert cpu_ops._fk() is None
+def test_fast_path_is_taken():
+    assert cpu_ops._fk(ComputeOptions(numba=True)) is fk
+    assert cpu_ops._fk(ComputeOptions(numba=False)) is None
 
 
 # -- row ops split across threads ------------------------------------------------------------------------

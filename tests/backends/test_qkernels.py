@@ -1,12 +1,14 @@
-"""Tests for ggml_dist.backends.qkernels: the numba kernels give the same bits as the numpy paths of
-quants.mul_mat, order="fast" and order="ggml", for every covered type (and quants.mul_mat dispatches to
-them)."""
+"""Tests for ggml_dist.backends.qkernels: the numba kernels give the same bits as the numpy reference
+quants.mul_mat, order="fast" and order="ggml", for every covered type (and cpu_ops.weights_mul_mat
+dispatches to them)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from ggml_dist.backends import quants as Q
+from ggml_dist.backends.cpu_ops import ComputeOptions, weights_mul_mat
+from ggml_dist.backends import threads as kt
 from ggml_dist.core.types import GGMLType as T
 
 from .test_quants import random_rows
@@ -15,22 +17,6 @@ qk = pytest.importorskip("ggml_dist.backends.qkernels")
 
 F32 = np.float32
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16]
-
-
-def numpy_fast(t, w, x, monkeypatch):
-    monkeypatch.setattr(Q, "USE_NUMBA", False)
-    try:
-        return Q.mul_mat(t, w, x, order="fast")
-    finally:
-        monkeypatch.setattr(Q, "USE_NUMBA", True)
-
-
-def numpy_order(t, w, x, order, monkeypatch, repacked=None):
-    monkeypatch.setattr(Q, "USE_NUMBA", False)
-    try:
-        return Q.mul_mat(t, w, x, order=order, repacked=repacked)
-    finally:
-        monkeypatch.setattr(Q, "USE_NUMBA", True)
 
 
 def weights(t, M, K, seed):
@@ -43,7 +29,7 @@ def weights(t, M, K, seed):
 
 
 @pytest.mark.parametrize("t", TYPES)
-def test_covered_types_bit_identical(t, monkeypatch):
+def test_covered_types_bit_identical(t):
     # every covered type, N in {1, 2, 7, 64}, odd M, zero weight and activation blocks: np.array_equal
     K, M = 512, 37
     w = weights(t, M, K, seed=int(t) + 3)
@@ -53,15 +39,15 @@ def test_covered_types_bit_identical(t, monkeypatch):
     for N in (1, 2, 7, 64):
         x = xs[:N]
         got = qk.mul_mat_q(t, w, x)
-        ref = numpy_fast(t, w, x, monkeypatch)
+        ref = Q.mul_mat(t, w, x, order="fast")
         assert got.shape == (N, M) and got.dtype == F32
         assert np.array_equal(got, ref), f"{t.name} N={N}: max |diff| {np.abs(got - ref).max()}"
-        # the public entry point dispatches to the kernels
-        np.testing.assert_array_equal(Q.mul_mat(t, w, x, order="fast"), ref)
+        # the CPU backend's entry point dispatches to the kernels
+        np.testing.assert_array_equal(weights_mul_mat(t, w, x, ComputeOptions(numba=True, order="fast")), ref)
 
 
 @pytest.mark.parametrize("t", TYPES)
-def test_ggml_order_bit_identical(t, monkeypatch):
+def test_ggml_order_bit_identical(t):
     # order="ggml" (AVX2 lane orders; repacked Q4_0/Q4_K chains at M = 64; F16 vec_dot for N = 1 or
     # M = 37, tinyBLAS for N >= 2 and M = 64): numba == numpy for N in {1, 2, 7, 64}, zero blocks
     K = 544 if t == T.F16 else 512          # F16: a K % 32 tail (vec_dot) with K % 8 == 0 (tinyBLAS)
@@ -73,13 +59,14 @@ def test_ggml_order_bit_identical(t, monkeypatch):
         for rp in ((None, False) if t in (T.Q4_0, T.Q4_K) and M == 64 else (None,)):
             for N in (1, 2, 7, 64):
                 x = xs[:N]
-                ref = numpy_order(t, w, x, "ggml", monkeypatch, repacked=rp)
-                got = Q.mul_mat(t, w, x, order="ggml", repacked=rp)
+                ref = Q.mul_mat(t, w, x, order="ggml", repacked=rp)
+                rk = M % 8 == 0 if rp is None else rp
+                got = qk.mul_mat_q(t, w, x, order="ggml", repacked=rk)
                 assert got.shape == (N, M) and got.dtype == F32
                 assert np.array_equal(got, ref), \
                     f"{t.name} M={M} N={N} repacked={rp}: max |diff| {np.abs(got - ref).max()}"
-                rk = M % 8 == 0 if rp is None else rp
-                np.testing.assert_array_equal(qk.mul_mat_q(t, w, x, order="ggml", repacked=rk), ref)
+                if rp is None:
+                    np.testing.assert_array_equal(weights_mul_mat(t, w, x, ComputeOptions(numba=True)), ref)
 
 
 def test_ggml_order_is_not_fast():
@@ -88,23 +75,24 @@ def test_ggml_order_is_not_fast():
     w = weights(T.Q4_1, M, K, seed=11)
     x = np.random.default_rng(12).standard_normal((3, K)).astype(F32)
     assert not np.array_equal(Q.mul_mat(T.Q4_1, w, x, order="ggml"), Q.mul_mat(T.Q4_1, w, x, order="fast"))
+    assert not np.array_equal(weights_mul_mat(T.Q4_1, w, x, ComputeOptions(numba=True, order="ggml")),
+                              weights_mul_mat(T.Q4_1, w, x, ComputeOptions(numba=True, order="fast")))
 
 
 @pytest.mark.parametrize("t", [T.Q4_0, T.Q6_K])
-def test_readonly_strided_and_1d(t, monkeypatch):
-    # mapped (read-only) weights, a strided weight view, a 1-d activation
+def test_readonly_strided(t):
+    # mapped (read-only) weights, a strided weight view
     K, M = 256, 9
     w = weights(t, M, K, seed=5)
     x = np.random.default_rng(6).standard_normal((3, K)).astype(F32)
     for order in ("fast", "ggml"):
-        ref = numpy_order(t, w, x, order, monkeypatch)
+        ref = Q.mul_mat(t, w, x, order=order)
         ro = w.copy()
         ro.flags.writeable = False
-        np.testing.assert_array_equal(Q.mul_mat(t, ro, x, order=order), ref)
+        np.testing.assert_array_equal(qk.mul_mat_q(t, ro, x, order=order), ref)
         big = np.zeros((M, 2, w.shape[1] + 3), np.uint8)
         big[:, 0, 3:] = w
-        np.testing.assert_array_equal(Q.mul_mat(t, big[:, 0, 3:], x, order=order), ref)
-        np.testing.assert_array_equal(Q.mul_mat(t, w, x[1], order=order), ref[1])
+        np.testing.assert_array_equal(qk.mul_mat_q(t, big[:, 0, 3:], x, order=order), ref)
 
 
 def test_threads_do_not_change_results(monkeypatch):
@@ -112,17 +100,17 @@ def test_threads_do_not_change_results(monkeypatch):
     K, M = 1024, 41
     w = weights(T.Q4_K, M, K, seed=8)
     x = np.random.default_rng(9).standard_normal((5, K)).astype(F32)
-    n0 = qk.get_threads()
+    n0 = kt.get_threads()
     try:
-        qk.set_threads(1)
+        kt.set_threads(1)
         one = qk.mul_mat_q(T.Q4_K, w, x)
         one_g = qk.mul_mat_q(T.Q4_K, w, x, order="ggml")
     finally:
-        qk.set_threads(n0)
+        kt.set_threads(n0)
     np.testing.assert_array_equal(qk.mul_mat_q(T.Q4_K, w, x), one)
     np.testing.assert_array_equal(qk.mul_mat_q(T.Q4_K, w, x, order="ggml"), one_g)
     with pytest.raises(ValueError):
-        qk.set_threads(0)
+        kt.set_threads(0)
 
 
 def test_not_covered_and_bad_rows():

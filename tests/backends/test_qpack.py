@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggml_dist.backends import quants as Q
+from ggml_dist.backends import threads as kt
 from ggml_dist.backends.base import BufferUsage
 from ggml_dist.backends.cpu import CPUDevice, compute_graph
 from ggml_dist.core.context import Context
@@ -28,13 +29,9 @@ TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 LAYOUTS = [False] + ([True] if qpack.vnni.AVAILABLE else [])
 
 
-def oracle(t, w, x, monkeypatch):
-    """quants.mul_mat on its numpy path (ggml's AVX2 orders; repacked Q4_0 iff M % 8 == 0)."""
-    monkeypatch.setattr(Q, "USE_NUMBA", False)
-    try:
-        return Q.mul_mat(t, w, x, order="ggml")
-    finally:
-        monkeypatch.setattr(Q, "USE_NUMBA", True)
+def oracle(t, w, x):
+    """quants.mul_mat, the numpy reference (ggml's AVX2 orders; repacked Q4_0 iff M % 8 == 0)."""
+    return Q.mul_mat(t, w, x, order="ggml")
 
 
 def activations(N, K, seed):
@@ -61,7 +58,7 @@ def test_bit_identical_every_token_count(t, M, vnni_layout, monkeypatch):
     xs = activations(21, K, seed=int(t))
     for N in (1, 2, 3, 4, 5, 8, 13, 21):           # decode kernel below MIN_TOKENS, tiled from it on
         got = pw.mul_mat(xs[:N])
-        ref = oracle(t, w, xs[:N], monkeypatch)
+        ref = oracle(t, w, xs[:N])
         assert got.shape == (N, M) and got.dtype == F32
         assert np.array_equal(got, ref), f"{t.name} M={M} N={N}: max |diff| {np.abs(got - ref).max()}"
 
@@ -73,11 +70,7 @@ def test_bit_identical_random_shapes(t, M, nb, N, seed, scale, vnni_layout):
     K = 32 * nb
     w = random_rows(t, M, K, seed=seed)
     x = (np.random.default_rng(seed + 1).standard_normal((N, K)) * scale).astype(F32)
-    Q.USE_NUMBA = False
-    try:
-        ref = Q.mul_mat(t, w, x, order="ggml")
-    finally:
-        Q.USE_NUMBA = True
+    ref = Q.mul_mat(t, w, x, order="ggml")
     assert np.array_equal(qpack.PackedWeight(t, w, vnni_layout=vnni_layout).mul_mat(x), ref)
 
 
@@ -91,14 +84,14 @@ def test_threads_do_not_change_bits(t, vnni_layout, M):
     w = random_rows(t, M, K, seed=7)
     pw = qpack.PackedWeight(t, w, vnni_layout=vnni_layout)
     x = activations(40, K, seed=8)
-    before = qk.get_threads()
+    before = kt.get_threads()
     try:
-        qk.set_threads(1)
+        kt.set_threads(1)
         one = [pw.mul_mat(x[:n]) for n in (1, 3, 8, 13, 40)]
-        qk.set_threads(min(2, qk.numba.config.NUMBA_NUM_THREADS))
+        kt.set_threads(min(2, kt.numba.config.NUMBA_NUM_THREADS))
         two = [pw.mul_mat(x[:n]) for n in (1, 3, 8, 13, 40)]
     finally:
-        qk.set_threads(before)
+        kt.set_threads(before)
     for a, b in zip(one, two):
         np.testing.assert_array_equal(a, b)
 
@@ -188,7 +181,7 @@ def test_cpu_backend_packs_model_weights_once(t, monkeypatch):
     for N in (5, 1):
         compute_graph(g)
         got = buf.get_tensor(out)
-        np.testing.assert_array_equal(got.reshape(-1, M), oracle(t, w, x, monkeypatch))
+        np.testing.assert_array_equal(got.reshape(-1, M), oracle(t, w, x))
     pw = wt.extra
     assert isinstance(pw, qpack.PackedWeight) and pw.M == M and pw.K == K
     assert wbuf.released == [(0, w.nbytes)]             # the mapping's pages are handed back once

@@ -434,24 +434,25 @@ def test_mul_mat_q4_0_lane_order_bitexact():
 
 @pytest.mark.parametrize("order", ["ggml", "fast"])
 def test_mul_mat_strided_and_chunked(monkeypatch, order):
-    monkeypatch.setattr(Q, "DEFAULT_ORDER", order)
+    def mm(*args, **kw):
+        return Q.mul_mat(*args, order=order, **kw)
     t, K, M, N = T.Q4_1, 256, 40, 3
     w = random_rows(t, M, K, seed=15)
     x = rng(16).standard_normal((N, K)).astype(F32)
-    ref = Q.mul_mat(t, w, x)
+    ref = mm(t, w, x)
     big = np.zeros((M, 2, w.shape[1] + 5), np.uint8)
     big[:, 0, 5:] = w
     xb = np.zeros((N, 2 * K), F32)
     xb[:, ::2] = x
-    np.testing.assert_array_equal(Q.mul_mat(t, big[:, 0, 5:], xb[:, ::2]), ref)
-    np.testing.assert_array_equal(Q.mul_mat(t, w, x[0]), ref[0])
+    np.testing.assert_array_equal(mm(t, big[:, 0, 5:], xb[:, ::2]), ref)
+    np.testing.assert_array_equal(mm(t, w, x[0]), ref[0])
     monkeypatch.setattr(Q, "_CHUNK_BYTES", 1)      # forces 8-row chunks
-    np.testing.assert_array_equal(Q.mul_mat(t, w, x), ref)
-    np.testing.assert_array_equal(Q.mul_mat(t, w, x, exact=True), Q.mul_mat(t, w, x, exact=True))
+    np.testing.assert_array_equal(mm(t, w, x), ref)
+    np.testing.assert_array_equal(mm(t, w, x, exact=True), mm(t, w, x, exact=True))
     wk = random_rows(T.Q6_K, M, K, seed=17)
-    a = Q.mul_mat(T.Q6_K, wk, x)
+    a = mm(T.Q6_K, wk, x)
     monkeypatch.setattr(Q, "_CHUNK_BYTES", 48 << 20)
-    np.testing.assert_array_equal(Q.mul_mat(T.Q6_K, wk, x), a)
+    np.testing.assert_array_equal(mm(T.Q6_K, wk, x), a)
 
 
 def test_vec_dot_type_table():
@@ -485,7 +486,7 @@ def tiled_dot(t, wrow, xrow):
 
 
 @pytest.mark.parametrize("t", K_TYPES)
-def test_mul_mat_tiled_kquants(t, monkeypatch):
+def test_mul_mat_tiled_kquants(t):
     # from 8 rows of X on, a K-quant weight outside the repack buffer takes ggml's tiled kernel (bit for
     # bit the scalar formula); 7 rows still take vec_dot, and so does a slice of 7 rows stacked to 14
     K, M = 512, 6
@@ -494,15 +495,18 @@ def test_mul_mat_tiled_kquants(t, monkeypatch):
     x[3, :256] = 0
     assert Q.takes_tiled(t, False, 8, "ggml") and not Q.takes_tiled(t, False, 7, "ggml")
     assert not Q.takes_tiled(t, True, 8, "ggml") and not Q.takes_tiled(t, False, 8, "fast")
-    for numba in (False, True):
-        monkeypatch.setattr(Q, "USE_NUMBA", numba)
-        out = Q.mul_mat(t, w, x, order="ggml", repacked=False)
+    for numba in (False, True):       # the reference, then its compiled twin
+        def mm(w, x, vec_n=None, numba=numba):
+            if numba:
+                return pytest.importorskip("ggml_dist.backends.qkernels").mul_mat_q(
+                    t, w, x, order="ggml", repacked=False, vec_n=vec_n)
+            return Q.mul_mat(t, w, x, order="ggml", repacked=False, vec_n=vec_n)
+        out = mm(w, x)
         ref = np.array([[tiled_dot(t, w[m], x[n]) for m in range(M)] for n in range(8)], F32)
         np.testing.assert_array_equal(out, ref)
-        vec = Q.mul_mat(t, w, x[:7], order="ggml", repacked=False)
-        np.testing.assert_array_equal(vec, np.concatenate([Q.mul_mat(t, w, x[i:i + 1], order="ggml")
-                                                           for i in range(7)]))
-        stacked = Q.mul_mat(t, w, np.concatenate([x[:7], x[:7]]), order="ggml", repacked=False, vec_n=7)
+        vec = mm(w, x[:7])
+        np.testing.assert_array_equal(vec, np.concatenate([mm(w, x[i:i + 1]) for i in range(7)]))
+        stacked = mm(w, np.concatenate([x[:7], x[:7]]), vec_n=7)
         np.testing.assert_array_equal(stacked, np.concatenate([vec, vec]))
     if t in (T.Q4_K, T.Q5_K, T.Q6_K):          # the vec_dot lanes really are another order
         assert not np.array_equal(out, Q.mul_mat(t, w, x, order="ggml", repacked=False, vec_n=1))

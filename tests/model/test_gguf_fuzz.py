@@ -3,7 +3,7 @@ forward pass, or in one of the project's own errors (GGUFError, BatchError, Cont
 file; never another exception, a crash, a hang or an allocation beyond the file's size
 (ggml_dist/bench/fuzz_gguf.py).
 
-The default run is a short fixed-seed budget; the long one is `python benchmarks/fuzz_gguf.py --cases 10000`.
+The default run is a short fixed-seed budget; the long one is `ggml-dist bench fuzz-gguf --cases 10000`.
 """
 from __future__ import annotations
 

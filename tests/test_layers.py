@@ -1,0 +1,87 @@
+"""The package's import graph: no cycles between modules, and imports only downward through the layers
+(README, "Packages"). Read from the source with ast, lazy imports inside functions included: a lazy
+import is still a dependency, only a later one."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ggml_dist
+
+PACKAGE = Path(ggml_dist.__file__).parent
+
+# bottom to top; a module may import its own layer and those below. serve and bench are side by side:
+# neither imports the other. cli (with config, its run-config files) is the command on top of everything.
+LAYERS = [("core",), ("alloc",), ("backends",), ("scheduler",), ("model",), ("workers",), ("serve", "bench"),
+          ("config",), ("cli",)]
+RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the ggml_dist modules it imports (a `from pkg import name` counts pkg.name when that is
+    a module, else pkg)."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            graph[mod] |= {t for t in targets if t in paths and t != mod}
+    return graph
+
+
+def layer(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}          # 1 on the current path, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = [*path[path.index(n):], n] if n in path else [m, n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_imports_only_go_down():
+    graph = import_graph()
+    assert set(RANK) >= {layer(m) for m in graph} - {""}, "a package missing from LAYERS"
+    upward = sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets
+                    if layer(a) and layer(b) and layer(a) != layer(b) and RANK[layer(b)] >= RANK[layer(a)])
+    assert not upward, "\n".join(upward)
+
+
+def test_the_reference_kernels_do_not_import_numba():
+    """quants.py (block formats, the numpy MUL_MAT) and the op kernels are the reference the compiled
+    twins are checked against; numba is imported only by the modules that compile."""
+    for name in ("quants", "cpu_ops", "reference", "base", "cpu", "rope"):
+        tree = ast.parse((PACKAGE / "backends" / f"{name}.py").read_text())
+        found = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+                 and any((getattr(n, "module", None) or a.name).split(".")[0] in ("numba", "llvmlite")
+                         for a in n.names)]
+        assert not found, f"backends/{name}.py imports numba at line(s) {found}"
