@@ -183,7 +183,7 @@ def _params(args: argparse.Namespace):
     from .model.context import ContextParams
     kv_type = GGMLType.F16 if args.cache_type == "f16" else GGMLType.F32
     return ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.ubatch, type_k=kv_type,
-                         type_v=kv_type, exact=args.exact)
+                         type_v=kv_type, exact=args.exact, background_compile=True)
 
 
 def _load(args: argparse.Namespace):

@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+# the CLI and the server compile a cold kernel cache in a detached background process (model/warmup.py);
+# here the tests compile in-process as they always did, and leave no process behind. test_warmup.py
+# turns it on for its own runs.
+os.environ["GGML_DIST_NO_BACKGROUND_COMPILE"] = "1"
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:

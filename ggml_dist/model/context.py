@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..backends.base import tensor_get, tensor_set
-from ..backends.cpu import CPUDevice
+from ..backends.cpu import CPUBackend, CPUDevice
 from ..backends.cpu_ops import NUMBA_DEFAULT, ComputeOptions
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
@@ -28,6 +28,7 @@ from .llama import GraphKey, GraphResult, LlamaGraphBuilder
 from .model import LlamaModel
 from .sampling import RowSampling, sample_row
 from .ubatch import Batch, BatchError, BatchSplitter, Ubatch
+from .warmup import Warmup, background_compile
 
 MAX_GRAPHS = 64         # graphs kept by shape (GraphKey; ~2 MB each for SmolLM2) for continuous batching
 
@@ -43,6 +44,8 @@ class ContextParams:
     exact: bool = False             # keep f32 activations in MUL_MAT (not ggml's numerics)
     kv_unified: bool = True         # one KV stream for all sequences; False: a stream per sequence
     numba: bool = True              # False: the numpy reference kernels only (same bits; GGML_DIST_NO_NUMBA=1)
+    # a cold kernel cache compiles in a background process while the numpy kernels run (model/warmup.py)
+    background_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.n_batch <= 0 or self.n_ubatch <= 0:
@@ -198,8 +201,12 @@ class LlamaContext:
         self.model = model
         self.params = params
         hp = model.hp
+        self.warmup: Warmup | None = None
         if backends is None:
-            backends = [CPUDevice().init_backend(opts=params.compute_options())]
+            opts = params.compute_options()
+            if opts.numba and params.background_compile:
+                self.warmup = background_compile(model.path)
+            backends = [CPUDevice().init_backend(opts=replace(opts, numba=opts.numba and self.warmup is None))]
         self.backends = backends
         self.pipelined = any(b.inputs_by_value for b in backends)
         self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, range(hp.n_layer),
@@ -257,6 +264,8 @@ class LlamaContext:
         embeddings: the outputs are the final norm's rows [n_out, n_embd] instead of logits."""
         if embeddings and sampling is not None:
             raise BatchError("embeddings are not sampled")
+        if self.warmup is not None and self.warmup.ready():
+            self._compiled_kernels_ready()
         hp = self.model.hp
         batch.validate(hp.n_vocab, self.params.n_seq_max)
         rank = None
@@ -294,6 +303,14 @@ class LlamaContext:
             if ub.n_outputs:
                 records.append(rec)
         return PendingLogits(self, records, hp.n_embd if embeddings else hp.n_vocab)
+
+    def _compiled_kernels_ready(self) -> None:
+        """The background compile has cached the kernels: from this ubatch on, the compiled ones run
+        (the same bits as the numpy kernels that ran until now)."""
+        self.warmup = None
+        for b in self.backends:
+            if isinstance(b, CPUBackend):
+                b.opts = replace(b.opts, numba=True)
 
     def _check_room(self, batch: Batch) -> None:
         """ContextFullError before anything is written: the batch's tokens need free cells (in the stream

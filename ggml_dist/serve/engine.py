@@ -308,7 +308,7 @@ class Engine:
         cfg = self.cfg
         assert cfg.kv_unified is not None, "EngineConfig.__post_init__ chooses kv_unified"
         params = ContextParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
-                               n_seq_max=cfg.n_parallel, kv_unified=cfg.kv_unified)
+                               n_seq_max=cfg.n_parallel, kv_unified=cfg.kv_unified, background_compile=True)
         if cfg.n_stages <= 1 and not cfg.address:
             self.model = LlamaModel.load(cfg.model_path)
             self.ctx = LlamaContext(self.model, params)

@@ -408,7 +408,7 @@ class Pipeline:
             pl.specs.append(StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
                                       sp.stage == n - 1, params.n_ctx, model.hp.n_embd_k_gqa,
                                       model.hp.n_embd_v_gqa, int(params.type_k), params.n_seq_max, params.exact,
-                                      threads_per_stage, params.kv_unified))
+                                      threads_per_stage, params.kv_unified, params.background_compile))
             pl.actors.append(actor_cls.options(**stage_options(sp, threads_per_stage)).remote(pl.specs[-1]))
             pl.proxies.append(StageProxy(sp.stage, sp.layers, pl._call(sp.stage), StageDevice(f"stage{sp.stage}")))
         pl.infos = [{}] * n

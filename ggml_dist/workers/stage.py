@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from ..core.tensor import Tensor, nbytes
 from ..core.types import GGMLType
 from ..model.gguf import load_gguf
 from ..model.kv_cache import KVCache
+from ..model.warmup import Warmup, background_compile
 from ..model.weights import MappedBuffer, load_weights
 from .plan import PlanError, RebuiltPlan, rebuild
 from .shipping import WeightManifest, WeightReceiver
@@ -69,6 +70,7 @@ class StageSpec:
     exact: bool = False
     n_threads: int = 0
     kv_unified: bool = True
+    background_compile: bool = False        # model/warmup.py: numpy kernels while the cache fills
 
     def weight_names(self, all_names: list[str], tied: bool) -> list[str]:
         lo, hi = self.layers
@@ -147,6 +149,10 @@ class StageWorker:
         self.arena = StageArena(f"stage{spec.stage_id}-compute", self.buft.alignment)
         self.kv_tensors = {t.name: t for t in self.kv.tensors()}
         self.opts = ComputeOptions(exact=spec.exact)
+        self.warmup: Warmup | None = None
+        if spec.background_compile and self.opts.numba and os.access(spec.model_path, os.R_OK):
+            self.warmup = background_compile(spec.model_path)
+            self.opts = replace(self.opts, numba=self.warmup is None)
         self.plans: OrderedDict[str, tuple[RebuiltPlan, Gallocr]] = OrderedDict()
         self.incarnation = os.urandom(8).hex()       # this process's life: a restart gets another
         self.stats = StageStats()
@@ -280,6 +286,8 @@ class StageWorker:
             arr = tensor_array(t)
             arr[...] = got[key].reshape(arr.shape)
         t1 = time.perf_counter()
+        if self.warmup is not None and self.warmup.ready():     # the compiled kernels are cached now
+            self.warmup, self.opts = None, replace(self.opts, numba=True)
         compute_graph(plan.graph, self.opts)
         t2 = time.perf_counter()
         out = encode(self._exports(plan, sample))
