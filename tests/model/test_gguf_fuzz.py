@@ -285,5 +285,7 @@ def test_weight_type_without_a_kernel_is_a_clean_error(layout: fz.Layout, tmp_pa
 def test_weight_types_with_a_kernel_still_load_and_run(layout: fz.Layout, tmp_path: Path, name: str,
                                                        ttype: GGMLType) -> None:
     p = _retyped(layout, tmp_path, name, ttype)
-    res = fz.run_case(str(p))
+    # the retyped weight may take a kernel the fuzzer's warm-up (the seed model) did not compile, and a
+    # cold kernel cache compiles it inside the case: the outcome is the point here, not the case's time
+    res = fz.run_case(str(p), case_time_limit=600.0)
     assert (res["outcome"], res["stage"]) == ("ok", "forward"), res
