@@ -28,7 +28,7 @@ from ..core.types import GGMLType, is_quantized
 from . import numerics as nm
 from . import quants
 from .base import BufferUsage
-from .rope import rope_forward
+from .rope import bind_rope, rope_forward
 
 F32 = np.float32
 
@@ -510,6 +510,91 @@ def _bind_attention(t, dst, srcs, consumers, array) -> Callable[[ComputeOptions]
     return run
 
 
+# -- bind time: an op's static checks, parameters and views resolved once; the replayed call is the
+# kernel itself. Each binder returns None where its fast path does not apply (the generic kernel runs).
+# A decode step makes ~650 calls, so a few us each are 10-20% of a small model's step.
+Bound = Callable[[ComputeOptions], None]
+
+
+def _with_fk(t: Tensor, dst: np.ndarray, srcs: list, call: Callable[[ModuleType], None]) -> Bound:
+    """call(fkernels) where opts.numba, else the op's generic kernel."""
+    kernel = KERNELS[t.op]
+
+    def run(opts: ComputeOptions) -> None:
+        fk = _fk(opts)
+        if fk is None:
+            kernel(t, dst, srcs, opts)
+        else:
+            call(fk)
+    return run
+
+
+def _bind_ufunc(ufunc: np.ufunc) -> Callable[[Tensor, np.ndarray, list], Bound | None]:
+    """ADD/MUL: _ufunc_into's case (F32, numpy-broadcastable) as the ufunc into dst."""
+    def binder(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+        a, b = srcs[0], srcs[1]
+        if not _all_f32(t, 2) or (b.shape != a.shape and
+                                  not all(sb == sa or sb == 1 for sb, sa in zip(b.shape, a.shape))):
+            return None
+        return lambda opts: ufunc(a, b, out=dst)
+    return binder
+
+
+def _bind_rms_norm(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+    if not _all_f32(t, 1):
+        return None
+    x, eps = srcs[0], F32(t.op_param(0))
+    return _with_fk(t, dst, srcs, lambda fk: fk.rms_norm(x, eps, _ONE4, False, dst))
+
+
+def _bind_glu(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+    split = len(t.src) > 1 and t.src[1] is not None
+    if GLUOp(t.op_param(0)) != GLUOp.SWIGLU or not _all_f32(t, 2 if split else 1) or dst.shape[-1] % 8:
+        return None
+    g, u = _glu_halves(srcs[0], srcs[1] if split else None, bool(t.op_param(1)))
+    return _with_fk(t, dst, srcs, lambda fk: fk.swiglu(g, u, dst))
+
+
+def _bind_soft_max(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+    a_t = t.src[0]
+    assert a_t is not None
+    has_mask = len(t.src) > 1 and t.src[1] is not None
+    if not _all_f32(t, 2 if has_mask else 1) or a_t.ne[0] % 8:
+        return None
+    scale, slopes = F32(t.op_param(0, 1.0)), _alibi_slopes_cached(a_t.ne[2], float(t.op_param(1, 0.0)))
+    x, mask = srcs[0], srcs[1] if has_mask else _ONE4
+    return _with_fk(t, dst, srcs, lambda fk: fk.soft_max(x, scale, mask, slopes, has_mask, dst))
+
+
+def _bind_set_rows(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+    b_t = t.src[0]
+    assert b_t is not None
+    if b_t.type != GGMLType.F32 or t.type not in (GGMLType.F32, GGMLType.F16):
+        return None
+    b, c, d = srcs[0], srcs[1], dst.view(np.uint16) if t.type == GGMLType.F16 else dst
+    return _with_fk(t, dst, srcs, lambda fk: fk.set_rows(b, c, d))
+
+
+def _bind_rope(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+    fast = bind_rope(t, dst, srcs)
+    return None if fast is None else _with_fk(t, dst, srcs, fast)
+
+
+def _bind_cpy(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+    """A copy without conversion between arrays of one shape (_cpy's first case)."""
+    s_t, src = t.src[0], srcs[0]
+    if s_t is None or s_t.type != t.type or src.shape != dst.shape:
+        return None
+    return lambda opts: np.copyto(dst, src)
+
+
+_BINDERS: dict[Op, Callable[[Tensor, np.ndarray, list], Bound | None]] = {
+    Op.ADD: _bind_ufunc(np.add), Op.MUL: _bind_ufunc(np.multiply), Op.RMS_NORM: _bind_rms_norm,
+    Op.GLU: _bind_glu, Op.SOFT_MAX: _bind_soft_max, Op.SET_ROWS: _bind_set_rows, Op.ROPE: _bind_rope,
+    Op.CPY: _bind_cpy, Op.CONT: _bind_cpy, Op.DUP: _bind_cpy,
+}
+
+
 def bind(t: Tensor, dst: np.ndarray, srcs: list, consumers: dict | None = None,
          array: Callable[[Tensor], np.ndarray] | None = None) -> Callable[[ComputeOptions], None]:
     """The node's kernel with its arrays bound, for a replayed step list (cpu.BoundGraph): MUL_MAT on a
@@ -521,7 +606,9 @@ def bind(t: Tensor, dst: np.ndarray, srcs: list, consumers: dict | None = None,
             fast = _bind_attention(t, dst, srcs, consumers, array)
         if fast is not None:
             return fast
-    return partial(KERNELS[t.op], t, dst, srcs)
+    binder = _BINDERS.get(t.op)
+    fast = binder(t, dst, srcs) if binder is not None else None
+    return fast if fast is not None else partial(KERNELS[t.op], t, dst, srcs)
 
 
 KERNELS: dict[Op, Kernel] = {

@@ -6,6 +6,7 @@ import ctypes.util
 import math
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -157,3 +158,19 @@ def rope_forward(t: Tensor, dst: np.ndarray, srcs: list, fk=None) -> None:
         dst[..., 0:n_dims:2], dst[..., 1:n_dims:2] = y0, y1
     if rest is not None:
         dst[..., n_dims:] = rest
+
+
+def bind_rope(t: Tensor, dst: np.ndarray, srcs: list) -> Callable[[Any], None] | None:
+    """rope_forward's fk path with its parameters and views resolved once (a replayed step calls it
+    each step: only the positions' cos/sin are looked up); None where that path does not apply."""
+    if srcs[0].dtype != F32 or dst.dtype != F32:
+        return None
+    n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr = _rope_params(tuple(t.op_params))
+    x, pos = srcs[0], srcs[1].reshape(-1)
+    ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
+    neox = bool(mode & ROPE_TYPE_NEOX)
+
+    def run(fk: Any) -> None:
+        cos, sin = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
+        fk.rope(x, cos, sin, n_dims, neox, dst)
+    return run

@@ -463,3 +463,43 @@ def test_row_ops_split_across_threads_same_bits(rng, n_chunks):
     fk._rope_serial(q, cos, sin, 64, True, one)
     fk._rope_par(q, cos, sin, 64, True, par, n_chunks)
     assert_same_bits(one, par)
+
+
+# -- the bound replay's binders (cpu_ops._BINDERS) ---------------------------------------------------
+def _one_op(ctx, rng, name):
+    """(node, inputs) of one op in the shapes a decode step gives it."""
+    x, y = ctx.new_tensor(F32, (64, 5, 3)), ctx.new_tensor(F32, (64, 1, 1))
+    xv, yv = randn(rng, 3, 5, 64), randn(rng, 1, 1, 64)
+    if name in ("add", "mul"):
+        return (ops.add if name == "add" else ops.mul)(ctx, x, y), {x: xv, y: yv}
+    if name == "rms_norm":
+        return ops.rms_norm(ctx, x, 1e-5), {x: xv}
+    if name == "swiglu":
+        u = ctx.new_tensor(F32, (64, 5, 3))
+        return ops.swiglu(ctx, x, u), {x: xv, u: randn(rng, 3, 5, 64)}
+    if name == "soft_max":
+        m = ctx.new_tensor(F32, (64, 5))
+        mask = np.where(rng.random((5, 64)) < 0.3, -np.inf, 0).astype(np.float32)
+        return ops.soft_max_ext(ctx, x, m, 0.125, 0.0), {x: xv, m: mask}
+    if name == "set_rows":
+        cache, idx = ctx.new_tensor(F16, (64, 10)), ctx.new_tensor(I64, (5,))
+        b = ctx.new_tensor(F32, (64, 5))
+        return ops.set_rows(ctx, cache, b, idx), {cache: np.zeros((10, 64), np.float16),
+                                                   b: randn(rng, 5, 64), idx: np.array([3, 0, 9, 4, 1])}
+    if name == "rope":
+        pos = ctx.new_tensor(I32, (3,))
+        out = ops.rope_ext(ctx, x, pos, None, 64, ops.ROPE_TYPE_NEOX, 4096, freq_base=10000.0)
+        return out, {x: xv, pos: np.array([7, 8, 9], np.int32)}
+    assert name == "cont"
+    return ops.cont(ctx, ops.permute(ctx, x, 0, 2, 1, 3)), {x: xv}
+
+
+@pytest.mark.parametrize("name", ["add", "mul", "rms_norm", "swiglu", "soft_max", "set_rows", "rope", "cont"])
+def test_binders_take_their_path_with_the_reference_bits(ctx, rng, name):
+    out, inputs = _one_op(ctx, rng, name)
+    g = Graph()
+    g.build_forward_expand(out)
+    want = ReferenceExecutor(ComputeOptions(numba=False)).compute(g, inputs)[out]
+    assert_same_bits(_bound_run(g, out, inputs), want)
+    srcs = [tensor_array(s) if s is not None else None for s in out.src]
+    assert cpu_ops._BINDERS[out.op](out, tensor_array(out), srcs) is not None, "the binder declined"
