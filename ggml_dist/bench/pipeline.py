@@ -1,7 +1,7 @@
 """Pipeline study: throughput against stages, micro-batches and n_copies, next to the GPipe bound.
 
     ggml-dist bench pipeline --model M [--stages 1,2,3] [--micro-batches 1,4] [--n-copies K]
-                             [--ubatch 32,64] [--mode prefill|decode] [--plot out.png] --json
+                             [--ubatch 32,64] [--mode prefill|decode] [--plot out.png] [--trace PREFIX] --json
 
 Every (ubatch, stages, micro-batches) point of the sweep is run; decode runs report TTFT and the
 inter-token latency (p50/p90/p99 ms) next to the throughput.
@@ -18,7 +18,9 @@ GPipe time = sum_k t_k + (M - 1) * max_k t_k over the M micro-batches of the run
 step of every sequence: continuous decode is one long stream, so the bound tends to 1 / max_k t_k).
 efficiency = tok_s / ideal_tok_s. ideal_inrun_tok_s uses the stage times measured during the run
 itself (inflated by stages sharing cores). bubble_frac = 1 - (busy time summed over stages) / (stages x
-wall time), next to the GPipe formula (p - 1) / (m + p - 1) for m micro-batches in flight.
+wall time), next to the GPipe formula (p - 1) / (m + p - 1) for m micro-batches in flight; utilization is
+each stage's busy time / wall time. decode also reports TPOT (tpot_ms: the mean time between a sequence's
+tokens). --trace writes each run's Chrome/Perfetto trace.
 cpu_ms_per_token: CPU time (all threads) of the driver and of each stage process per token; with every
 stage on this host, cpu_bound_tok_s = this host's cores / that total (on a machine with fewer cores than
 stages + driver, the bound that binds).
@@ -49,7 +51,7 @@ def _ints(s: str) -> list[int]:
 
 
 def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: int, mode: str,
-            n_steps: int, threads: int) -> dict[str, Any]:
+            n_steps: int, threads: int, trace: str | None = None) -> dict[str, Any]:
     from ..workers.cluster import Pipeline
     n_tok = micro_batches * ubatch
     n_seq = micro_batches if mode == "decode" else 1
@@ -68,7 +70,7 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             ctx.decode(Batch.from_tokens(toks))
             wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
             processed = n_tok
-            latency = {"ttft_ms": _pcts([wall])}
+            latency: dict[str, Any] = {"ttft_ms": _pcts([wall])}
         else:
             last, ttft = [], []
             for s in range(n_seq):                                  # short prompts, then warm-up
@@ -83,8 +85,11 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             itl = _decode_continuous(ctx, last, pos, n_steps * n_seq)
             wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
             processed = n_steps * n_seq
-            latency = {"ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl)}
+            latency = {"ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl),
+                       "tpot_ms": round(float(np.mean(itl)) * 1e3, 2) if itl else None}
         after = pl.stats()
+        if trace:
+            pl.write_trace(trace)
         same_host = all(i["node"] == os.uname().nodename for i in pl.infos)
     finally:
         pl.shutdown()
@@ -106,6 +111,7 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             "mode": mode, "tok_s": round(tok_s, 3), "ideal_tok_s": round(ideal_tok_s, 3),
             "efficiency": round(tok_s / ideal_tok_s, 3) if ideal_tok_s else None,
             "bubble_frac": round(1 - sum(busy) / (stages * wall), 3),
+            "utilization": [round(bz / wall, 3) for bz in busy],
             "gpipe_bubble_frac": round((stages - 1) / (min(n_copies, micro_batches) + stages - 1), 3),
             "bytes_per_token": round(moved / processed, 1),
             "bytes_per_hop": {"driver_to_stage": [round(h / processed, 1) for h in hops[:stages]],
@@ -192,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured (decode mode)")
     ap.add_argument("--threads", type=int, default=1, help="threads per stage actor")
     ap.add_argument("--plot", default="pipeline.png", help="PNG of tok/s against stages ('' to skip)")
+    ap.add_argument("--trace", default="", help="write each run's Chrome/Perfetto trace (a track per stage: "
+                    "inputs, compute and outputs slices) as PREFIX-s{stages}-mb{m}-nc{n}-ub{u}.json")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from ..workers.cluster import connect
@@ -203,9 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = [(ub, k, mb) for ub in _ints(a.ubatch) for k in stages for mb in _ints(a.micro_batches)]
     for ub, k, mb in sweep:
         # the single-stage times: the same micro-batches with one in flight (no overlap, no contention)
-        solo = run_one(path, k, mb, 1, ub, a.mode, a.steps, a.threads)
+        def trace(nc: int, k: int = k, mb: int = mb, ub: int = ub) -> str | None:
+            return f"{a.trace}-s{k}-mb{mb}-nc{nc}-ub{ub}.json" if a.trace else None
+        solo = run_one(path, k, mb, 1, ub, a.mode, a.steps, a.threads, trace(1))
         for nc in (_ints(a.n_copies) if a.n_copies else [default_copies(k)]):
-            r = solo if nc == 1 else run_one(path, k, mb, nc, ub, a.mode, a.steps, a.threads)
+            r = solo if nc == 1 else run_one(path, k, mb, nc, ub, a.mode, a.steps, a.threads, trace(nc))
+            if a.trace:
+                r["trace"] = trace(nc)
             r = dict(r)
             r.pop("_t_k")                     # the bound uses the solo run's stage times
             n_mb, processed = r.pop("_n_mb"), r.pop("_processed")

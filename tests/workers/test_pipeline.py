@@ -213,3 +213,19 @@ def test_pipeline_samples_on_the_last_stage(local_ray, model_path):
         assert kept.tokens() == [int(np.argmax(kept.result()[0]))]
     finally:
         pl.shutdown()
+
+
+def test_bench_pipeline_reports_the_study(local_ray, model_path, tmp_path):
+    """One decode point of `bench pipeline`: per-stage utilization, TPOT next to the ITL percentiles, and
+    a Perfetto trace with a compute slice per micro-batch on each stage's track."""
+    import json
+
+    from ggml_dist.bench.pipeline import run_one
+    trace = tmp_path / "t.json"
+    r = run_one(str(model_path), 2, 2, 2, 8, "decode", 3, 1, str(trace))
+    assert len(r["utilization"]) == 2 and all(0 < u <= 1 for u in r["utilization"])
+    assert r["tpot_ms"] > 0 and r["itl_ms"]["p50"] > 0 and r["ttft_ms"]["p50"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    compute = [e for e in events if e.get("cat") == "compute"]
+    assert {e["tid"] for e in compute} == {0, 1} and all(e["dur"] > 0 for e in compute)
+    assert {e["cat"] for e in events if e["ph"] == "X"} == {"inputs", "compute", "outputs"}
