@@ -2,30 +2,170 @@
 peak RSS, the decode bandwidth achieved (weight bytes x tok/s) and a plain numpy copy bandwidth.
 
     ggml-dist bench decode [--model smollm2-135m] [--tinyllama] [--threads 2] [--prompt-len 128]
-                           [--gen 64] --json
+                           [--gen 64] [--llamacpp-flash-attn {default,on,off}] --json
 
 Each measurement runs in its own subprocess, so peak RSS is the engine's own; llama.cpp is measured
 through llama-cpp-python (the dev extra) and skipped with a note when it is not installed.
+
+So that a ratio says what it compares, the JSON names the SIMD of both sides: the host's CPU and its
+x86 flags ("host"), the kernel path ours ran ("ours": VNNI, AVX2 or the float kernels) and the flags the
+llama.cpp library was built with ("llamacpp": parsed from llama_print_system_info(); a portable AVX2
+wheel on an AVX-512 VNNI host is a VNNI-vs-AVX2 comparison, "simd_comparison" says so). Flash attention:
+llama.cpp runs with its own default (llama_context_default_params(): "auto" in current llama.cpp, which
+turns it on for CPU layers; llama-cpp-python's Llama() would turn it off) unless --llamacpp-flash-attn
+says on/off, and the JSON records the setting asked for and the one llama.cpp resolved. Ours has no fused
+flash-attention op: the KQ -> softmax -> KQV chain of ggml's non-flash graph, skipping the masked cells.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import importlib
 import json
 import os
+import platform
+import re
 import resource
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# x86 flags of /proc/cpuinfo that decide which kernels either engine can run, with llama.cpp's names
+# for them (ggml-cpu's feature list in llama_print_system_info()); SSE3 is "pni" in /proc/cpuinfo
+_X86_FLAGS = {"pni": "SSE3", "ssse3": "SSSE3", "sse4_1": None, "sse4_2": None, "avx": "AVX", "avx2": "AVX2",
+              "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI", "avx512f": "AVX512",
+              "avx512dq": None, "avx512cd": None, "avx512bw": None, "avx512vl": None,
+              "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
+              "amx_tile": None, "amx_int8": "AMX_INT8", "amx_bf16": None}
+# entries of llama_print_system_info() that are build options, not instruction sets
+_NOT_SIMD = frozenset({"LLAMAFILE", "OPENMP", "REPACK", "KLEIDIAI", "ACCELERATE", "BLAS", "SVE_CNT",
+                       "OPENBLAS", "MKL", "ARCHS", "USE_GRAPHS", "PEER_MAX_BATCH_SIZE", "FA_ALL_QUANTS",
+                       "NO_VMM", "FORCE_MMQ", "FORCE_CUBLAS"})
+# the widest int8 dot-product tier of a flag set, best first (how either side multiplies quantized rows)
+_TIERS = ("AMX_INT8", "AVX512_VNNI", "AVX_VNNI", "AVX512", "AVX2", "AVX", "SSE3")
+_OUR_KERNEL_SIMD = {"vnni": "AVX512_VNNI", "avx2": "AVX2"}
+OURS_ATTENTION = {"flash_attn": False,
+                  "attention": "unfused KQ -> softmax -> KQV (ggml's non-flash graph, transposed V cache), "
+                               "masked cells skipped"}
+_ENV = ("GGML_DIST_FORCE_AVX2", "GGML_DIST_NO_VNNI", "GGML_DIST_NO_AVX2", "GGML_DIST_NO_NUMBA",
+        "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_THREADING_LAYER")
+FLASH_ATTN_CHOICES = ("default", "on", "off")
+_KEEP_ALIVE: list[Any] = []                             # log callbacks llama.cpp may still call
 
 
 def _prompt(n_vocab: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(0).integers(100, min(n_vocab, 30000), n)]
 
 
+# ------------------------------------------------------------------------------------------------
+# SIMD of the host, of ours and of the llama.cpp build
+def parse_cpuinfo(text: str) -> tuple[str, list[str]]:
+    """(model name, the flags of _X86_FLAGS it has, in that order) from /proc/cpuinfo or `lscpu` text."""
+    model, flags = "", set[str]()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = key.strip().lower()
+        if key in ("model name", "model name(s)") and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return model, [f for f in _X86_FLAGS if f in flags]
+
+
+def simd_names(flags: Sequence[str]) -> list[str]:
+    """/proc/cpuinfo flags in llama.cpp's spelling (the ones llama_print_system_info() reports)."""
+    return [n for f in flags if (n := _X86_FLAGS.get(f))]
+
+
+def best_tier(simd: Sequence[str]) -> str:
+    """The widest int8 dot-product instruction set among llama.cpp-spelled names ("scalar" if none)."""
+    return next((t for t in _TIERS if t in simd), "scalar")
+
+
+def host_info() -> dict[str, Any]:
+    """The host's CPU model, its SIMD flags (/proc/cpuinfo names and llama.cpp's), numba's LLVM CPU
+    target (what the float kernels are compiled for) and the environment variables that change the path."""
+    text = ""
+    with contextlib.suppress(OSError):
+        text = Path("/proc/cpuinfo").read_text()
+    if not text:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            text = subprocess.run(["lscpu"], check=False, capture_output=True, text=True, timeout=10).stdout
+    model, flags = parse_cpuinfo(text)
+    out: dict[str, Any] = {"cpu": model or platform.processor() or platform.machine(), "machine": platform.machine(),
+                           "flags": flags, "simd": simd_names(flags)}
+    try:
+        from llvmlite import binding as llvm
+        out["llvm_cpu"] = os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name()
+    except (ImportError, RuntimeError):
+        pass
+    out["env"] = {k: os.environ[k] for k in _ENV if k in os.environ}
+    return out
+
+
+def ours_info() -> dict[str, Any]:
+    """The kernel path of this process (qpack.default_kernels(), or the numpy reference kernels with
+    GGML_DIST_NO_NUMBA=1), its SIMD, and how ours computes attention."""
+    from ..backends import cpu_ops, qpack
+    kernels = qpack.default_kernels().value if cpu_ops.NUMBA_DEFAULT else "numpy"
+    return {"kernels": kernels, "simd": _OUR_KERNEL_SIMD.get(kernels, "float"), **OURS_ATTENTION}
+
+
+def parse_system_info(text: str | bytes) -> dict[str, Any]:
+    """llama_print_system_info() -> {"system_info", "simd", "features"}: the CPU backend's entries, the
+    instruction sets it was built with ("X = 1"; entries "= 0", as older builds print them, are left
+    out) and its other build options (LLAMAFILE, OPENMP, REPACK...). Other backends' entries ("CUDA :
+    ARCHS = 890 | ...") go to "backends"."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    simd: list[str] = []
+    features: list[str] = []
+    backends: dict[str, dict[str, str]] = {}
+    section = "CPU"                                     # older builds print the CPU flags without a prefix
+    for raw in text.split("|"):
+        entry = raw.strip()
+        if not entry:
+            continue
+        m = re.match(r"^([A-Za-z0-9_ .-]+?)\s*:\s*(.*)$", entry)
+        if m and "=" in m.group(2) and "=" not in m.group(1):
+            section, entry = m.group(1).strip(), m.group(2).strip()
+        key, sep, value = entry.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            continue
+        if section.upper() != "CPU":
+            backends.setdefault(section, {})[key] = value
+        elif value in ("0", ""):
+            continue
+        elif key.upper() in _NOT_SIMD:
+            features.append(key if value == "1" else f"{key}={value}")
+        else:
+            simd.append(key)
+    out: dict[str, Any] = {"system_info": text.strip(), "simd": simd, "features": features}
+    if backends:
+        out["backends"] = backends
+    return out
+
+
+def simd_comparison(ours: dict[str, Any], llamacpp: dict[str, Any] | None, host_simd: Sequence[str] = ()) -> str:
+    """e.g. "ours vnni (AVX512_VNNI) vs llama.cpp AVX2 build (host: AVX512_VNNI)": what a ratio compares."""
+    head = f"ours {ours.get('kernels')} ({ours.get('simd')})"
+    if not llamacpp or "simd" not in llamacpp:
+        return f"{head} vs llama.cpp not measured"
+    tail = f" (host: {best_tier(host_simd)})" if host_simd else ""
+    return f"{head} vs llama.cpp {best_tier(llamacpp['simd'])} build{tail}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the measurements (each in its own child process)
 def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
     from ..backends import threads as kernel_threads
     from ..model.context import ContextParams, LlamaContext
@@ -35,8 +175,8 @@ def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str
     m = LlamaModel.load(path)
     ctx = LlamaContext(m, ContextParams(n_ctx=prompt_len + gen + 16, n_batch=512, n_ubatch=512))
     toks = _prompt(m.hp.n_vocab, prompt_len)
-    ctx.decode(Batch.from_tokens(toks[:8]))                     # warm-up: JIT, page cache
-    ctx.decode(Batch.from_tokens([toks[8]], pos0=8))
+    ctx.decode(Batch.from_tokens(toks))                         # warm-up: JIT (every kernel the timed
+    ctx.decode(Batch.from_tokens([toks[0]], pos0=prompt_len))   # prompt and decode steps run), page cache
     ctx.clear()
     t0 = time.perf_counter()
     lg = ctx.decode(Batch.from_tokens(toks))
@@ -47,15 +187,103 @@ def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str
     t2 = time.perf_counter()
     return {"prompt_tok_s": prompt_len / (t1 - t0), "decode_tok_s": gen / (t2 - t1),
             "weight_bytes": m.weight_bytes(),
-            "peak_rss_mb": peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb(), "ours": ours_info()}
 
 
-def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
-    import llama_cpp
-    llm = llama_cpp.Llama(path, n_ctx=prompt_len + gen + 16, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+def _fa_name(llama_cpp: Any, v: Any) -> str:
+    """llama.cpp's name of a flash-attention value: "auto", "enabled", "disabled" (a bool in older ones)."""
+    if isinstance(v, bool):
+        return "enabled" if v else "disabled"
+    fn = getattr(llama_cpp, "llama_flash_attn_type_name", None)
+    name = fn(int(v)) if fn is not None and isinstance(v, int) else None
+    return name.decode() if isinstance(name, bytes) else str(v)
+
+
+def _fa_request(llama_cpp: Any, setting: str) -> int | bool:
+    """The flash-attention value to ask llama.cpp for: its llama_context_default_params() for "default"
+    (an int llama_flash_attn_type, AUTO = -1, where the library has one; a bool in older ones)."""
+    defaults = llama_cpp.llama_context_default_params()
+    typed = hasattr(defaults, "flash_attn_type")
+    if setting == "default":
+        return int(defaults.flash_attn_type) if typed else bool(defaults.flash_attn)
+    on = setting == "on"
+    if not typed:
+        return on
+    return int(llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if on else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+
+
+def parse_fa_log(text: str) -> str | None:
+    """The flash-attention setting llama.cpp resolved, from its context-creation log ("resolve_fused_ops:
+    Flash Attention enabled", "Flash Attention was auto, set to enabled", "flash_attn = disabled")."""
+    found = None
+    for line in text.splitlines():
+        m = re.search(r"flash[ _]att(?:n|ention)\b(.*)$", line, re.IGNORECASE)
+        words = re.findall(r"\b(enabled|disabled|auto|on|off|1|0)\b", m.group(1), re.IGNORECASE) if m else []
+        if words:                                       # a line's last word: "was auto, set to enabled"
+            v = words[-1].lower()
+            v = {"on": "enabled", "1": "enabled", "off": "disabled", "0": "disabled"}.get(v, v)
+            if v != "auto" or found is None:
+                found = v                               # a resolved line wins over "= auto"
+    return found
+
+
+@contextlib.contextmanager
+def _llamacpp_context(llama_cpp: Any, fa: int | bool) -> Iterator[tuple[dict[str, Any], list[str]]]:
+    """Create llama_cpp.Llama with flash attention `fa` and capture llama.cpp's log meanwhile. Llama()
+    maps its bool flash_attn to ENABLED/DISABLED only, so AUTO (llama.cpp's default) is set on the
+    context params as the context is created."""
+    internals: Any = importlib.import_module("llama_cpp._internals")
+    logs: list[str] = []
+    kwargs: dict[str, Any] = {}
+
+    @llama_cpp.llama_log_callback
+    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        logs.append(text.decode("utf-8", "replace"))
+
+    orig = internals.LlamaContext
+
+    def context_with_fa(*args: Any, **kw: Any) -> Any:
+        params = kw.get("params")
+        if params is not None and hasattr(params, "flash_attn_type"):
+            params.flash_attn_type = int(fa)
+        return orig(*args, **kw)
+
+    patched = not isinstance(fa, bool) and fa not in (0, 1)
+    if not patched:
+        kwargs["flash_attn"] = bool(fa)
+    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+    if patched:
+        internals.LlamaContext = context_with_fa
+    try:
+        yield kwargs, logs
+    finally:
+        internals.LlamaContext = orig
+        restore = getattr(getattr(llama_cpp, "_logger", None), "llama_log_callback", None)
+        if restore is not None:                         # llama-cpp-python's own logger again
+            llama_cpp.llama_log_set(restore, ctypes.c_void_p(0))
+        else:                                           # the library keeps calling ours: keep it alive
+            _KEEP_ALIVE.append(capture)
+
+
+def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int,
+                     flash_attn: str = "default") -> dict[str, Any]:
+    import inspect
+    llama_cpp = importlib.import_module("llama_cpp")    # the dev extra: typed only where it is installed
+    fa = _fa_request(llama_cpp, flash_attn)
+    with _llamacpp_context(llama_cpp, fa) as (kwargs, logs):
+        llm = llama_cpp.Llama(path, n_ctx=prompt_len + gen + 16, n_batch=512, n_threads=threads,
+                              n_threads_batch=threads, verbose=False, **kwargs)
+    requested = _fa_name(llama_cpp, fa)
+    resolved = parse_fa_log("".join(logs)) or requested     # no log line: what was asked for
+    py_param = inspect.signature(llama_cpp.Llama.__init__).parameters.get("flash_attn")
+    py_default = None if py_param is None or py_param.default is None else _fa_name(llama_cpp, py_param.default)
+    fa_info = {"setting": flash_attn, "requested": requested,
+               "resolved": None if resolved == "auto" else resolved,    # None: auto, and not said what into
+               "library_default": _fa_name(llama_cpp, _fa_request(llama_cpp, "default")),
+               "llama_cpp_python_default": py_default}
     toks = _prompt(llm.n_vocab(), prompt_len)
-    llm.eval(toks[:8])
+    llm.eval(toks)                                              # warm-up, as ours: the whole prompt
+    llm.eval([toks[0]])
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(toks)
@@ -63,8 +291,10 @@ def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int) -> dict
     for _ in range(gen):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     t2 = time.perf_counter()
+    info = {"version": getattr(llama_cpp, "__version__", None),
+            **parse_system_info(llama_cpp.llama_print_system_info()), "flash_attn": fa_info}
     return {"prompt_tok_s": prompt_len / (t1 - t0), "decode_tok_s": gen / (t2 - t1),
-            "peak_rss_mb": peak_rss_mb()}
+            "peak_rss_mb": peak_rss_mb(), "llamacpp": info}
 
 
 def peak_rss_mb() -> float:
@@ -90,19 +320,26 @@ def copy_gb_s() -> float:
     return best
 
 
-def _child(which: str, path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
+def _child(which: str, path: str, prompt_len: int, gen: int, threads: int,
+           flash_attn: str = "default") -> dict[str, Any]:
     """Run one measurement in a fresh process (own peak RSS, no shared page-cache warm-up)."""
     cmd = [sys.executable, "-m", "ggml_dist.bench.decode", "--_child", which, "--model", path,
-           "--prompt-len", str(prompt_len), "--gen", str(gen), "--threads", str(threads)]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=3600)
+           "--prompt-len", str(prompt_len), "--gen", str(gen), "--threads", str(threads),
+           "--llamacpp-flash-attn", flash_attn]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])       # the child runs this checkout's code, not
+    if Path(root).name not in ("site-packages", "dist-packages"):    # another installed copy
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=3600, env=env)
     if r.returncode != 0:
         return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, copy: float) -> dict[str, Any]:
+def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, copy: float,
+              flash_attn: str = "default") -> dict[str, Any]:
     ours = _child("ours", path, prompt_len, gen, threads)
-    ref = _child("llamacpp", path, prompt_len, gen, threads)
+    ref = _child("llamacpp", path, prompt_len, gen, threads, flash_attn)
     out: dict[str, Any] = {"name": name, "threads": threads, "prompt_len": prompt_len, "gen": gen}
     if "error" in ours:
         out["error"] = ours["error"]
@@ -110,33 +347,64 @@ def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, cop
     out.update({"prompt_tok_s": round(ours["prompt_tok_s"], 2), "decode_tok_s": round(ours["decode_tok_s"], 2),
                 "peak_rss_mb": round(ours["peak_rss_mb"], 1),
                 "decode_gb_s": round(ours["weight_bytes"] * ours["decode_tok_s"] / 1e9, 3),
-                "copy_gb_s": round(copy, 2), "file_mb": round(os.path.getsize(path) / 2**20, 1)})
+                "copy_gb_s": round(copy, 2), "file_mb": round(os.path.getsize(path) / 2**20, 1),
+                "kernels": ours["ours"]["kernels"], "_ours": ours["ours"]})
     if "error" in ref:
         out["llamacpp_note"] = f"llama.cpp not measured: {ref['error']}"
         out.update({"llamacpp_prompt_tok_s": None, "llamacpp_decode_tok_s": None,
-                    "decode_ratio": None, "prompt_ratio": None})
+                    "decode_ratio": None, "prompt_ratio": None, "llamacpp_flash_attn": None})
     else:
         out.update({"llamacpp_prompt_tok_s": round(ref["prompt_tok_s"], 2),
                     "llamacpp_decode_tok_s": round(ref["decode_tok_s"], 2),
                     "decode_ratio": round(ours["decode_tok_s"] / ref["decode_tok_s"], 3),
                     "prompt_ratio": round(ours["prompt_tok_s"] / ref["prompt_tok_s"], 3),
-                    "llamacpp_peak_rss_mb": round(ref["peak_rss_mb"], 1)})
+                    "llamacpp_peak_rss_mb": round(ref["peak_rss_mb"], 1),
+                    "llamacpp_flash_attn": ref["llamacpp"]["flash_attn"]["resolved"],
+                    "_llamacpp": ref["llamacpp"]})
     return out
 
 
+def summarize(models: list[dict[str, Any]], host: dict[str, Any], flash_attn: str) -> dict[str, Any]:
+    """The result object: host, ours, llamacpp (from the first model measured; the per-model raw
+    entries are folded in) and simd_comparison next to the per-model figures."""
+    ours = next((m.pop("_ours") for m in models if "_ours" in m), None)
+    ll = next((m["_llamacpp"] for m in models if "_llamacpp" in m), None)
+    for m in models:
+        m.pop("_ours", None)
+        m.pop("_llamacpp", None)
+    if ours is None:
+        ours = dict(OURS_ATTENTION)
+    if ll is None:
+        note = next((m["llamacpp_note"] for m in models if "llamacpp_note" in m), "llama.cpp not measured")
+        llamacpp: dict[str, Any] = {"available": False, "note": note,
+                                    "flash_attn": {"setting": flash_attn}}
+    else:                                               # what the host has and the build does not use
+        missing = [f for f in host.get("simd", ()) if f not in ll.get("simd", ())]
+        llamacpp = {"available": True, **ll, "host_simd_not_built": missing}
+    return {"host": host, "ours": ours, "llamacpp": llamacpp,
+            "simd_comparison": simd_comparison(ours, ll, host.get("simd", ())), "models": models}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tinyllama", action="store_true", help="also the synthetic 1.1B Q4_0 model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--llamacpp-flash-attn", choices=FLASH_ATTN_CHOICES, default="default",
+                    help="llama.cpp's flash attention: its own default (llama_context_default_params(); "
+                         "'auto' in current llama.cpp: on for CPU layers), or forced on/off; ours has no "
+                         "fused flash-attention op either way")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
-        fn = measure_ours if a._child == "ours" else measure_llamacpp
-        print(json.dumps(fn(a.model, a.prompt_len, a.gen, a.threads)))
+        if a._child == "ours":
+            res = measure_ours(a.model, a.prompt_len, a.gen, a.threads)
+        else:
+            res = measure_llamacpp(a.model, a.prompt_len, a.gen, a.threads, a.llamacpp_flash_attn)
+        print(json.dumps(res))
         return 0
     from ..model.pull import resolve_model
     copy = copy_gb_s()
@@ -144,8 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.tinyllama:
         from ..model.synthetic import TINYLLAMA_Q4_0, cached_synthetic
         models.append(("tinyllama-1.1b-q4_0-synthetic", str(cached_synthetic(TINYLLAMA_Q4_0))))
-    result = {"models": [run_model(n, p, a.prompt_len, a.gen, a.threads, copy) for n, p in models]}
-    print(json.dumps(result))
+    measured = [run_model(n, p, a.prompt_len, a.gen, a.threads, copy, a.llamacpp_flash_attn) for n, p in models]
+    print(json.dumps(summarize(measured, host_info(), a.llamacpp_flash_attn)))
     return 0
 
 

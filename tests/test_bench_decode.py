@@ -1,0 +1,174 @@
+"""bench decode: the SIMD both sides ran (the host's flags, our kernel path, the llama.cpp build's), the
+flash-attention setting llama.cpp ran with, and short real runs on a tiny synthetic model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ggml_dist.bench import decode
+
+# llama_print_system_info() of the portable wheel in ../shared/wheels (llama-cpp-python 0.3.36)
+AVX2_BUILD = (b"CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
+              b"LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
+# a GGML_NATIVE=ON build on a Sapphire Rapids host
+VNNI_BUILD = (b"CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | "
+              b"BMI2 = 1 | AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | "
+              b"LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")
+# older llama.cpp (2024): every flag, 0 or 1, no backend prefix
+OLD_FORMAT = ("AVX = 1 | AVX_VNNI = 0 | AVX2 = 1 | AVX512 = 0 | AVX512_VBMI = 0 | AVX512_VNNI = 0 | "
+              "AVX512_BF16 = 0 | FMA = 1 | NEON = 0 | SVE = 0 | ARM_FMA = 0 | F16C = 1 | FP16_VA = 0 | "
+              "RISCV_VECT = 0 | WASM_SIMD = 0 | BLAS = 0 | SSE3 = 1 | SSSE3 = 1 | VSX = 0 | MATMUL_INT8 = 0 | "
+              "LLAMAFILE = 1 | ")
+CUDA_BUILD = ("CUDA : ARCHS = 890 | USE_GRAPHS = 1 | PEER_MAX_BATCH_SIZE = 128 | CPU : SSE3 = 1 | SSSE3 = 1 | "
+              "AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | LLAMAFILE = 1 | OPENMP = 1 | ")
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu vme pni ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 avx512f avx512dq avx512bw avx512vl \
+avx512vbmi avx512_vnni avx512_bf16 hypervisor
+
+processor\t: 1
+model name\t: AMD EPYC 9R14 96-Core Processor
+flags\t\t: fpu vme pni ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 avx512f avx512dq avx512bw avx512vl \
+avx512vbmi avx512_vnni avx512_bf16 hypervisor
+"""
+LSCPU_AVX2 = """Architecture:                            x86_64
+Vendor ID:                               GenuineIntel
+Model name:                              Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz
+Flags:                                   fpu pni ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 erms
+"""
+
+
+def test_system_info_avx2_build():
+    info = decode.parse_system_info(AVX2_BUILD)
+    assert info["simd"] == ["SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "BMI2"]
+    assert info["features"] == ["LLAMAFILE", "OPENMP", "REPACK"]
+    assert info["system_info"].startswith("CPU : SSE3 = 1")
+    assert "backends" not in info
+    assert decode.best_tier(info["simd"]) == "AVX2"
+
+
+def test_system_info_avx512_vnni_build():
+    info = decode.parse_system_info(VNNI_BUILD)
+    assert {"AVX512", "AVX512_VNNI", "AVX_VNNI", "AVX512_BF16", "AMX_INT8", "AVX2"} <= set(info["simd"])
+    assert "REPACK" not in info["simd"] and "OPENMP" in info["features"]
+    assert decode.best_tier(info["simd"]) == "AMX_INT8"
+    assert decode.best_tier([f for f in info["simd"] if f != "AMX_INT8"]) == "AVX512_VNNI"
+
+
+def test_system_info_old_format_and_other_backends():
+    old = decode.parse_system_info(OLD_FORMAT)
+    assert old["simd"] == ["AVX", "AVX2", "FMA", "F16C", "SSE3", "SSSE3"]     # the "= 0" ones left out
+    assert old["features"] == ["LLAMAFILE"]
+    cuda = decode.parse_system_info(CUDA_BUILD)
+    assert cuda["backends"] == {"CUDA": {"ARCHS": "890", "USE_GRAPHS": "1", "PEER_MAX_BATCH_SIZE": "128"}}
+    assert cuda["simd"] == ["SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "BMI2", "AVX512"]
+    assert decode.parse_system_info("") == {"system_info": "", "simd": [], "features": []}
+
+
+def test_cpuinfo_and_lscpu_flags():
+    model, flags = decode.parse_cpuinfo(CPUINFO)
+    assert model == "AMD EPYC 9R14 96-Core Processor"
+    assert "avx512_vnni" in flags and "avx2" in flags and "hypervisor" not in flags and "bmi1" not in flags
+    assert decode.simd_names(flags) == ["SSE3", "SSSE3", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512",
+                                        "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"]
+    model, flags = decode.parse_cpuinfo(LSCPU_AVX2)
+    assert model.startswith("Intel(R) Core(TM) i7-8700")
+    assert flags == ["pni", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"]
+    assert decode.best_tier(decode.simd_names(flags)) == "AVX2"
+    assert decode.parse_cpuinfo("") == ("", [])
+
+
+def test_host_info_of_this_host(monkeypatch):
+    monkeypatch.setenv("GGML_DIST_FORCE_AVX2", "1")
+    host = decode.host_info()
+    assert host["cpu"] and host["machine"]
+    assert set(host["flags"]) <= set(decode._X86_FLAGS)
+    assert host["simd"] == decode.simd_names(host["flags"])
+    assert host["env"]["GGML_DIST_FORCE_AVX2"] == "1"
+    json.dumps(host)
+
+
+def test_ours_info_names_the_kernel_path():
+    from ggml_dist.backends import qpack
+    ours = decode.ours_info()
+    assert ours["kernels"] in ("vnni", "avx2", "float", "numpy")
+    if ours["kernels"] != "numpy":
+        assert ours["kernels"] == qpack.default_kernels().value
+    assert ours["simd"] == {"vnni": "AVX512_VNNI", "avx2": "AVX2"}.get(ours["kernels"], "float")
+    assert ours["flash_attn"] is False and "masked cells skipped" in ours["attention"]
+
+
+def test_flash_attention_log():
+    auto = ("llama_context: n_ctx = 256\nllama_context: flash_attn            = auto\n"
+            "llama_context: kv_unified = true\nresolve_fused_ops: Flash Attention enabled\n")
+    assert decode.parse_fa_log(auto) == "enabled"
+    assert decode.parse_fa_log("llama_context: flash_attn            = disabled\n") == "disabled"
+    assert decode.parse_fa_log("llama_context: flash_attn = auto\n") == "auto"         # unresolved
+    assert decode.parse_fa_log("llama_new_context_with_model: flash_attn = 0\n") == "disabled"
+    assert decode.parse_fa_log("llama_context: Flash Attention was auto, set to enabled\n") == "enabled"
+    assert decode.parse_fa_log("llama_context: n_ctx = 256\n") is None
+
+
+def test_simd_comparison_and_summary_without_llamacpp():
+    ours = {"kernels": "vnni", "simd": "AVX512_VNNI", "flash_attn": False, "attention": "x"}
+    ll = decode.parse_system_info(AVX2_BUILD)
+    assert decode.simd_comparison(ours, ll, ["AVX2", "AVX512", "AVX512_VNNI"]) == \
+        "ours vnni (AVX512_VNNI) vs llama.cpp AVX2 build (host: AVX512_VNNI)"
+    assert decode.simd_comparison(ours, None).endswith("llama.cpp not measured")
+    model = {"name": "m", "decode_tok_s": 1.0, "_ours": ours, "llamacpp_note": "llama.cpp not measured: No module"}
+    out = decode.summarize([model], {"simd": ["AVX2"]}, "default")
+    assert out["ours"] == ours and "_ours" not in out["models"][0]
+    assert out["llamacpp"] == {"available": False, "note": "llama.cpp not measured: No module",
+                               "flash_attn": {"setting": "default"}}
+    ll_entry = {"name": "m", "_ours": ours, "_llamacpp": {"version": "0.3.36", **ll, "flash_attn": {}}}
+    out = decode.summarize([ll_entry], {"simd": ["AVX2", "AVX512_VNNI"]}, "default")
+    assert out["llamacpp"]["available"] is True and out["llamacpp"]["host_simd_not_built"] == ["AVX512_VNNI"]
+    assert "_llamacpp" not in out["models"][0]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+    return str(write_synthetic(tmp_path_factory.mktemp("bench") / "tiny.gguf", SyntheticSpec()))
+
+
+def test_run_model_without_llamacpp(tiny_model, monkeypatch):
+    """Ours measured for real in its child process; the llama.cpp child failing (not installed) leaves a
+    note and None figures, and the result is still one JSON object."""
+    real_child = decode._child
+
+    def child(which, *args):
+        if which == "llamacpp":
+            return {"error": "ModuleNotFoundError: No module named 'llama_cpp'"}
+        return real_child(which, *args)
+
+    monkeypatch.setattr(decode, "_child", child)
+    m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0)
+    assert m["prompt_tok_s"] > 0 and m["decode_tok_s"] > 0 and m["file_mb"] > 0
+    assert m["kernels"] == m["_ours"]["kernels"]
+    assert m["decode_ratio"] is None and m["llamacpp_flash_attn"] is None
+    assert m["llamacpp_note"].startswith("llama.cpp not measured: ModuleNotFoundError")
+    out = decode.summarize([m], decode.host_info(), "default")
+    assert out["llamacpp"]["available"] is False and out["ours"]["flash_attn"] is False
+    json.loads(json.dumps(out))
+
+
+@pytest.mark.parametrize("setting", ["default", "on", "off"])
+def test_llamacpp_flash_attention_setting(tiny_model, setting):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    r = decode.measure_llamacpp(tiny_model, 16, 4, 1, setting)
+    assert r["prompt_tok_s"] > 0 and r["decode_tok_s"] > 0
+    info = r["llamacpp"]
+    assert info["simd"] == decode.parse_system_info(llama_cpp.llama_print_system_info())["simd"]
+    fa = info["flash_attn"]
+    assert fa["setting"] == setting
+    if setting != "default":
+        want = {"on": "enabled", "off": "disabled"}[setting]
+        assert fa["requested"] == want and fa["resolved"] == want
+    else:
+        assert fa["requested"] == fa["library_default"]
+        assert fa["resolved"] in ("enabled", "disabled")         # what llama.cpp's auto became
+    assert llama_cpp._logger.llama_log_callback is not None      # its own logger is set back
