@@ -291,16 +291,18 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
         return None
     w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
     out = dst.reshape(xm.shape[0], dst.shape[-1])          # N may be 0: a ubatch without outputs
-    bound: list = [None]
+    bound: list = [None, None]                             # the packed weight, its bound product
 
     def run(opts: ComputeOptions) -> None:
         if opts.exact or not opts.numba or opts.order != "ggml":
             return _mul_mat(t, dst, srcs, opts)
-        pw = bound[0]
+        pw, call = bound
         if pw is None or a_t.extra is not pw:
             from . import qpack
-            pw = bound[0] = qpack.packed(a_t.type, w, a_t)
-        if pw.mul_mat(xm, out) is None:         # a non-finite activation: the generic path
+            pw = qpack.packed(a_t.type, w, a_t)
+            bound[:] = [pw, pw.bind(xm, out)]
+            call = bound[1]
+        if not call():                          # a non-finite activation: the generic path
             _mul_mat(t, dst, srcs, opts)
     return run
 
@@ -503,9 +505,15 @@ def _bind_attention(t, dst, srcs, consumers, array) -> Callable[[ComputeOptions]
                 or sm.src[1].type != GGMLType.F32 or t.flags & TensorFlag.OUTPUT):
             return None
         mask, skip = array(sm.src[1]), 1                        # KQ: the soft_max's mask
+    w, x = srcs[0].view(np.uint16), srcs[1]
+    direct = _unit_rows(w) is w and _unit_rows(x) is x             # _mul_mat_float's arrays, as they are
+    tiny = b_t.ne[1] >= 2 and a_t.ne[0] % 8 == 0 and a_t.ne[1] % 4 == 0
 
     def run(opts: ComputeOptions) -> None:
-        if not _mul_mat_float(t, dst, srcs, opts, mask, skip):
+        fk = _fk(opts)
+        if direct and fk is not None and not opts.exact and opts.order == "ggml":
+            fk.mul_mat_threads(w, x, dst, tiny, True, mask, skip)        # _mul_mat_float, resolved
+        elif not _mul_mat_float(t, dst, srcs, opts, mask, skip):
             _mul_mat(t, dst, srcs, opts)
     return run
 

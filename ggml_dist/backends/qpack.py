@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 
 import numpy as np
 from numba import njit, prange
@@ -121,6 +122,27 @@ class PackedWeight:
         self.chain = wtype == T.Q4_0 and M % 8 == 0
         self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
                      T.Q8_0: _KIND_Q8_0}[wtype]
+
+    def bind(self, x: np.ndarray, out: np.ndarray) -> Callable[[], bool]:
+        """mul_mat(x, out) for arrays fixed from now on (a replayed step's): the kernel and its
+        arguments chosen once; the call returns False where mul_mat would return None. x f32 [N, K]
+        C-contiguous, out f32 [N, M] C-contiguous."""
+        N, K = x.shape
+        if K != self.K or x.dtype != F32 or not x.flags.c_contiguous:
+            raise ValueError(f"packed {self.type.name} weight: x must be f32 [N, {self.K}] C-contiguous")
+        if self._int8 is None or N == 0:
+            return lambda: self.mul_mat(x, out) is not None
+        serial_mm, parallel_mm = self._int8
+        big = N * self.M * K >= _PARALLEL_WORK
+        q8_1, kind, qs, d, m = self.type == T.Q4_1, self.kind, self.qs, self.d, self.m
+
+        def run() -> bool:
+            Y, Yb, Y4, Yz, dy, sy, ys = _work(N, K)
+            if not big or get_threads() == 1:
+                return bool(serial_mm(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out))
+            with launch() as nt:
+                return bool(parallel_mm(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, nt))
+        return run
 
     def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """x f32 [N, K] -> f32 [N, M] (into `out` if given, C-contiguous), or None when x has a non-finite

@@ -203,3 +203,26 @@ def test_mapped_buffer_release_pages_keeps_the_bytes(tmp_path):
     buf.release_pages(10, 2 * 4096 + 50)        # only whole pages inside the range are dropped
     buf.release_pages(0, 0)
     np.testing.assert_array_equal(np.asarray(buf.base), data)
+
+
+@pytest.mark.parametrize("vnni_layout", LAYOUTS)
+@pytest.mark.parametrize("t", TYPES)
+def test_bound_product_is_mul_mat(t, vnni_layout):
+    """PackedWeight.bind (the replayed step's call: kernel and arguments chosen once) writes mul_mat's
+    values at 1 and 2 threads, and answers False for a non-finite activation, as mul_mat answers None."""
+    K, M = 256, 192
+    w = random_rows(t, M, K, seed=21)
+    pw = qpack.PackedWeight(t, w, vnni_layout=vnni_layout)
+    before = kt.get_threads()
+    try:
+        for n_threads in sorted({1, min(2, kt.numba.config.NUMBA_NUM_THREADS)}):
+            kt.set_threads(n_threads)
+            for N in (1, 3, 8):
+                x = activations(N, K, seed=22 + N)
+                out = np.empty((N, M), F32)
+                call = pw.bind(x, out)
+                assert call() and np.array_equal(out, pw.mul_mat(x))
+                x[0, 5] = np.nan
+                assert not call() and pw.mul_mat(x) is None
+    finally:
+        kt.set_threads(before)
