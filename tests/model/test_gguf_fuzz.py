@@ -285,7 +285,8 @@ def test_weight_type_without_a_kernel_is_a_clean_error(layout: fz.Layout, tmp_pa
 def test_weight_types_with_a_kernel_still_load_and_run(layout: fz.Layout, tmp_path: Path, name: str,
                                                        ttype: GGMLType) -> None:
     p = _retyped(layout, tmp_path, name, ttype)
-    # the retyped weight may take a kernel the fuzzer's warm-up (the seed model) did not compile, and a
-    # cold kernel cache compiles it inside the case: the outcome is the point here, not the case's time
-    res = fz.run_case(str(p), case_time_limit=600.0)
+    # the retyped weight may take a kernel the fuzzer's warm-up (the seed model) did not: on a cold kernel
+    # cache a first run compiles it inside the case, against the case's time and memory limits
+    fz.run_case(str(p), case_time_limit=600.0, mem_overhead=1 << 30)
+    res = fz.run_case(str(p))
     assert (res["outcome"], res["stage"]) == ("ok", "forward"), res
