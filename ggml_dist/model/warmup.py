@@ -57,8 +57,8 @@ def marker_path(path: str | Path) -> Path:
     types = sorted({t.type.name for t in f.tensors.values()})
     h.update(repr((numba.__version__, sys.version_info[:2], llvm.get_host_cpu_name(),
                    llvm.get_host_cpu_features().flatten(), types, f.get("general.architecture"),
-                   os.environ.get("GGML_DIST_FORCE_AVX2"),
-                   os.environ.get("GGML_DIST_NO_AVX2"))).encode())
+                   [os.environ.get(v) for v in ("GGML_DIST_FORCE_AVX2", "GGML_DIST_NO_AVX2",
+                                                "GGML_DIST_NO_VNNI")])).encode())
     return kernel_cache.kernel_cache_dir() / "ready" / h.hexdigest()[:32]
 
 
