@@ -137,13 +137,15 @@ def _src(t: Tensor, srcs: list, i: int) -> np.ndarray:
 def _ufunc_into(t, dst, srcs, ufunc) -> bool:
     """F32 a (op) b straight into dst when b broadcasts numpy-wise (each extent 1 or a's): the same f32
     operation without temporaries; numpy handles dst aliasing a or b."""
-    if not _all_f32(t, 2):
+    if not _all_f32(t, 2) or not _broadcasts(srcs[1], srcs[0]):
         return False
-    a, b = srcs[0], srcs[1]
-    if b.shape != a.shape and not all(sb == sa or sb == 1 for sb, sa in zip(b.shape, a.shape)):
-        return False
-    ufunc(a, b, out=dst)
+    ufunc(srcs[0], srcs[1], out=dst)
     return True
+
+
+def _broadcasts(b: np.ndarray, a: np.ndarray) -> bool:
+    """b broadcasts to a numpy-wise: each extent 1 or a's."""
+    return b.shape == a.shape or all(sb == sa or sb == 1 for sb, sa in zip(b.shape, a.shape))
 
 
 def _add(t, dst, srcs, opts):
@@ -541,8 +543,7 @@ def _bind_ufunc(ufunc: np.ufunc) -> Callable[[Tensor, np.ndarray, list], Bound |
     """ADD/MUL: _ufunc_into's case (F32, numpy-broadcastable) as the ufunc into dst."""
     def binder(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
         a, b = srcs[0], srcs[1]
-        if not _all_f32(t, 2) or (b.shape != a.shape and
-                                  not all(sb == sa or sb == 1 for sb, sa in zip(b.shape, a.shape))):
+        if not _all_f32(t, 2) or not _broadcasts(b, a):
             return None
         return lambda opts: ufunc(a, b, out=dst)
     return binder
