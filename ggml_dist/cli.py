@@ -30,6 +30,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads (per stage with --stages; default: the cores available, 1 per stage)")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the stages here")
+    _add_stage_calls(p)
+
+
+def _add_stage_calls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage-calls", choices=["auto", "compiled", "plain"], default="auto",
+                   help="how a step reaches the stages: one Ray Compiled Graph execution, or an actor call per "
+                   "stage; auto: compiled where every stage and the driver have cores of their own")
 
 
 def _stages_arg(v: str) -> int | str:
@@ -103,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before "
                    "new ones get 429")
     p.add_argument("--threads", type=int, default=1, help="threads per stage actor")
+    _add_stage_calls(p)
     p.add_argument("--replicas", type=int, default=1, help="engine processes in this machine, each with "
                    "parallel/replicas of the slots, the cores split among those with requests: more "
                    "throughput with many clients on a multi-core CPU; each process loads the model")
@@ -208,7 +216,8 @@ def _load(args: argparse.Namespace):
     print(f"ggml-dist: {connect(args.address, num_cpus=max(2, (n_stages or 1) * args.threads))}", file=sys.stderr)
     pl = Pipeline.launch(str(path), n_stages, _params(args), n_copies=args.n_copies,
                          layers=_parse_layers(args.layers), threads_per_stage=args.threads,
-                         on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True))
+                         on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True),
+                         calls=args.stage_calls)
     return pl.model, pl.ctx, pl
 
 
@@ -385,6 +394,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        address=args.address,
                        n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
                        max_queue=args.max_queue, threads_per_stage=args.threads,
+                       stage_calls=args.stage_calls,
                        kv_unified={"auto": None, "on": True, "off": False}[args.kv_unified],
                        cache_prompt=not args.no_cache_prompt, n_replicas=args.replicas, pooling=args.pooling,
                        chat_template=Path(args.chat_template).read_text() if args.chat_template else None)

@@ -1,9 +1,11 @@
 """Pipeline study: throughput against stages, micro-batches and n_copies, next to the GPipe bound.
 
     ggml-dist bench pipeline --model M [--stages 1,2,3] [--micro-batches 1,4] [--n-copies K]
-                             [--ubatch 32,64] [--mode prefill|decode] [--plot out.png] [--trace PREFIX] --json
+                             [--ubatch 32,64] [--mode prefill|decode] [--calls compiled,plain]
+                             [--plot out.png] [--trace PREFIX] --json
 
-Every (ubatch, stages, micro-batches) point of the sweep is run; decode runs report TTFT and the
+Every (calls, ubatch, stages, micro-batches) point of the sweep is run (calls: a step as one execution of
+the stages' Ray Compiled Graph, or as plain actor calls; each run reports which ran); decode runs report TTFT and the
 inter-token latency (p50/p90/p99 ms) next to the throughput.
 
 prefill: one prompt of micro_batches x ubatch tokens, decoded as micro_batches ubatches with up to
@@ -51,13 +53,14 @@ def _ints(s: str) -> list[int]:
 
 
 def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: int, mode: str,
-            n_steps: int, threads: int, trace: str | None = None) -> dict[str, Any]:
+            n_steps: int, threads: int, trace: str | None = None, calls: str = "auto") -> dict[str, Any]:
     from ..workers.cluster import Pipeline
     n_tok = micro_batches * ubatch
     n_seq = micro_batches if mode == "decode" else 1
     params = ContextParams(n_ctx=max(512, n_tok + n_steps + 8), n_batch=max(n_tok, 8), n_ubatch=ubatch,
                            n_seq_max=n_seq)
-    pl = Pipeline.launch(path, stages, params, n_copies=n_copies, threads_per_stage=threads)
+    pl = Pipeline.launch(path, stages, params, n_copies=n_copies, threads_per_stage=threads,
+                         calls=calls)
     try:
         ctx, vocab = pl.ctx, pl.model.hp.n_vocab
         rng = np.random.default_rng(0)
@@ -91,12 +94,13 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
         if trace:
             pl.write_trace(trace)
         same_host = all(i["node"] == os.uname().nodename for i in pl.infos)
+        ran = "compiled" if pl.chain is not None and pl.chain.enabled and pl.chain.n_executions else "plain"
     finally:
         pl.shutdown()
-    calls = [a["n_calls"] - b["n_calls"] for a, b in zip(after, before)]
+    n_calls = [a["n_calls"] - b["n_calls"] for a, b in zip(after, before)]
     busy = [a["compute_s"] - b["compute_s"] + a["decode_s"] - b["decode_s"] for a, b in zip(after, before)]
-    t_k = [bz / max(c, 1) for bz, c in zip(busy, calls)]          # one micro-batch on stage k
-    n_mb = max(calls) if calls else 0
+    t_k = [bz / max(c, 1) for bz, c in zip(busy, n_calls)]        # one micro-batch on stage k
+    n_mb = max(n_calls) if n_calls else 0
     ideal = _gpipe(t_k, n_mb)
     hops = [a["bytes_in_host"] - b["bytes_in_host"] for a, b in zip(after, before)] + \
         [a["bytes_out"] - b["bytes_out"] for a, b in zip(after, before)]
@@ -107,7 +111,7 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
     cpu_bound = processed * len(os.sched_getaffinity(0)) / sum(cpu) if same_host and sum(cpu) > 0 else None
     ideal_tok_s = processed / ideal if ideal > 0 else 0.0
     return {"_t_k": t_k, "_n_mb": n_mb, "_processed": processed, "ideal_inrun_tok_s": round(ideal_tok_s, 3),
-            "stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch,
+            "stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch, "calls": ran,
             "mode": mode, "tok_s": round(tok_s, 3), "ideal_tok_s": round(ideal_tok_s, 3),
             "efficiency": round(tok_s / ideal_tok_s, 3) if ideal_tok_s else None,
             "bubble_frac": round(1 - sum(busy) / (stages * wall), 3),
@@ -199,23 +203,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="threads per stage actor")
     ap.add_argument("--plot", default="pipeline.png", help="PNG of tok/s against stages ('' to skip)")
     ap.add_argument("--trace", default="", help="write each run's Chrome/Perfetto trace (a track per stage: "
-                    "inputs, compute and outputs slices) as PREFIX-s{stages}-mb{m}-nc{n}-ub{u}.json")
+                    "inputs, compute and outputs slices) as PREFIX-{calls}-s{stages}-mb{m}-nc{n}-ub{u}.json")
+    ap.add_argument("--calls", default="auto", help="comma list of how the driver reaches the stages: "
+                    "'compiled' (one Ray Compiled Graph execution per step), 'plain' (an actor call per stage) "
+                    "or 'auto' (compiled where every stage and the driver have cores of their own)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    calls = [c.strip() for c in a.calls.split(",") if c.strip()]
+    if not calls or set(calls) - {"auto", "compiled", "plain"}:
+        ap.error(f"--calls takes 'auto', 'compiled' and/or 'plain', not {a.calls!r}")
     from ..workers.cluster import connect
     from ..workers.driver import default_copies
     path = str(resolve_model(a.model))
     stages = _ints(a.stages)
     connect(num_cpus=max(2, max(stages) * a.threads))
     runs = []
-    sweep = [(ub, k, mb) for ub in _ints(a.ubatch) for k in stages for mb in _ints(a.micro_batches)]
-    for ub, k, mb in sweep:
+    sweep = [(c, ub, k, mb) for c in calls for ub in _ints(a.ubatch) for k in stages
+             for mb in _ints(a.micro_batches)]
+    for c, ub, k, mb in sweep:
         # the single-stage times: the same micro-batches with one in flight (no overlap, no contention)
-        def trace(nc: int, k: int = k, mb: int = mb, ub: int = ub) -> str | None:
-            return f"{a.trace}-s{k}-mb{mb}-nc{nc}-ub{ub}.json" if a.trace else None
-        solo = run_one(path, k, mb, 1, ub, a.mode, a.steps, a.threads, trace(1))
+        def trace(nc: int, k: int = k, mb: int = mb, ub: int = ub, c: str = c) -> str | None:
+            return f"{a.trace}-{c}-s{k}-mb{mb}-nc{nc}-ub{ub}.json" if a.trace else None
+        solo = run_one(path, k, mb, 1, ub, a.mode, a.steps, a.threads, trace(1), c)
         for nc in (_ints(a.n_copies) if a.n_copies else [default_copies(k)]):
-            r = solo if nc == 1 else run_one(path, k, mb, nc, ub, a.mode, a.steps, a.threads, trace(nc))
+            r = solo if nc == 1 else run_one(path, k, mb, nc, ub, a.mode, a.steps, a.threads, trace(nc), c)
             if a.trace:
                 r["trace"] = trace(nc)
             r = dict(r)

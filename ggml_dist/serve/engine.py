@@ -170,6 +170,7 @@ class EngineConfig:
     max_queue: int = 64
     threads_per_stage: int = 1
     n_copies: int | None = None             # micro-batches in flight on a pipeline (default: stages)
+    stage_calls: str = "auto"               # Pipeline.launch(calls=...): compiled graph or plain calls
     chat_template: str | None = None        # Jinja source overriding the GGUF's tokenizer.chat_template
     kv_unified: bool | None = None          # one KV stream shared by the slots, or one per slot
                                             # (None: per slot in one process, shared on a pipeline)
@@ -320,7 +321,8 @@ class Engine:
             self.pipeline = Pipeline.launch(cfg.model_path, cfg.n_stages or None, params,
                                             n_copies=cfg.n_copies or cfg.n_stages or None,
                                             threads_per_stage=cfg.threads_per_stage,
-                                            on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True))
+                                            on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True),
+                                            calls=cfg.stage_calls)
             self.depth = self.pipeline.ctx.n_copies
             self.model, self.ctx = self.pipeline.model, self.pipeline.ctx
         # one token through every stage: compiles kernels and plans before the first request

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..model.context import ContextParams, LlamaContext, StageLostError
 from ..model.model import LlamaModel
+from .compiled import CompiledChain
 from .driver import default_copies, driver_context, kv_plan, plan_on_nodes
 from .health import HealthServer, StageWatch
 from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError, place
@@ -302,6 +303,12 @@ class StageActor:
         return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream, incarnation=incarnation),
                              dtype=np.uint8)
 
+    def compute_chained(self, args: tuple, up: np.ndarray | None = None) -> np.ndarray:
+        """compute() as a node of the compiled graph (workers/compiled.py): args are the driver's
+        (pid, desc, inputs, incarnation) for this stage, up the stage before's result."""
+        pid, desc, inputs, incarnation = args
+        return self.compute(pid, desc, inputs, *(() if up is None else (up,)), incarnation=incarnation)
+
 
 def _pinned(placement: Placement, node_ids: list[str], overhead: int) -> Placement:
     """Stage k on node_ids[k % len]: the caller chose the nodes (their memory is not checked)."""
@@ -318,12 +325,13 @@ def _pinned(placement: Placement, node_ids: list[str], overhead: int) -> Placeme
 
 
 def _lost(e: BaseException) -> bool:
-    """Does this Ray error mean a stage's state is gone (actor died or restarted, objects lost)?"""
+    """Does this Ray error mean a stage's state is gone (actor died or restarted, objects lost, the compiled
+    graph's channels closed by a dead actor)?"""
     import ray.exceptions as rex
     lost_types = tuple(t for t in (getattr(rex, n, None) for n in (
         "RayActorError", "ActorDiedError", "ActorUnavailableError", "ObjectLostError", "OwnerDiedError",
         "ObjectReconstructionFailedError", "NodeDiedError", "WorkerCrashedError",
-        "ActorUnschedulableError")) if t is not None)
+        "ActorUnschedulableError", "RayChannelError")) if t is not None)
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
@@ -332,6 +340,20 @@ def _lost(e: BaseException) -> bool:
             return True
         cur = getattr(cur, "cause", None) or cur.__cause__    # RayTaskError keeps the original in .cause
     return False
+
+
+def _stage_error(e: BaseException, what: str, stage: int = -1) -> BaseException:
+    """The error a failed stage result raises on the driver: StageLostError (the context recovers)
+    where the stage's state is gone, else a RuntimeError naming the stage; e is its cause."""
+    if isinstance(e, StageLostError):
+        return e
+    err: BaseException
+    if _lost(e):
+        err = StageLostError(f"{what} lost its state: {type(e).__name__}", stage)
+    else:
+        err = RuntimeError(f"{what} failed: {e}")
+    err.__cause__ = e
+    return err
 
 
 def _ray_call(actor: Any, stage: int, layers: tuple[int, int], watch: StageWatch,
@@ -343,15 +365,31 @@ def _ray_call(actor: Any, stage: int, layers: tuple[int, int], watch: StageWatch
     def guarded(handles: list) -> list:
         try:
             return watch.wait(handles)
-        except StageLostError:
-            raise
         except Exception as e:
-            if _lost(e):
-                raise StageLostError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) lost its "
-                                     f"state: {type(e).__name__}", stage) from e
-            raise RuntimeError(f"stage {stage} (layers {layers[0]}..{layers[1] - 1}) failed: {e}") from e
+            err = _stage_error(e, f"stage {stage} (layers {layers[0]}..{layers[1] - 1})", stage)
+            if err is e:
+                raise
+            raise err from e
 
     return Call(submit, guarded, guarded)
+
+
+def compiled_fits(placement: Placement, threads: int, on_nodes: bool) -> bool:
+    """Does every process that waits on the compiled graph's channels have cores of its own? A waiting
+    reader spins (Ray's channels poll with sched_yield) where a plain call's waiter sleeps: a stage
+    needs its threads' cores on its node, the driver one on its own, or the spinning takes the cores
+    the kernels need (on a 2-core host, 2 stages ran at 0.65x their plain calls' tok/s). Local Ray: the
+    cores this process may use; on nodes: each node's Ray CPUs."""
+    need: dict[str, float] = {}
+    if not on_nodes:
+        return len(placement.stages) * threads + 1 <= len(os.sched_getaffinity(0))
+    import ray
+    driver = ray.get_runtime_context().get_node_id()
+    need[driver] = 1
+    for s in placement.stages:
+        need[s.node_id] = need.get(s.node_id, 0) + threads
+    cpus = {n.node_id: n.cpus for n in cluster_nodes(available=False)}
+    return all(cpus.get(n, 0.0) >= k for n, k in need.items())
 
 
 @dataclass
@@ -372,6 +410,7 @@ class Pipeline:
     ping_timeout_s: float = 10.0           # a stage that does not answer a ping in recovery is replaced
     launch_timeout_s: float = 300.0
     manifests: dict[int, tuple[list[str], WeightManifest]] = field(default_factory=dict)
+    chain: CompiledChain | None = None     # the stage calls as a compiled graph (None: plain calls)
 
     @classmethod
     def launch(cls, model_path: str, n_stages: int | None, params: ContextParams | None = None,
@@ -379,11 +418,15 @@ class Pipeline:
                budgets: list[int] | None = None, threads_per_stage: int = 1,
                max_restarts: int = 3, node_ids: list[str] | None = None,
                stage_model_path: str | None = None, nodes: list[NodeInfo] | None = None,
-               on_plan: Callable[[Placement], None] | None = None) -> Pipeline:
+               on_plan: Callable[[Placement], None] | None = None, calls: str = "auto") -> Pipeline:
         """Place the layers (n_stages None: the fewest stages that fit the cluster's nodes), start one
         actor per stage and wait until every stage holds its weights. On a cluster this process joined
         (not a local Ray it started), stages go one per node, sized by the nodes' Ray memory; node_ids
-        limits them to those nodes. on_plan sees the placement before any actor starts."""
+        limits them to those nodes. on_plan sees the placement before any actor starts. calls:
+        "compiled" runs a step's stage calls as one execution of a Ray Compiled Graph
+        (workers/compiled.py), "plain" as actor calls, "auto" picks (compiled_fits)."""
+        if calls not in ("auto", "compiled", "plain"):
+            raise ValueError(f"calls must be 'auto', 'compiled' or 'plain', not {calls!r}")
         import ray
         if params is None:
             params = ContextParams()
@@ -404,6 +447,10 @@ class Pipeline:
         pl = cls(model, placement, [], [], None, [], [], actor_cls,  # type: ignore[arg-type]
                  threads=threads_per_stage, on_nodes=nodes is not None or bool(node_ids))
         pl.watch = StageWatch(pl._describe)
+        if calls == "compiled" or (calls == "auto" and compiled_fits(placement, threads_per_stage, pl.on_nodes)):
+            pl.chain = CompiledChain(n, lambda: pl.actors, pl._plain_call, pl.watch,
+                                     lambda k: pl.infos[k].get("incarnation") if k < len(pl.infos) else None,
+                                     lambda e: _stage_error(e, "a stage of the compiled graph"))
         for sp in placement.stages:
             pl.specs.append(StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
                                       sp.stage == n - 1, params.n_ctx, model.hp.n_embd_k_gqa,
@@ -423,8 +470,12 @@ class Pipeline:
         return pl
 
     def _call(self, k: int) -> Call:
-        """How stage k's proxy reaches its current actor; each call names the incarnation the driver
-        last saw (info()), so a restarted process refuses calls meant for the one before it."""
+        """How stage k's proxy reaches its actors: through the compiled chain, or plain calls."""
+        return self._plain_call(k) if self.chain is None else self.chain.call(k)
+
+    def _plain_call(self, k: int) -> Call:
+        """Plain calls to stage k's current actor; each call names the incarnation the driver last saw
+        (info()), so a restarted process refuses calls meant for the one before it."""
         return _ray_call(self.actors[k], k, self.placement.stages[k].layers, self.watch,
                          lambda: self.infos[k].get("incarnation") if k < len(self.infos) else None)
 
@@ -486,6 +537,8 @@ class Pipeline:
         import ray
         import ray.exceptions as rex
         t0 = time.time()
+        if self.chain is not None:
+            self.chain.reset(lost=True)
         bad_nodes = {self.infos[k].get("node_id", "") for k in self.watch.lost} - {""}
         for k in sorted(self.watch.lost):
             self._replace(k, bad_nodes)
@@ -574,6 +627,8 @@ class Pipeline:
 
     def shutdown(self) -> None:
         import ray
+        if self.chain is not None:
+            self.chain.reset()
         for a in self.actors:
             ray.kill(a)
         self.actors.clear()

@@ -18,6 +18,9 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class HealthServer:
@@ -84,26 +87,27 @@ class StageWatch:
     def wait(self, handles: list) -> list:
         """ray.get(handles), or StageLostError for a stage that stopped answering. A result in time
         costs one ray.get; the probes start only past the deadline."""
-        import time
-
         import ray
-        import ray.exceptions as rex
+
+        def ready(timeout: float) -> bool:
+            return not ray.wait(handles, num_returns=len(handles), timeout=timeout)[1]
+        return self.await_result(ready, lambda: ray.get(handles))
+
+    def await_result(self, ready: Callable[[float], bool], get: Callable[[], T]) -> T:
+        """get() once ready(timeout) says the result is there (it waits up to timeout seconds for it,
+        False if it is not there yet); past the deadline, the stages are probed between waits."""
+        import time
         t0 = time.perf_counter()
-        try:
-            out = ray.get(handles, timeout=self.deadline())
-        except rex.GetTimeoutError:
-            self._probe_until_ready(handles)
-            out = ray.get(handles)
+        if not ready(self.deadline()):
+            self._probe_until(ready)
+        out = get()
         self.recent = [*self.recent, time.perf_counter() - t0][-16:]
         return out
 
-    def _probe_until_ready(self, handles: list) -> None:
-        import ray
-
+    def _probe_until(self, ready: Callable[[float], bool]) -> None:
         from ..model.context import StageLostError
         misses = [0] * len(self.addresses)
-        _, rest = ray.wait(handles, num_returns=len(handles), timeout=0)
-        while rest:
+        while not ready(0.0):
             for k, addr in enumerate(self.addresses):
                 if addr and probe(addr, self.PROBE_TIMEOUT_S) is None:
                     misses[k] += 1
@@ -115,4 +119,5 @@ class StageWatch:
                         raise StageLostError(msg, k)
                 else:
                     misses[k] = 0
-            _, rest = ray.wait(rest, num_returns=len(rest), timeout=1.0)
+            if ready(1.0):
+                return

@@ -38,11 +38,13 @@ def _reference(path, tokens):
     return batch, steps
 
 
-# 2 and 3 stages, 1 or 2 copies: bitwise the single-process logits, prompt and one-token steps
-@pytest.mark.parametrize("stages,n_copies", [(2, 1), (2, 2), (3, 3)])
-def test_pipeline_bitwise(local_ray, model_path, stages, n_copies):
+# 2 and 3 stages, 1 or 2 copies, plain actor calls or a compiled graph: bitwise the single-process
+# logits, prompt and one-token steps
+@pytest.mark.parametrize("stages,n_copies,calls", [(2, 1, "plain"), (2, 2, "plain"), (3, 3, "plain"),
+                                                   (2, 2, "compiled"), (3, 3, "compiled")])
+def test_pipeline_bitwise(local_ray, model_path, stages, n_copies, calls):
     ref_batch, ref_steps = _reference(model_path, TOKENS)
-    pl = Pipeline.launch(str(model_path), stages, ContextParams(n_ctx=256), n_copies=n_copies)
+    pl = Pipeline.launch(str(model_path), stages, ContextParams(n_ctx=256), n_copies=n_copies, calls=calls)
     try:
         assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
         for i, t in enumerate([5, 6, 7]):
@@ -51,20 +53,26 @@ def test_pipeline_bitwise(local_ray, model_path, stages, n_copies):
         stats = pl.stats()
         assert all(s["n_calls"] == 4 for s in stats)              # one call per stage per ubatch
         assert all(s["n_plans"] <= 2 for s in stats)              # prompt shape + one-token shape
+        if calls == "compiled":                                   # every step one execution, none plain
+            assert pl.chain is not None and pl.chain.enabled and pl.chain.n_executions == 4
+        else:
+            assert pl.chain is None
     finally:
         pl.shutdown()
 
 
 # a prompt split into ubatches runs with several micro-batches in flight, same logits
-def test_pipeline_microbatches_in_flight(local_ray, model_path):
+@pytest.mark.parametrize("calls", ["plain", "compiled"])
+def test_pipeline_microbatches_in_flight(local_ray, model_path, calls):
     tokens = (TOKENS * 5)[:48]
     ref = LlamaContext(LlamaModel.load(model_path), ContextParams(n_ctx=256, n_ubatch=8))
     want = ref.decode(Batch.from_tokens(tokens, all_outputs=True))
-    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256, n_ubatch=8), n_copies=2)
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256, n_ubatch=8), n_copies=2, calls=calls)
     try:
         got = pl.ctx.decode(Batch.from_tokens(tokens, all_outputs=True))
         assert np.array_equal(got, want)
         assert pl.ctx.n_reused >= 4
+        assert calls == "plain" or (pl.chain is not None and pl.chain.enabled and pl.chain.n_executions == 6)
     finally:
         pl.shutdown()
 
@@ -191,7 +199,8 @@ def test_pipeline_gemma3_sliding_window(local_ray):
 
 # the last stage chooses the tokens (greedy and seeded temperature sampling): the ids one process
 # chooses from its logits, and with keep_logits=False no logits cross the wire
-def test_pipeline_samples_on_the_last_stage(local_ray, model_path):
+@pytest.mark.parametrize("calls", ["plain", "compiled"])
+def test_pipeline_samples_on_the_last_stage(local_ray, model_path, calls):
     from ggml_dist.model.sampling import GREEDY, RowSampling, sample_row
     rows = [RowSampling(0.9, 40, 0.95, 0.05, 1234, i) for i in range(2)] + [GREEDY]
     batch = Batch(np.array(TOKENS[:6], np.int32), np.arange(6, dtype=np.int32), [frozenset({0})] * 6,
@@ -201,7 +210,7 @@ def test_pipeline_samples_on_the_last_stage(local_ray, model_path):
     want = [sample_row(logits[i], rs) for i, rs in enumerate(rows)]
     local = one.submit(Batch.from_tokens([5], pos0=6), sampling=[rows[0]])
     assert local.tokens() == [sample_row(local.result()[0], rows[0])]
-    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256))
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), calls=calls)
     try:
         before = pl.stats()[-1]["bytes_out"]
         got = pl.ctx.submit(batch, sampling=rows, keep_logits=False)

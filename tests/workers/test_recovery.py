@@ -47,14 +47,16 @@ def local_ray():
     ray.shutdown()
 
 
-# ray.kill of a stage mid-generation: Ray restarts it, the KV cache is replayed, same tokens
-@pytest.mark.parametrize("stage", [0, 1])
-def test_kill_stage_actor(local_ray, model_path, want, stage):
-    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256))
+# ray.kill of a stage mid-generation: Ray restarts it, the KV cache is replayed, same tokens; with the
+# compiled graph's steps too (the recovered pipeline goes on with plain calls)
+@pytest.mark.parametrize("stage,calls", [(0, "plain"), (1, "plain"), (0, "compiled")])
+def test_kill_stage_actor(local_ray, model_path, want, stage, calls):
+    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls=calls)
     try:
         got = _run_with_fault(pl, 6, lambda p: p.kill_stage(stage))
         assert got == want
         assert pl.ctx.n_recoveries == 1 and pl.ctx.n_replayed_tokens >= len(PROMPT) + 5
+        assert calls == "plain" or (pl.chain is not None and pl.chain.n_executions >= 6 and not pl.chain.enabled)
     finally:
         pl.shutdown()
 
