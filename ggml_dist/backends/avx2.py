@@ -17,15 +17,18 @@ Saturation (every int16 below is exact, so each lane is the exact integer sum vp
 * Q4: a nibble u <= 15 against a code |y| <= 128 gives pairs |u0 y0 + u1 y1| <= 3840. The chain
   (repacked Q4_0) adds a row's 8 pairs of a block (4 low lanes, 4 high) in int16, <= 30720 < 32767,
   so one vpmaddwd per block gives its integer dot; the lanes kinds take one vpmaddwd per lane.
+* Q5 (lanes only; 5th bits merged into the nibble bytes by vnni's Emit.fifth_bits): u <= 31, pairs
+  <= 7936.
 * Q8_0 x Q8_0 (both signed): ggml's sign trick, |x| as the unsigned operand and y with x's sign
   (vpsignb) as the signed one: |x| <= 128 (a -128 weight code, valid in a file, is 128 as u8) and
   |y| <= 127 give pairs <= 32512. A code y = -128 would wrap in vpsignb where x < 0; qpack._prep never
   makes one (|f32(x * 127/amax)| <= 127.00002 rounds to at most 127; tests/backends/test_avx2.py checks
   it), and a block where ggml's quantizer makes them (amax below 127/FLT_MAX, so id = inf) has
   d = f16(amax/127) = 0, whose lanes enter the result only as fma(+-0, lane, acc) = acc.
-Numerics are then vnni.py's exactly: Q4_0 lanes start at -8 sum(y) (yz), the chain subtracts
-8 sum(y) of the block (the sum of its 8 yz words), acc = fma(f32(dx*dy), f32(lane), acc) per lane
-(the chain: fma(f32(isum), f32(dx*dy), acc)), ggml's HA over the 8 lanes, Q4_1's sequential m*s sum.
+Numerics are then vnni.py's exactly: Q4_0 lanes start at -8 sum(y) (yz), Q5_0's at -16 sum(y), the
+chain subtracts 8 sum(y) of the block (the sum of its 8 yz words), acc = fma(f32(dx*dy), f32(lane), acc)
+per lane (the chain: fma(f32(isum), f32(dx*dy), acc)), ggml's HA over the 8 lanes, Q4_1's and Q5_1's
+sequential m*s sum.
 
 Switches, read once at import: GGML_DIST_NO_AVX2=1 turns these kernels off (qpack then runs its float
 kernels where VNNI is absent too); GGML_DIST_FORCE_AVX2=1 chooses them over vnni.py's on a host with
@@ -42,7 +45,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
-from .vnni import BLOCK_BYTES, R, group_intrinsic
+from .vnni import BLOCK_BYTES, HAS_M, Q5, R, group_intrinsic
 
 N = 8                                   # int32 lanes (rows) per 256-bit vector
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -121,14 +124,17 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                     fold(t, v, L, _madd_ones(e, _maddubs(e, ax, _sign(e, codes(t, L), x))))
         return
 
-    def start(t, L, s):                                            # Q4_0: + -8 sum(y) of the lane
-        return b.add(s, e.splat(yz[t], lane(L), _INTS)) if kind == "q4_0" else s
+    def start(t, L, s):                                            # Q4_0, Q5_0: + -8 or -16 sum(y) of the lane
+        return b.add(s, e.splat(yz[t], lane(L), _INTS)) if kind in ("q4_0", "q5_0") else s
 
     s16: dict[tuple[int, int], ir.Value] = {}
+    h = {v: e.vector(qb, _c64(16 * R + 4 * N * v), _BYTES, 1) for v in vs} if kind in Q5 else {}
     for l in range(4):
         for v in vs:
             x = weights(l, v)
             lo_x, hi_x = b.and_(x, ir.Constant(_BYTES, [15] * 32)), b.lshr(x, ir.Constant(_BYTES, [4] * 32))
+            if kind in Q5:
+                lo_x, hi_x = e.fifth_bits(lo_x, hi_x, h[v], l)
             for t in range(T):
                 lo = _maddubs(e, lo_x, codes(t, l))
                 hi = _maddubs(e, hi_x, codes(t, 4 + l))
@@ -147,7 +153,7 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
             czv = b.shuffle_vector(one, ir.Constant(_INTS, ir.Undefined), ir.Constant(_INTS, None))
             isum = b.add(_madd_ones(e, s), czv)
             b.store(e.fma(b.sitofp(isum, e.FLOATS), D[t, v], b.load(acc[t, v, 0])), acc[t, v, 0])
-    if kind == "q4_1":                                             # sm += f32(m) * s, sequential
+    if kind in HAS_M:                                              # sm += f32(m) * s, sequential
         for v in vs:
             mv = e.halves(m, rows(v))
             for t in range(T):
@@ -163,3 +169,5 @@ q4_0_x2, q4_0_x1 = _group("q4_0", 2, 1), _group("q4_0", 1, 2)
 q4_1_x2, q4_1_x1 = _group("q4_1", 2, 1), _group("q4_1", 1, 2)
 chain_x2, chain_x1 = _group("chain", 2, 2), _group("chain", 1, 4)
 q8_0_x2, q8_0_x1 = _group("q8_0", 2, 1), _group("q8_0", 1, 2)
+q5_0_x2, q5_0_x1 = _group("q5_0", 2, 1), _group("q5_0", 1, 2)
+q5_1_x2, q5_1_x1 = _group("q5_1", 2, 1), _group("q5_1", 1, 2)

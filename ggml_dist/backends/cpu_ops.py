@@ -260,7 +260,7 @@ def _mul_mat(t, dst, srcs, opts):
 
 
 def _mul_mat_packed(t, dst, srcs, opts) -> bool:
-    """MUL_MAT on a 2-D Q4_0/Q4_1/Q8_0 model weight through its packed form (qpack.py: repacked once,
+    """MUL_MAT on a 2-D Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 model weight through its packed form (qpack.py: repacked once,
     ggml's "extra" buffer; the same bits as quants.mul_mat). False where that path does not apply."""
     a_t, b_t = t.src[0], t.src[1]
     if (opts.exact or a_t.type not in _PACKABLE or not opts.numba or opts.order != "ggml"
@@ -280,7 +280,7 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
     return True
 
 
-_PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})   # qpack.PACKABLE (numba-free import)
+_PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1})  # qpack.PACKABLE
 
 
 def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:

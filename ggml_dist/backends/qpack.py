@@ -20,15 +20,25 @@ int8 kernels (same bits, 2.5-4x faster); where it has AVX2 but not VNNI, in the 
 int8 kernels (vpmaddubsw + vpmaddwd; same bits). The float kernels and their layout below are the
 portable path. ``Kernels`` names the three; default_kernels() picks the host's.
 
+Q5_0/Q5_1 (int8 kernels only): a group's block b is 20R bytes at b*20R, the Q4 nibbles of vnni.py's
+layout (16R bytes: byte (l, r, k) at l*4R + 4r + k is row r's qs[4l+k]) and then the block's 5th bits as
+a plane of 4R bytes: bit i of byte 4r + k is bit 4i+k of row r's qh, the 5th bit of element 4i+k (lane i),
+so byte 4r + k of the plane sits at the same offset as the nibble bytes of its row and k, and a word shift
+brings lane l's bit (and lane 4+l's) to bit 4 of every byte at once; ``d`` (and Q5_1's ``m``) as above.
+The packed weight again has the file's size. With the float kernels (a CPU without AVX2) Q5 is not
+repacked: PackedWeight keeps the file's rows and multiplies them with qkernels.mul_mat_q (the same bits).
+
 Numerics (ggml-numerics.md §1.5): a lane is the exact integer sum of its four products (f32 arithmetic on
 integers below 2^24 is exact, in any order). Then
 * "lanes" (ggml_vec_dot_*_q8_* and tinyBLAS_Q0_AVX): acc[L, r] = fma(f32(dx*dy), lane, acc[L, r]) over
-  blocks, result HA over the 8 lanes, plus for Q4_1 the sequential f32 sum of m*s;
+  blocks, result HA over the 8 lanes, plus for Q4_1/Q5_1 the sequential f32 sum of m*s (Q5_0, Q5_1 are
+  never repacked on x86, so always these);
 * "chain" (the repacked q4_0_8x8 kernels, Q4_0 with M % 8 == 0): acc[r] = fma(f32(isum), f32(dx*dy), acc[r]),
   isum = the block's integer dot.
 The fma is llvm.fma.f32 (one rounding; the same bits as quants.py's float64 emulation, and vectorized).
-Below MIN_TOKENS tokens each token runs the decode kernels (nibbles decoded in the loop); from there on the
-tiled kernels decode a block's codes once for a tile of tokens and take 4 tokens per code load.
+The int8 kernels take every token count (two tokens per group call). In the float kernels, below
+MIN_TOKENS tokens each token runs the decode kernels (nibbles decoded in the loop); from there on the tiled
+kernels decode a block's codes once for a tile of tokens and take 4 tokens per code load.
 These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/test_qpack.py checks it. The
 kernels release the GIL (nogil=True), as fkernels' do.
 """
@@ -49,12 +59,14 @@ from .threads import get_threads, launch
 T = GGMLType
 F32 = np.float32
 R = 64                                  # rows per group: the vector loops run over a group's rows
-PACKABLE = frozenset({T.Q4_0, T.Q4_1, T.Q8_0})
-_KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0 = 0, 1, 2, 3
+PACKABLE = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1})
+_Q5 = (T.Q5_0, T.Q5_1)                  # int8 kernels only; with Kernels.FLOAT qkernels' product (see PackedWeight)
+_KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0, _KIND_Q5_0, _KIND_Q5_1 = 0, 1, 2, 3, 4, 5
 # multiply-adds from which a product is split across threads (a launch costs a few us with OpenMP, see
 # qkernels; ~50-100 us with numba's workqueue layer, where only large products gain)
 _PARALLEL_WORK = 1 << 18
-_BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2)}    # block bytes, offset of the codes
+# block bytes, offset of the codes (Q5: of the nibbles; its 32-bit qh sits just before them)
+_BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2), T.Q5_0: (22, 6), T.Q5_1: (24, 8)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,54 +86,42 @@ def default_kernels() -> Kernels:
 
 
 class PackedWeight:
-    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0 in the layout of `kernels` (default:
+    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 in the layout of `kernels` (default:
     default_kernels(); vnni_layout=True/False is the older spelling of Kernels.VNNI/FLOAT). ``chain``
-    picks the repacked-kernel numerics (llama.cpp repacks Q4_0 when M % 8 == 0)."""
+    picks the repacked-kernel numerics (llama.cpp repacks Q4_0 when M % 8 == 0). Q5 has no float
+    kernels: with Kernels.FLOAT it keeps the file's rows (``raw``) and multiplies them with
+    qkernels.mul_mat_q (the same bits, decoded per block)."""
 
     def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = (),
                  vnni_layout: bool | None = None, kernels: Kernels | str | None = None) -> None:
         wtype = GGMLType(wtype)
-        if wtype not in PACKABLE:
-            raise ValueError(f"cannot pack {wtype.name}; packable: {sorted(t.name for t in PACKABLE)}")
-        if vnni_layout is not None:
-            if kernels is not None:
-                raise ValueError("give kernels or vnni_layout, not both")
-            kernels = Kernels.VNNI if vnni_layout else Kernels.FLOAT
-        kernels = default_kernels() if kernels is None else Kernels(kernels)
-        if kernels is Kernels.VNNI and not vnni.AVAILABLE:
-            raise ValueError("the vnni layout needs a CPU with AVX-512 VNNI (and GGML_DIST_NO_VNNI unset)")
-        if kernels is Kernels.AVX2 and not avx2.AVAILABLE:
-            raise ValueError("the avx2 kernels need a CPU with AVX2, FMA and F16C (and GGML_DIST_NO_AVX2 "
-                             "unset)")
-        int8 = kernels is not Kernels.FLOAT
-        bs, oq = _BLOCK[wtype]
+        kernels = _checked_kernels(wtype, vnni_layout, kernels)
+        bs = _BLOCK[wtype][0]
         M, nbytes = w.shape
         if nbytes % bs:
             raise ValueError(f"{wtype.name} rows are whole {bs}-byte blocks, got {nbytes} bytes")
         nb = nbytes // bs
         G = -(-M // R)
+        self.type, self.M, self.K, self.key = wtype, M, nb * 32, key
+        self.kernels = kernels
+        self.vnni = kernels is Kernels.VNNI
+        self.chain = wtype == T.Q4_0 and M % 8 == 0
+        self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
+                     T.Q8_0: _KIND_Q8_0, T.Q5_0: _KIND_Q5_0, T.Q5_1: _KIND_Q5_1}[wtype]
+        self.q8_1 = wtype in (T.Q4_1, T.Q5_1)            # activations as Q8_1, plus the sum of m*s
+        self.raw: np.ndarray | None = None
+        int8 = kernels is not Kernels.FLOAT
+        self._int8 = _INT8_ENTRIES[kernels] if int8 else None       # (serial, parallel) entry points
+        if wtype in _Q5 and not int8:
+            self.raw = w
+            self.qs = self.d = self.m = np.zeros((G, 1), np.uint16)
+            return
         if M % R:
             w = np.concatenate([w, np.zeros((G * R - M, nbytes), np.uint8)])
         b = np.asarray(w, np.uint8).reshape(G, R, nb, bs)
-        if wtype == T.Q8_0:
-            q = b[..., oq:oq + 32].reshape(G, R, nb, 8, 4)       # [g, r, b, L, k]
-        else:
-            q = b[..., oq:oq + 16].reshape(G, R, nb, 4, 4)       # [g, r, b, l, k]
-        order = (0, 2, 3, 1, 4) if int8 else (0, 2, 4, 3, 1)
-        self.qs = np.ascontiguousarray(q.transpose(order)).reshape(G, -1)
-        if wtype == T.Q8_0 and kernels is Kernels.VNNI:     # x + 128, vpdpbusd's unsigned operand
-            self.qs = self.qs ^ np.uint8(0x80)
-        elif wtype == T.Q8_0 and kernels is Kernels.FLOAT:
-            self.qs = self.qs.view(np.int8)
-        self.kernels = kernels
-        self.vnni = kernels is Kernels.VNNI
-        self._int8 = _INT8_ENTRIES[kernels] if int8 else None       # (serial, parallel) entry points
+        self.qs = _codes(wtype, b, kernels)
         self.d = _f16_plane(b, 0)
-        self.m = _f16_plane(b, 2) if wtype == T.Q4_1 else np.zeros((G, 1), np.uint16)
-        self.type, self.M, self.K, self.key = wtype, M, nb * 32, key
-        self.chain = wtype == T.Q4_0 and M % 8 == 0
-        self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
-                     T.Q8_0: _KIND_Q8_0}[wtype]
+        self.m = _f16_plane(b, 2) if self.q8_1 else np.zeros((G, 1), np.uint16)
 
     def bind(self, x: np.ndarray, out: np.ndarray) -> Callable[[], bool]:
         """mul_mat(x, out) for arrays fixed from now on (a replayed step's): the kernel and its
@@ -134,7 +134,7 @@ class PackedWeight:
             return lambda: self.mul_mat(x, out) is not None
         serial_mm, parallel_mm = self._int8
         big = N * self.M * K >= _PARALLEL_WORK
-        q8_1, kind, qs, d, m = self.type == T.Q4_1, self.kind, self.qs, self.d, self.m
+        q8_1, kind, qs, d, m = self.q8_1, self.kind, self.qs, self.d, self.m
 
         def run() -> bool:
             Y, Yb, Y4, Yz, dy, sy, ys = _work(N, K)
@@ -150,6 +150,8 @@ class PackedWeight:
         N, K = x.shape
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
+        if self.raw is not None:
+            return self._mul_mat_raw(x, out)
         tiled = N >= MIN_TOKENS and self._int8 is None
         Y, Yb, Y4, Yz, dy, sy, ys = _work(-(-N // 4) * 4 if tiled else N, K)     # tiled: 4 tokens at once
         if out is None:
@@ -158,13 +160,12 @@ class PackedWeight:
         parallel = get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
         if self._int8 is not None:      # quantize and multiply in one call
             serial_mm, parallel_mm = self._int8
-            int8_args = (x, self.type == T.Q4_1, Y, Yb, Y4, Yz, dy, sy, ys, self.kind, self.qs,
-                         self.d, self.m, out)
+            int8_args = (x, self.q8_1, Y, Yb, Y4, Yz, dy, sy, ys, self.kind, self.qs, self.d, self.m, out)
             if not parallel:
                 return out if serial_mm(*int8_args) else None
             with launch():
                 return out if parallel_mm(*int8_args, get_threads()) else None
-        if not _prep(x, self.type == T.Q4_1, Y, Yb, dy, sy, ys):
+        if not _prep(x, self.q8_1, Y, Yb, dy, sy, ys):
             return None
         args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
         if not parallel:
@@ -173,6 +174,70 @@ class PackedWeight:
         with launch():
             (_mm_t if tiled else _mm)(*args, 4 * get_threads())
         return out
+
+    def _mul_mat_raw(self, x: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
+        """Q5 without int8 kernels: qkernels' product of the file's rows (mul_mat's contract)."""
+        from . import qkernels
+        assert self.raw is not None
+        if not np.isfinite(x).all():
+            return None
+        if x.shape[0] == 0:
+            return np.empty((0, self.M), F32) if out is None else out
+        r = qkernels.mul_mat_q(self.type, self.raw, np.ascontiguousarray(x, F32), order="ggml")
+        assert r is not None, f"qkernels covers {self.type.name}"
+        if out is None:
+            return r
+        out[...] = r
+        return out
+
+
+def _checked_kernels(wtype: GGMLType, vnni_layout: bool | None, kernels: Kernels | str | None) -> Kernels:
+    """PackedWeight's kernels: the one asked for (or the host's), if wtype and the CPU allow it."""
+    if wtype not in PACKABLE:
+        raise ValueError(f"cannot pack {wtype.name}; packable: {sorted(t.name for t in PACKABLE)}")
+    if vnni_layout is not None:
+        if kernels is not None:
+            raise ValueError("give kernels or vnni_layout, not both")
+        kernels = Kernels.VNNI if vnni_layout else Kernels.FLOAT
+    kernels = default_kernels() if kernels is None else Kernels(kernels)
+    if kernels is Kernels.VNNI and not vnni.AVAILABLE:
+        raise ValueError("the vnni layout needs a CPU with AVX-512 VNNI (and GGML_DIST_NO_VNNI unset)")
+    if kernels is Kernels.AVX2 and not avx2.AVAILABLE:
+        raise ValueError("the avx2 kernels need a CPU with AVX2, FMA and F16C (and GGML_DIST_NO_AVX2 "
+                         "unset)")
+    return kernels
+
+
+def _codes(wtype: GGMLType, b: np.ndarray, kernels: Kernels) -> np.ndarray:
+    """The codes of blocks b [G, R, nb, bs] in the layout of kernels (module docstring): [G, ...]."""
+    G, _, nb, _ = b.shape
+    oq = _BLOCK[wtype][1]
+    int8 = kernels is not Kernels.FLOAT
+    n_lanes = 8 if wtype == T.Q8_0 else 4
+    q = b[..., oq:oq + 4 * n_lanes].reshape(G, R, nb, n_lanes, 4)     # [g, r, b, L, k] (Q4: byte 4l+k)
+    blocks = np.ascontiguousarray(q.transpose((0, 2, 3, 1, 4) if int8 else (0, 2, 4, 3, 1))).reshape(G, nb, -1)
+    if wtype in _Q5:                                         # each block's nibbles, then its 5th-bit plane
+        blocks = np.concatenate([blocks, _fifth_bit_plane(b[..., oq - 4:oq])], axis=2)
+    qs = blocks.reshape(G, -1)
+    if wtype == T.Q8_0 and kernels is Kernels.VNNI:          # x + 128, vpdpbusd's unsigned operand
+        return qs ^ np.uint8(0x80)
+    if wtype == T.Q8_0 and kernels is Kernels.FLOAT:
+        return qs.view(np.int8)
+    return qs
+
+
+def _fifth_bit_plane(qh: np.ndarray) -> np.ndarray:
+    """Q5's qh bytes [G, R, nb, 4] -> uint8 [G, nb, 4R]: byte 4r + k of block b holds row r's 5th bits
+    of elements 4i + k, i = 0..7, as bit i (bit i for ggml lane i). Done in slices of groups, so the
+    unpacked bits (8 bytes per qh byte) stay small next to the weight."""
+    G, _, nb, _ = qh.shape
+    plane = np.empty((G, nb, R, 4), np.uint8)
+    step = max(1, (1 << 16) // (R * nb))
+    for g in range(0, G, step):
+        bits = np.unpackbits(qh[g:g + step], axis=-1, bitorder="little")        # [g, r, b, e]: bit e of qh
+        by_lane = bits.reshape(*bits.shape[:3], 8, 4)                          # e = 4i + k
+        plane[g:g + step] = np.packbits(by_lane, axis=-2, bitorder="little")[..., 0, :].transpose(0, 2, 1, 3)
+    return plane.reshape(G, nb, 4 * R)
 
 
 _WORK = threading.local()
@@ -222,7 +287,7 @@ def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
         if not (isinstance(pw, PackedWeight) and _same(pw.key, key)):
             pw = t.extra = PackedWeight(wtype, w, key)
             release = getattr(t.buffer, "release_pages", None)
-            if release is not None:            # the mapping's pages of t are not read again by MUL_MAT
+            if release is not None and pw.raw is None:      # the mapping's pages of t are not read again
                 release(t.data, row_size(wtype, pw.K) * pw.M)
     return pw
 
@@ -429,8 +494,8 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 # sums are cheap enough that decoding codes once per tile, as the float kernels below do, would not pay).
 # Each ISA has its own entry points, so a host compiles only the intrinsics it has; the code between them
 # takes the ISA's group function (_group_vnni, _group_avx2) as an argument, inlined.
-_LANE_BIAS_VNNI = (8, 0, 8, 128)        # per kind: -bias * (sum of a lane's 4 codes) starts a lane
-_LANE_BIAS_AVX2 = (8, 0, 8, 0)          # avx2.py keeps Q8_0 codes unbiased
+_LANE_BIAS_VNNI = (8, 0, 8, 128, 16, 0)     # per kind: -bias * (sum of a lane's 4 codes) starts a lane
+_LANE_BIAS_AVX2 = (8, 0, 8, 0, 16, 0)       # avx2.py keeps Q8_0 codes unbiased
 
 
 @njit(cache=True, inline="always")
@@ -498,6 +563,10 @@ def _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, group):
         _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_1, group)
     elif kind == _KIND_Q4_0_CHAIN:
         _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q4_0_CHAIN, group)
+    elif kind == _KIND_Q5_0:
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q5_0, group)
+    elif kind == _KIND_Q5_1:
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q5_1, group)
     else:
         _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q8_0, group)
 
@@ -528,6 +597,7 @@ def _group_fn(isa):
     (two) or n alone, by kind (a constant once inlined)."""
     q4_0_x2, q4_0_x1, q4_1_x2, q4_1_x1 = isa.q4_0_x2, isa.q4_0_x1, isa.q4_1_x2, isa.q4_1_x1
     chain_x2, chain_x1, q8_0_x2, q8_0_x1 = isa.chain_x2, isa.chain_x1, isa.q8_0_x2, isa.q8_0_x1
+    q5_0_x2, q5_0_x1, q5_1_x2, q5_1_x1 = isa.q5_0_x2, isa.q5_0_x1, isa.q5_1_x2, isa.q5_1_x1
 
     @njit(inline="always")
     def group(kind, two, q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf):
@@ -546,6 +616,16 @@ def _group_fn(isa):
                 chain_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
             else:
                 chain_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+        elif kind == _KIND_Q5_0:
+            if two:
+                q5_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            else:
+                q5_0_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+        elif kind == _KIND_Q5_1:
+            if two:
+                q5_1_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            else:
+                q5_1_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
         else:
             if two:
                 q8_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)

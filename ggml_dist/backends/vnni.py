@@ -14,15 +14,19 @@ row-major chunks of 4 codes per lane: byte (b, l, r, k) at b*16R + l*4R + 4r + k
 (Q4: element 4l+k in the low nibble, lane l; element 16+4l+k in the high one, lane 4+l); Q8's (b, L, r, k)
 at b*32R + L*4R + 4r + k is row r's element 4L+k (lane L), stored as x + 128 (u8). One 32-bit lane of a
 64-byte vector is then one row's four codes of a ggml lane, which vpdpbusd multiplies by the token's
-four codes (broadcast).
+four codes (broadcast). Q5_0/Q5_1: a block is 20*R bytes, Q4's 16*R and then the 5th-bit plane of 4*R,
+byte (r, k) at b*20R + 16R + 4r + k with bit i = row r's 5th bit of element 4i+k (lane i): the plane's
+vector at the offset of a row vector's nibbles holds the bits of all 8 lanes, and Emit.fifth_bits moves
+lane l's (shift left by 4-l) and lane 4+l's (right by l) to bit 4 of the low and high nibble bytes.
 
 Numerics: exactly those of qpack's float kernels and quants.mul_mat(order="ggml") (ggml-numerics.md §1.5):
 lane sums are exact integers either way; Q4_0 lanes are centred as sum((u - 8) y) = sum(u y) - 8 sum(y),
-Q8_0's biased codes as sum((x + 128) y) - 128 sum(y); the token's -8 sum(y) or -128 sum(y) per lane
-(``yz``, from qpack._lane_starts) is vpdpbusd's starting value (exact: it does not saturate). Then
-acc = fma(f32(dx*dy), f32(lane), acc) per lane from acc = +0, block after block, and ggml's HA over the 8
-lanes; Q4_1 adds the sequential f32 sum of m*s (from -0, so its first term is kept as is); the Q4_0 chain
-(repacked q4_0_8x8) runs acc = fma(f32(isum), f32(dx*dy), acc) per row, isum the block's integer dot.
+Q5_0's 5-bit codes as sum(u y) - 16 sum(y), Q8_0's biased codes as sum((x + 128) y) - 128 sum(y); the
+token's -8, -16 or -128 sum(y) per lane (``yz``, from qpack._lane_starts) is vpdpbusd's starting value
+(exact: it does not saturate). Then acc = fma(f32(dx*dy), f32(lane), acc) per lane from acc = +0, block
+after block, and ggml's HA over the 8 lanes; Q4_1 and Q5_1 add the sequential f32 sum of m*s (from -0,
+so its first term is kept as is); the Q4_0 chain (repacked q4_0_8x8) runs
+acc = fma(f32(isum), f32(dx*dy), acc) per row, isum the block's integer dot.
 
 Only hosts whose LLVM target has avx512vnni compile these (``AVAILABLE``); elsewhere, and with
 GGML_DIST_NO_VNNI=1, qpack takes avx2.py's kernels (the same layout and numerics on 256-bit vectors,
@@ -53,7 +57,10 @@ AVAILABLE = _host_has_vnni() and os.environ.get("GGML_DIST_NO_VNNI", "") in ("",
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _INTS = ir.VectorType(_I32, 16)
-BLOCK_BYTES = {"q4_0": 16 * R, "q4_1": 16 * R, "chain": 16 * R, "q8_0": 32 * R}
+# a group's bytes per block: Q5's are the Q4 nibbles (16R) and then its 5th-bit plane (4R)
+BLOCK_BYTES = {"q4_0": 16 * R, "q4_1": 16 * R, "chain": 16 * R, "q8_0": 32 * R, "q5_0": 20 * R, "q5_1": 20 * R}
+HAS_M = ("q4_1", "q5_1")                # a min per block: Q8_1 activations, the sequential sum of m*s
+Q5 = ("q5_0", "q5_1")
 
 
 class Emit:
@@ -102,6 +109,17 @@ class Emit:
         """acc + per int32 lane the sum of 4 products u8(a) x s8(b): exact, no saturation."""
         return self.b.call(self.intrinsic("llvm.x86.avx512.vpdpbusd.512", _INTS, 3),
                            [acc, self.b.bitcast(a, _INTS), b])
+
+    def fifth_bits(self, lo, hi, h, l):
+        """Q5: lo, hi = a row vector's low and high nibbles of lanes l and 4+l, with bit 4 of each byte
+        set from the 5th-bit plane h (the same rows; bit i of a byte is lane i's bit, see qpack). Bit l
+        moves up to bit 4 and bit 4+l down to it by word shifts: each stays in its byte."""
+        b, words = self.b, ir.VectorType(_I32, self.n)
+        hw = b.bitcast(h, words)
+        up = b.bitcast(b.shl(hw, ir.Constant(words, [4 - l] * self.n)), self.BYTES)
+        down = b.bitcast(b.lshr(hw, ir.Constant(words, [l] * self.n)), self.BYTES) if l else h
+        bit4 = ir.Constant(self.BYTES, [16] * (4 * self.n))
+        return b.or_(lo, b.and_(up, bit4)), b.or_(hi, b.and_(down, bit4))
 
     def fma(self, a, b, c):
         return self.b.call(self.intrinsic(f"llvm.fma.v{self.n}f32", self.FLOATS, 3), [a, b, c])
@@ -162,7 +180,7 @@ def _group_codegen(kind, T, V, block, n):
                     for j in share:
                         e.prefetch(pq, b.add(b.mul(blk, _c64(BLOCK_BYTES[kind])), _c64(64 * j)))
                     if k == 0:                                     # the block's 2 * R bytes of d and m
-                        for p in ((pd, pm) if kind == "q4_1" else (pd,)):
+                        for p in ((pd, pm) if kind in HAS_M else (pd,)):
                             for j in range(2 * R // 64):
                                 e.prefetch(p, b.add(b.mul(blk, _c64(2 * R)), _c64(64 * j)))
                 block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm)
@@ -170,7 +188,7 @@ def _group_codegen(kind, T, V, block, n):
                 for v in vs:
                     lanes = [b.load(acc[t, v, L]) for L in range(n_acc)]
                     h = lanes[0] if kind == "chain" else _ha(b, lanes)
-                    if kind == "q4_1":
+                    if kind in HAS_M:
                         h = b.fadd(h, b.load(sm[t, v]))
                     b.store(h, b.bitcast(b.gep(res, [_c64(t * R + n * v)]), e.FLOATS.as_pointer()), align=4)
         return context.get_dummy_value()
@@ -193,7 +211,7 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
         return e.vector(qb, _c64(L * 4 * R + 64 * v), e.BYTES, 1)
 
     def start(t, L):
-        return zero if kind == "q4_1" else e.splat(yz[t], lane(L), _INTS)
+        return zero if kind in HAS_M else e.splat(yz[t], lane(L), _INTS)
 
     dyt = [e.splat(dy[t], blk, e.FLOATS) for t in range(T)]
     D = {(t, v): b.fmul(e.halves(d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy), exact
@@ -210,10 +228,13 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                     fold(t, v, L, e.vpdpbusd(start(t, L), x[v], yv))
         return
     isum: dict[tuple[int, int], ir.Value] = {}
+    h = {v: e.vector(qb, _c64(16 * R + 64 * v), e.BYTES, 1) for v in vs} if kind in Q5 else {}
     for l in range(4):
         for v in vs:
             x = weights(l, v)
             lo_x, hi_x = b.and_(x, _bytes(15)), b.lshr(x, _bytes(4))
+            if kind in Q5:
+                lo_x, hi_x = e.fifth_bits(lo_x, hi_x, h[v], l)
             for t in range(T):
                 lo = e.vpdpbusd(start(t, l), lo_x, e.splat(y[t], lane(l), _INTS))
                 hi = e.vpdpbusd(start(t, 4 + l), hi_x, e.splat(y[t], lane(4 + l), _INTS))
@@ -225,7 +246,7 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
     if kind == "chain":                                            # acc = fma(f32(isum), D, acc)
         for (t, v), s in isum.items():
             b.store(e.fma(b.sitofp(s, e.FLOATS), D[t, v], b.load(acc[t, v, 0])), acc[t, v, 0])
-    if kind == "q4_1":                                             # sm += f32(m) * s, sequential
+    if kind in HAS_M:                                              # sm += f32(m) * s, sequential
         for v in vs:
             mv = e.halves(m, rows(v))
             for t in range(T):
@@ -256,5 +277,7 @@ q4_0_x2, q4_0_x1 = group_intrinsic("q4_0", 2, 1), group_intrinsic("q4_0", 1, 2)
 q4_1_x2, q4_1_x1 = group_intrinsic("q4_1", 2, 1), group_intrinsic("q4_1", 1, 2)
 chain_x2, chain_x1 = group_intrinsic("chain", 2, 1), group_intrinsic("chain", 1, 2)
 q8_0_x2, q8_0_x1 = group_intrinsic("q8_0", 2, 1), group_intrinsic("q8_0", 1, 4)
+q5_0_x2, q5_0_x1 = group_intrinsic("q5_0", 2, 1), group_intrinsic("q5_0", 1, 2)
+q5_1_x2, q5_1_x1 = group_intrinsic("q5_1", 2, 1), group_intrinsic("q5_1", 1, 2)
 
 

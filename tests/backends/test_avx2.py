@@ -1,5 +1,5 @@
 """Tests for ggml_dist.backends.avx2: the AVX2 int8 kernels (vpmaddubsw + vpmaddwd) read a packed Q4_0,
-Q4_1 or Q8_0 weight with exactly quants.mul_mat(order="ggml")'s bits (numpy path) for every row, token
+Q4_1, Q8_0, Q5_0 or Q5_1 weight with exactly quants.mul_mat(order="ggml")'s bits (numpy path) for every row, token
 and block count, zero blocks, outliers and the codes nearest int16 saturation included; qpack chooses
 them where AVX2 is there and VNNI is not, or with GGML_DIST_FORCE_AVX2=1. Where the CPU lacks AVX2
 everything here but the choice of kernels is skipped."""
@@ -25,7 +25,7 @@ qk = pytest.importorskip("ggml_dist.backends.qkernels")
 avx2 = qpack.avx2
 
 F32 = np.float32
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1]
 AVX2 = qpack.Kernels.AVX2
 needs_avx2 = pytest.mark.skipif(not avx2.AVAILABLE, reason="the CPU lacks AVX2/FMA/F16C (or GGML_DIST_NO_AVX2)")
 
@@ -37,9 +37,13 @@ def oracle(t, w, x):
 
 def weights(t, M, K, seed):
     w = random_rows(t, M, K, seed=seed)
-    w[::3, :Q.TYPE_TRAITS[t].type_size] = 0            # zero blocks (d = 0) in every third row
+    bs = Q.TYPE_TRAITS[t].type_size
+    w[::3, :bs] = 0                                    # zero blocks (d = 0) in every third row
     if t == T.Q8_0:
         w[1::3, 2:34:5] = 0x80                         # code -128 (outside quantize's range, valid in a file)
+    if t in (T.Q5_0, T.Q5_1):                          # the last block's 5th bits all set (its qh)
+        oh = 2 if t == T.Q5_0 else 4
+        w[1::3, oh - bs:oh - bs + 4] = 0xFF
     return w
 
 
@@ -64,6 +68,8 @@ def check(t, w, x, pw=None):
 @pytest.mark.parametrize("t", TYPES)
 def test_bit_identical_every_shape(t, M, K):
     # M = 8, 64, 136: Q4_0 as the repacked chain; 1-7: the 8-lane order, a group that is mostly padding
+    if t in (T.Q5_0, T.Q5_1) and M in (2, 4, 8):
+        pytest.skip("Q5 takes the lanes order at every M: 1, 3, 7 cover the mostly-padding groups")
     w = weights(t, M, K, seed=M + K)
     pw = qpack.PackedWeight(t, w, kernels=AVX2)
     assert pw.kernels is AVX2 and not pw.vnni and pw.chain == (t == T.Q4_0 and M % 8 == 0)
@@ -76,15 +82,17 @@ def test_bit_identical_every_shape(t, M, K):
 @pytest.mark.parametrize("t", TYPES)
 def test_codes_at_the_int16_limits(t):
     # the largest pair sums vpmaddubsw can see: every weight code at its extreme (Q8_0: -128, so |x| =
-    # 128; Q4: nibble 15, the chain summing a block's 8 pairs per int16) against codes of +-127 with
-    # the same sign pattern (Q8_0 pairs 2 * 128 * 127 = 32512), and the opposite one
+    # 128; Q4: nibble 15, the chain summing a block's 8 pairs per int16; Q5: 31, every 5th bit set)
+    # against codes of +-127 with the same sign pattern (Q8_0 pairs 2 * 128 * 127 = 32512), and the
+    # opposite one
     M, K = 16, 256
     bs = Q.TYPE_TRAITS[t].type_size
+    has_m = t in (T.Q4_1, T.Q5_1)
     w = np.zeros((M, K // 32, bs), np.uint8)
-    w[..., :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)      # d = 0.5 (Q4_1: m = 0.5 too)
-    if t == T.Q4_1:
+    w[..., :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)      # d = 0.5 (Q4_1, Q5_1: m = 0.5 too)
+    if has_m:
         w[..., 2:4] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
-    codes = slice(4, None) if t == T.Q4_1 else slice(2, None)
+    codes = slice(4, None) if has_m else slice(2, None)                  # Q5: qh and the nibbles
     w[..., codes] = 0x80 if t == T.Q8_0 else 0xFF
     w = w.reshape(M, -1)
     x = np.full((4, K), 2.0, F32)

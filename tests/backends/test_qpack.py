@@ -1,7 +1,8 @@
 """Tests for ggml_dist.backends.qpack: weights repacked once into row groups give exactly
 quants.mul_mat(order="ggml")'s bits (numpy path, the oracle-checked emulation) for every token count, row
 count and thread count; the packed copy is made once per weight, kept in the tensor's extra, and used by the
-CPU backend's MUL_MAT on model weights."""
+CPU backend's MUL_MAT on model weights. Q5_0/Q5_1 run the int8 kernels (their nibbles and a plane of 5th
+bits); with the float kernels they keep the file's rows and take qkernels' product, the same bits."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,9 +25,13 @@ qpack = pytest.importorskip("ggml_dist.backends.qpack")
 qk = pytest.importorskip("ggml_dist.backends.qkernels")
 
 F32 = np.float32
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1]
+Q5 = [T.Q5_0, T.Q5_1]
 # both packed layouts: the float kernels' everywhere, the int8 (vnni.py) one where the CPU has VNNI
 LAYOUTS = [False] + ([True] if qpack.vnni.AVAILABLE else [])
+# every kind of kernels this host runs (Q5's int8 path is tested here with whichever it has; test_avx2
+# forces the AVX2 one on a VNNI host)
+KERNELS = ["float"] + (["avx2"] if qpack.avx2.AVAILABLE else []) + (["vnni"] if qpack.vnni.AVAILABLE else [])
 
 
 def oracle(t, w, x):
@@ -135,8 +140,8 @@ def test_vnni_layout_needs_the_instructions(monkeypatch):
 
 
 def test_bad_input_is_an_error():
-    with pytest.raises(ValueError, match="cannot pack Q5_0"):
-        qpack.PackedWeight(T.Q5_0, np.zeros((8, 22), np.uint8))
+    with pytest.raises(ValueError, match="cannot pack Q6_K"):
+        qpack.PackedWeight(T.Q6_K, np.zeros((8, 210), np.uint8))
     with pytest.raises(ValueError, match="whole 18-byte blocks"):
         qpack.PackedWeight(T.Q4_0, np.zeros((8, 20), np.uint8))
     pw = qpack.PackedWeight(T.Q8_0, np.zeros((8, 34), np.uint8))
@@ -226,3 +231,77 @@ def test_bound_product_is_mul_mat(t, vnni_layout):
                 assert not call() and pw.mul_mat(x) is None
     finally:
         kt.set_threads(before)
+
+
+def _q5_weights(t, M, K, seed):
+    """Random Q5 rows with zero blocks (d = 0, every 5th bit clear) and blocks whose 5th bits are all set
+    or alternate, the nibbles random."""
+    w = random_rows(t, M, K, seed=seed)
+    bs, oh = Q.TYPE_TRAITS[t].type_size, (2 if t == T.Q5_0 else 4)
+    blocks = w.reshape(M, K // 32, bs)
+    blocks[::4, 0] = 0                                  # a whole zero block
+    blocks[1::4, 1, oh:oh + 4] = 0xFF
+    blocks[2::4, -1, oh:oh + 4] = 0x55
+    return w
+
+
+@pytest.mark.parametrize("t", Q5)
+def test_q5_fifth_bit_plane(t):
+    """The int8 layout keeps Q5 at the file's size: each block's nibbles (Q4's order), then 4R bytes
+    where bit i of byte 4r + k is row r's 5th bit of element 4i + k (ggml lane i)."""
+    M, K = 64, 96
+    w = _q5_weights(t, M, K, seed=3)
+    pw = qpack.PackedWeight(t, w, kernels=KERNELS[-1])
+    if pw.kernels is qpack.Kernels.FLOAT:
+        assert pw.raw is w
+        return
+    nb = K // 32
+    assert pw.qs.nbytes + pw.d.nbytes + (pw.m.nbytes if t == T.Q5_1 else 0) == w.nbytes
+    oh = 2 if t == T.Q5_0 else 4
+    qh = np.ascontiguousarray(w.reshape(M, nb, -1)[..., oh:oh + 4]).view("<u4")[..., 0]     # [r, b]
+    plane = pw.qs.reshape(nb, 20 * qpack.R)[:, 16 * qpack.R:].reshape(nb, M, 4)            # [b, r, k]
+    for i in range(8):
+        for k in range(4):
+            np.testing.assert_array_equal((plane[..., k] >> i) & 1, ((qh >> (4 * i + k)) & 1).T)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("t", Q5)
+def test_q5_every_token_count(t, kernels):
+    """Q5 against the oracle for decode (1-3 tokens) and prompt-sized token counts, M not a multiple of
+    64 (a partial last group), at 1 and 2 threads (M = 200: 4 groups, then a token split too at N=5)."""
+    M, K = 200, 256
+    w = _q5_weights(t, M, K, seed=int(t))
+    pw = qpack.PackedWeight(t, w, kernels=kernels)
+    assert (pw.raw is not None) == (kernels == "float")
+    xs = activations(128, K, seed=5)
+    before = kt.get_threads()
+    try:
+        for n_threads in sorted({1, min(2, kt.numba.config.NUMBA_NUM_THREADS)}):
+            kt.set_threads(n_threads)
+            for N in (1, 2, 3, 5, 8, 9, 33, 128):
+                got, ref = pw.mul_mat(xs[:N]), oracle(t, w, xs[:N])
+                assert np.array_equal(got, ref), \
+                    f"{t.name} {kernels} N={N} threads={n_threads}: {np.sum(got != ref)} differ"
+    finally:
+        kt.set_threads(before)
+
+
+@pytest.mark.parametrize("t", Q5)
+def test_q5_without_int8_kernels_keeps_the_file_rows(t, monkeypatch):
+    """With the float kernels (a CPU without AVX2) a Q5 weight is not repacked: the CPU backend's MUL_MAT
+    still takes the packed path, whose product is qkernels' (the same bits), and the mapping's pages stay."""
+    monkeypatch.setattr(qpack, "default_kernels", lambda: qpack.Kernels.FLOAT)
+    M, K = 24, 128
+    w = _q5_weights(t, M, K, seed=9)
+    x = activations(5, K, seed=4)
+    g, wt, out, buf, wbuf = _matmul_graph(t, w, M, K, x)
+    compute_graph(g)
+    np.testing.assert_array_equal(buf.get_tensor(out).reshape(-1, M), oracle(t, w, x))
+    assert isinstance(wt.extra, qpack.PackedWeight) and wt.extra.raw is not None
+    assert wbuf.released == []
+
+
+def test_cpu_backend_packs_what_qpack_packs():
+    from ggml_dist.backends import cpu_ops
+    assert cpu_ops._PACKABLE == qpack.PACKABLE
