@@ -253,6 +253,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                "recovery_s": [round(x, 3) for x in recovery_s]}
         if pl is not None:
             out["stages"] = _stage_summary(pl)
+            out["stage_calls"] = pl.calls_used()
             out["plan"] = pl.placement.to_json()
         print(json.dumps(out))
     else:

@@ -94,7 +94,7 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
         if trace:
             pl.write_trace(trace)
         same_host = all(i["node"] == os.uname().nodename for i in pl.infos)
-        ran = "compiled" if pl.chain is not None and pl.chain.enabled and pl.chain.n_executions else "plain"
+        ran = pl.calls_used()
     finally:
         pl.shutdown()
     n_calls = [a["n_calls"] - b["n_calls"] for a, b in zip(after, before)]

@@ -303,11 +303,13 @@ class StageActor:
         return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream, incarnation=incarnation),
                              dtype=np.uint8)
 
-    def compute_chained(self, args: tuple, up: np.ndarray | None = None) -> np.ndarray:
+    def compute_chained(self, args: tuple, up: bytes | None = None) -> bytes:
         """compute() as a node of the compiled graph (workers/compiled.py): args are the driver's
-        (pid, desc, inputs, incarnation) for this stage, up the stage before's result."""
+        (pid, desc, inputs, incarnation) for this stage, up the stage before's result. Messages travel
+        as bytes, which the channels pickle without a lookup per message."""
         pid, desc, inputs, incarnation = args
-        return self.compute(pid, desc, inputs, *(() if up is None else (up,)), incarnation=incarnation)
+        ups = () if up is None else (up,)
+        return bytes(self.worker.compute(pid, desc, inputs, *ups, incarnation=incarnation))
 
 
 def _pinned(placement: Placement, node_ids: list[str], overhead: int) -> Placement:
@@ -601,6 +603,14 @@ class Pipeline:
             f"take it (it needs {s.total_bytes / 2**20:.1f} MiB: weights {s.weight_bytes / 2**20:.1f}, "
             f"KV {s.kv_bytes / 2**20:.1f}, compute {s.compute_bytes / 2**20:.1f}, process "
             f"{s.overhead_bytes / 2**20:.1f}); add a node with that much memory and retry")
+
+    def calls_used(self) -> str:
+        """How the steps so far reached the stages: "compiled", "plain", or "compiled, then plain" (a
+        fall-back: workers/compiled.py says why on stderr)."""
+        c = self.chain
+        if c is None or not c.n_executions:
+            return "plain"
+        return "compiled" if c.enabled else "compiled, then plain"
 
     def stats(self) -> list[dict]:
         import ray

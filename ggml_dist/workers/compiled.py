@@ -89,7 +89,8 @@ class CompiledChain:
             return ChainHandle(Step(done=True), k, self.plain(k).submit(pid, desc, inputs, *refs))
         step = self.pending if k else Step()
         assert step is not None
-        step.args.append((pid, desc, np.frombuffer(inputs, np.uint8), self.incarnation(k)))
+        # bytes: pickled as they are (an array's pickling looks its reconstructor up, each time)
+        step.args.append((pid, desc, bytes(inputs), self.incarnation(k)))
         h = ChainHandle(step, k)
         step.handles.append(h)
         self.pending = step
@@ -175,7 +176,7 @@ class CompiledChain:
                 return False
         try:
             msg = self.watch.await_result(ready, ref.get)
-            step.msg = np.frombuffer(bytes(msg), np.uint8)  # the channel's buffer is reused: a copy
+            step.msg = np.frombuffer(bytes(msg), np.uint8)  # a copy, if the channel's buffer is reused
         except Exception as e:  # noqa: BLE001 - kept in the step, raised where its result is asked for
             step.error = self.lost(e)
         finally:

@@ -122,6 +122,15 @@ def test_auto_logits_bitwise_and_weight_cache(cluster, model, reference, tmp_pat
     assert np.array_equal(np.load(out)["logits"], reference[0])
 
 
+# the steps as one compiled-graph execution each, its channels between hosts over the bridge: the
+# same greedy tokens, and no fall-back to plain calls
+def test_compiled_graph_across_hosts(cluster, model, reference):
+    r = _cli(cluster, "run", "--model", str(model), "--stages", "auto", "--ctx", str(CTX), "--prompt", PROMPT,
+             "-n", str(N_PREDICT), "--temp", "0", "--stage-calls", "compiled", "--json")
+    out = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith('{"prompt_tokens"')))
+    assert out["tokens"] == reference[1] and out["stage_calls"] == "compiled", r.stderr[-3000:]
+
+
 # `ray job submit` to the head's dashboard: the job joins the cluster, places 2 stages, same tokens
 def test_ray_job_submit_auto(cluster, model, reference):
     ray_cli = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
