@@ -263,6 +263,8 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
     """MUL_MAT on a 2-D Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 model weight through its packed form (qpack.py: repacked once,
     ggml's "extra" buffer; the same bits as quants.mul_mat). False where that path does not apply."""
     a_t, b_t = t.src[0], t.src[1]
+    if a_t.type in _KPACKABLE:
+        return _mul_mat_kpacked(t, dst, srcs, opts)
     if (opts.exact or a_t.type not in _PACKABLE or not opts.numba or opts.order != "ggml"
             or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1 or b_t.type != GGMLType.F32
             or a_t.buffer.usage != BufferUsage.WEIGHTS):
@@ -287,6 +289,8 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
     """_mul_mat_packed with its static checks, views and packed weight resolved once: the replayed call
     is the packed product itself. None where the packed path cannot apply."""
     a_t, b_t = t.src[0], t.src[1]
+    if a_t.type in _KPACKABLE:
+        return _bind_mul_mat_kpacked(t, dst, srcs)
     if (a_t.type not in _PACKABLE or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1
             or b_t.type != GGMLType.F32 or a_t.buffer.usage != BufferUsage.WEIGHTS
             or not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous)):
@@ -305,6 +309,66 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
             bound[:] = [pw, pw.bind(xm, out)]
             call = bound[1]
         if not call():                          # a non-finite activation: the generic path
+            _mul_mat(t, dst, srcs, opts)
+    return run
+
+
+# K-quant model weights: kpack.py (Q4_K, Q5_K, Q6_K packed once, int8 kernels; the same bits as qkernels)
+_KPACKABLE = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})    # kpack.PACKABLE (numba-free import)
+
+
+def _kpack_applies(a_t, b_t) -> bool:
+    """The static conditions of the K-quant packed path: a 2-D model weight, f32 activations that are one
+    slice (b's ne[2] = ne[3] = 1, so the row count is ggml's ne11, which picks the tiled order)."""
+    return (a_t.view_src is None and a_t.ne[2] == 1 and a_t.ne[3] == 1 and b_t.type == GGMLType.F32
+            and b_t.ne[2] == 1 and b_t.ne[3] == 1 and a_t.buffer.usage == BufferUsage.WEIGHTS)
+
+
+def _kpack(opts: ComputeOptions) -> ModuleType | None:
+    """kpack, where opts take the compiled ggml-order path and this CPU has its kernels (VNNI or AVX2)."""
+    if opts.exact or opts.order != "ggml":
+        return None
+    kp = _compiled("kpack", opts)
+    return kp if kp is not None and kp.available() else None
+
+
+def _mul_mat_kpacked(t, dst, srcs, opts) -> bool:
+    """_mul_mat_packed for a K-quant weight; False where kpack does not apply (or gives the product back:
+    a non-finite activation, a Q6_K lane past 2^24), and the generic path computes it."""
+    a_t, b_t = t.src[0], t.src[1]
+    kp = _kpack(opts) if _kpack_applies(a_t, b_t) else None
+    if kp is None:
+        return False
+    pw = kp.packed(a_t.type, srcs[0][0, 0], a_t)
+    xm = srcs[1].reshape(-1, srcs[1].shape[-1])
+    direct = dst.flags.c_contiguous
+    r = pw.mul_mat(xm, dst.reshape(xm.shape[0], dst.shape[-1]) if direct else None)
+    if r is None:
+        return False
+    if not direct:
+        dst[...] = r.reshape(dst.shape)
+    return True
+
+
+def _bind_mul_mat_kpacked(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:
+    """_bind_mul_mat_packed for a K-quant weight."""
+    a_t, b_t = t.src[0], t.src[1]
+    if not (_kpack_applies(a_t, b_t) and srcs[1].flags.c_contiguous and dst.flags.c_contiguous):
+        return None
+    w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
+    out = dst.reshape(xm.shape[0], dst.shape[-1])
+    bound: list = [None, None]                             # the packed weight, its bound product
+
+    def run(opts: ComputeOptions) -> None:
+        kp = _kpack(opts)
+        if kp is None:
+            return _mul_mat(t, dst, srcs, opts)
+        pw, call = bound
+        if pw is None or a_t.extra is not pw:
+            pw = kp.packed(a_t.type, w, a_t)
+            bound[:] = [pw, pw.bind(xm, out)]
+            call = bound[1]
+        if not call():                          # given back: the generic path
             _mul_mat(t, dst, srcs, opts)
     return run
 

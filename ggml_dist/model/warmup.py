@@ -38,8 +38,8 @@ from pathlib import Path
 from ..backends.cpu_ops import NUMBA_DEFAULT
 from .gguf import load_gguf
 
-_KERNEL_SOURCES = ("qkernels.py", "fkernels.py", "qpack.py", "avx2.py", "vnni.py", "numerics.py",
-                   "kernel_cache.py", "threads.py", "rope.py", "cpu_ops.py")
+_KERNEL_SOURCES = ("qkernels.py", "fkernels.py", "qpack.py", "avx2.py", "vnni.py", "kpack.py", "kquant_ir.py",
+                   "numerics.py", "kernel_cache.py", "threads.py", "rope.py", "cpu_ops.py")
 CHECK_INTERVAL_S = 1.0
 
 
