@@ -9,14 +9,18 @@ locator keys by the file's path inside the package and the numba and Python vers
     $NUMBA_CACHE_DIR/ggml_dist/...   if NUMBA_CACHE_DIR is set
     $GGML_DIST_CACHE/kernels/...     else (default ~/.cache/ggml_dist/kernels)
 
-and keeps numba's stamp, a hash of the source file's content, so a copy whose source differs never
-loads another copy's kernels. Importing this module registers the locator (before the kernels are
-defined: qkernels imports it first).
+Numba's stamp (the source file's mtime and size) would not notice an edit to another file that the
+kernel's code is made of: qpack's kernels inline vnni.py's and avx2.py's IR, and call fkernels'. So the
+stamp here is a hash of every module of the backends package, and a copy whose backends differ in any
+byte never loads another copy's kernels (an upgrade recompiles them once). Importing this module
+registers the locator (before the kernels are defined: qkernels imports it first).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+from functools import cache
 from pathlib import Path
 
 import numba
@@ -33,6 +37,20 @@ def kernel_cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache" / "ggml_dist") / "kernels"
 
 
+def sources_stamp(directory: Path) -> str:
+    """sha256 of the modules in directory (their names and bytes)."""
+    h = hashlib.sha256()
+    for p in sorted(directory.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+@cache
+def backends_stamp() -> str:
+    """The backends package's sources_stamp, read once per process."""
+    return sources_stamp(Path(__file__).resolve().parent)
+
+
 class PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
     """A kernel of ggml_dist, cached under kernel_cache_dir() by its file's place in the package."""
 
@@ -45,6 +63,9 @@ class PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheL
 
     def get_cache_path(self) -> str:
         return self._cache_path
+
+    def get_source_stamp(self) -> str:
+        return backends_stamp()
 
     @classmethod
     def from_function(cls, py_func, py_file: str):

@@ -28,8 +28,8 @@ ggml's, per superblock with D = f32(dy*d), DM = f32(dy*dmin) (ggml-numerics.md Â
 Passes: VNNI runs a group's 4 row vectors in one pass over the superblocks, AVX2 its 8 in two passes of 4
 (a run-time loop, so the body is emitted once); each pass prefetches its share of the record PREFETCH
 superblocks ahead (the next group's, past a group's last), spread over the superblock's loads.
-kpack's numba kernels are cached by kpack.py's source only: after editing this module, clear the kernel
-cache (kernel_cache.kernel_cache_dir()) or numba keeps the old code.
+kpack's cached kernels are stamped with every backends module (kernel_cache.py): an edit here
+recompiles them.
 """
 from __future__ import annotations
 
