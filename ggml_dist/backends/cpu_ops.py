@@ -295,20 +295,34 @@ def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | Non
             or b_t.type != GGMLType.F32 or a_t.buffer.usage != BufferUsage.WEIGHTS
             or not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous)):
         return None
+    return _bind_packed_product(t, dst, srcs, _qpack)
+
+
+def _qpack(opts: ComputeOptions) -> ModuleType | None:
+    """qpack, where opts take the compiled ggml-order path."""
+    return None if opts.exact or opts.order != "ggml" else _compiled("qpack", opts)
+
+
+def _bind_packed_product(t, dst, srcs, packer: Callable[[ComputeOptions], ModuleType | None]
+                         ) -> Callable[[ComputeOptions], None]:
+    """The bound packed product of weight t.src[0]: packed by packer(opts).packed once (again if the
+    weight was rebound), its bind() call replayed; the generic path where packer gives no module or
+    the product is given back (a non-finite activation)."""
+    a_t = t.src[0]
     w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
     out = dst.reshape(xm.shape[0], dst.shape[-1])          # N may be 0: a ubatch without outputs
     bound: list = [None, None]                             # the packed weight, its bound product
 
     def run(opts: ComputeOptions) -> None:
-        if opts.exact or not opts.numba or opts.order != "ggml":
+        mod = packer(opts)
+        if mod is None:
             return _mul_mat(t, dst, srcs, opts)
         pw, call = bound
         if pw is None or a_t.extra is not pw:
-            from . import qpack
-            pw = qpack.packed(a_t.type, w, a_t)
+            pw = mod.packed(a_t.type, w, a_t)
             bound[:] = [pw, pw.bind(xm, out)]
             call = bound[1]
-        if not call():                          # a non-finite activation: the generic path
+        if not call():
             _mul_mat(t, dst, srcs, opts)
     return run
 
@@ -355,22 +369,7 @@ def _bind_mul_mat_kpacked(t, dst, srcs) -> Callable[[ComputeOptions], None] | No
     a_t, b_t = t.src[0], t.src[1]
     if not (_kpack_applies(a_t, b_t) and srcs[1].flags.c_contiguous and dst.flags.c_contiguous):
         return None
-    w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
-    out = dst.reshape(xm.shape[0], dst.shape[-1])
-    bound: list = [None, None]                             # the packed weight, its bound product
-
-    def run(opts: ComputeOptions) -> None:
-        kp = _kpack(opts)
-        if kp is None:
-            return _mul_mat(t, dst, srcs, opts)
-        pw, call = bound
-        if pw is None or a_t.extra is not pw:
-            pw = kp.packed(a_t.type, w, a_t)
-            bound[:] = [pw, pw.bind(xm, out)]
-            call = bound[1]
-        if not call():                          # given back: the generic path
-            _mul_mat(t, dst, srcs, opts)
-    return run
+    return _bind_packed_product(t, dst, srcs, _kpack)
 
 
 def _mul_mat_float(t, dst, srcs, opts, mask=None, skip: int = 0) -> bool:

@@ -41,11 +41,11 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit, prange
 
-from ..core.types import GGMLType, row_size
+from ..core.types import GGMLType
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
 from .kquant_ir import LAYOUT, group_intrinsic
-from .qpack import Kernels, _same, default_kernels
+from .qpack import Kernels, default_kernels, packed_as
 from .threads import get_threads, launch
 
 T = GGMLType
@@ -110,6 +110,7 @@ def _pack(wtype: GGMLType, w: np.ndarray) -> np.ndarray:
 class PackedKWeight:
     """One Q4_K/Q5_K/Q6_K weight matrix [M, K] packed for `kernels` (default: the host's, see
     kernels_here()). ``repacked``: llama.cpp's q4_K_8x8 numerics (Q4_K with M % 8 == 0)."""
+    raw: np.ndarray | None = None       # it never keeps the file's rows (qpack.packed_as)
 
     def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = (),
                  kernels: Kernels | str | None = None) -> None:
@@ -206,24 +207,10 @@ def _work(N: int, K: int) -> tuple[np.ndarray, ...]:
     return bufs
 
 
-_PACK_LOCK = threading.Lock()
-
-
 def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedKWeight:
     """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` (as
     qpack.packed); made again if t was rebound to other bytes."""
-    key = (t.buffer, t.data, w.shape)
-    pw = t.extra
-    if isinstance(pw, PackedKWeight) and _same(pw.key, key):
-        return pw
-    with _PACK_LOCK:
-        pw = t.extra
-        if not (isinstance(pw, PackedKWeight) and _same(pw.key, key)):
-            pw = t.extra = PackedKWeight(wtype, w, key)
-            release = getattr(t.buffer, "release_pages", None)
-            if release is not None:            # the mapping's pages of t are not read again by MUL_MAT
-                release(t.data, row_size(wtype, pw.K) * pw.M)
-    return pw
+    return packed_as(PackedKWeight, wtype, w, t)
 
 
 # ------------------------------------------------------------------------------------------------

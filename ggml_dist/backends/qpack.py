@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import numpy as np
 from numba import njit, prange
@@ -278,14 +279,32 @@ def _same(a: tuple, b: tuple) -> bool:
 def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
     """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` as ggml keeps its
     repack buffer; made again if t was rebound to other bytes."""
+    return packed_as(PackedWeight, wtype, w, t)
+
+
+class Packed(Protocol):
+    """What packed_as needs of a packed weight (PackedWeight, kpack.PackedKWeight)."""
+    key: tuple
+    raw: np.ndarray | None              # the file's rows, if it keeps them (then their pages stay)
+    K: int
+    M: int
+
+    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple) -> None: ...
+
+
+P = TypeVar("P", bound=Packed)
+
+
+def packed_as(cls: type[P], wtype: GGMLType, w: np.ndarray, t) -> P:
+    """packed() for any packed-weight class."""
     key = (t.buffer, t.data, w.shape)       # the buffer itself, not its id: an id can be reused
     pw = t.extra
-    if isinstance(pw, PackedWeight) and _same(pw.key, key):
+    if isinstance(pw, cls) and _same(pw.key, key):
         return pw
     with _PACK_LOCK:
         pw = t.extra
-        if not (isinstance(pw, PackedWeight) and _same(pw.key, key)):
-            pw = t.extra = PackedWeight(wtype, w, key)
+        if not (isinstance(pw, cls) and _same(pw.key, key)):
+            pw = t.extra = cls(wtype, w, key)
             release = getattr(t.buffer, "release_pages", None)
             if release is not None and pw.raw is None:      # the mapping's pages of t are not read again
                 release(t.data, row_size(wtype, pw.K) * pw.M)
