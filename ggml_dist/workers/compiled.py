@@ -224,7 +224,7 @@ class CompiledChain:
             print("ggml-dist: stage calls go as plain Ray calls from now on: a stage was lost", file=sys.stderr,
                   flush=True)
             self.enabled = False
-        for s in self.inflight:
+        for s in (*self.inflight, *([self.pending] if self.pending is not None else [])):
             s.done, s.ref = True, None
             s.error = StageLostError("the stages were restored: this result was lost with them")
         self.inflight.clear()

@@ -23,18 +23,18 @@ def local_ray():
 
 
 class Adder:
-    """A stage whose result is its input bytes plus (byte-wise) its upstream result, and which counts
-    its calls (so a test sees that a call ran once)."""
+    """A stage whose result is its input bytes plus (byte-wise) its upstream result, as bytes (as
+    StageActor's), and which counts its calls (so a test sees that a call ran once)."""
 
     def __init__(self) -> None:
         self.n = 0
 
     def compute(self, pid, desc, inputs, *ups, incarnation=None):
         self.n += 1
-        out = np.array(inputs, np.uint8)
+        out = np.frombuffer(inputs, np.uint8).copy()       # messages come as bytes or arrays
         for u in ups:
-            out = out + np.asarray(u, np.uint8)
-        return out
+            out = out + np.frombuffer(u, np.uint8)
+        return out.tobytes()
 
     def compute_chained(self, args, up=None):
         pid, desc, inputs, incarnation = args
