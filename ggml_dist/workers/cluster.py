@@ -380,14 +380,12 @@ def compiled_fits(placement: Placement, threads: int, on_nodes: bool) -> bool:
     """Does every process that waits on the compiled graph's channels have cores of its own? A waiting
     reader spins (Ray's channels poll with sched_yield) where a plain call's waiter sleeps: a stage
     needs its threads' cores on its node, the driver one on its own, or the spinning takes the cores
-    the kernels need (on a 2-core host, 2 stages ran at 0.65x their plain calls' tok/s). Local Ray: the
-    cores this process may use; on nodes: each node's Ray CPUs."""
-    need: dict[str, float] = {}
+    the kernels need (on a 2-core VM, 1 stage decoded 1.43x faster compiled, 2 stages no faster than
+    plain). Local Ray: the cores this process may use; on nodes: each node's Ray CPUs."""
     if not on_nodes:
         return len(placement.stages) * threads + 1 <= len(os.sched_getaffinity(0))
     import ray
-    driver = ray.get_runtime_context().get_node_id()
-    need[driver] = 1
+    need: dict[str, float] = {ray.get_runtime_context().get_node_id(): 1}       # the driver's node
     for s in placement.stages:
         need[s.node_id] = need.get(s.node_id, 0) + threads
     cpus = {n.node_id: n.cpus for n in cluster_nodes(available=False)}
