@@ -112,3 +112,15 @@ def test_a_dead_actor_is_a_lost_stage(chain):
     h = _step(c, [1, 1, 1])
     with pytest.raises(StageLostError):
         c.get([h])
+
+
+# auto: the compiled graph only where every stage's threads and the driver have cores of their own
+# (its readers spin); on a local Ray, stages x threads + 1 against the cores this process may use
+@pytest.mark.parametrize("stages,threads,cores,fits", [(1, 1, 2, True), (2, 1, 2, False), (2, 1, 3, True),
+                                                       (2, 2, 4, False), (2, 2, 5, True)])
+def test_compiled_fits_a_local_ray(monkeypatch, stages, threads, cores, fits):
+    from ggml_dist.workers import cluster
+    from ggml_dist.workers.placement import Placement, StagePlan
+    monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    placement = Placement([StagePlan(k, (k, k + 1), 0, 0, 0, None) for k in range(stages)])
+    assert cluster.compiled_fits(placement, threads, on_nodes=False) is fits
