@@ -3,6 +3,8 @@ metrics gathered from every replica, cancellation, the queue bound, the cores' s
 whose process dies: its request fails, the others serve on, and it comes back."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 for _mod in ("fastapi", "uvicorn", "httpx", "openai"):     # the serve extras
@@ -78,8 +80,11 @@ def test_threads_follow_the_busy_replicas(replicated):
                          timeout=30) as b:
         la, lb = a.iter_lines(), b.iter_lines()
         next(la), next(lb)
-        loads = sorted(r.load for r in eng.replicas)
         share = max(1, eng._threads // 2)
+        t0 = time.monotonic()              # a stream's first line can come before its request is routed
+        while sorted(r.load for r in eng.replicas) != [1, 1] and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        loads = sorted(r.load for r in eng.replicas)
         assert loads == [1, 1] and all(r.threads == share for r in eng.replicas)
     wait_idle(replicated)
     assert all(r.threads == eng._threads for r in eng.replicas)
