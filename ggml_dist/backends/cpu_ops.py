@@ -270,12 +270,18 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
             or a_t.buffer.usage != BufferUsage.WEIGHTS):
         return False
     from . import qpack
-    pw = qpack.packed(a_t.type, srcs[0][0, 0], a_t)
-    x = srcs[1]
+    return _packed_product(qpack, t, dst, srcs)
+
+
+def _packed_product(mod: ModuleType, t, dst, srcs) -> bool:
+    """dst = the product of t's weight packed by mod (qpack, kpack) and its activations; False where
+    the packed weight gives it back (a non-finite activation: the generic path gives ggml's values)."""
+    a_t, x = t.src[0], srcs[1]
+    pw = mod.packed(a_t.type, srcs[0][0, 0], a_t)
     xm = x.reshape(-1, x.shape[-1]) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     direct = dst.flags.c_contiguous
     r = pw.mul_mat(xm, dst.reshape(xm.shape[0], dst.shape[-1]) if direct else None)
-    if r is None:                       # a non-finite activation: the generic path gives ggml's values
+    if r is None:
         return False
     if not direct:
         dst[...] = r.reshape(dst.shape)
@@ -351,17 +357,7 @@ def _mul_mat_kpacked(t, dst, srcs, opts) -> bool:
     a non-finite activation, a Q6_K lane past 2^24), and the generic path computes it."""
     a_t, b_t = t.src[0], t.src[1]
     kp = _kpack(opts) if _kpack_applies(a_t, b_t) else None
-    if kp is None:
-        return False
-    pw = kp.packed(a_t.type, srcs[0][0, 0], a_t)
-    xm = srcs[1].reshape(-1, srcs[1].shape[-1])
-    direct = dst.flags.c_contiguous
-    r = pw.mul_mat(xm, dst.reshape(xm.shape[0], dst.shape[-1]) if direct else None)
-    if r is None:
-        return False
-    if not direct:
-        dst[...] = r.reshape(dst.shape)
-    return True
+    return kp is not None and _packed_product(kp, t, dst, srcs)
 
 
 def _bind_mul_mat_kpacked(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:

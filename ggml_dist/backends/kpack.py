@@ -45,7 +45,7 @@ from ..core.types import GGMLType
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
 from .kquant_ir import LAYOUT, group_intrinsic
-from .qpack import Kernels, default_kernels, packed_as
+from .qpack import Kernels, default_kernels, packed_as, thread_scratch
 from .threads import get_threads, launch
 
 T = GGMLType
@@ -193,18 +193,14 @@ _WORK = threading.local()
 
 def _work(N: int, K: int) -> tuple[np.ndarray, ...]:
     """Activation scratch (Yb, Y4, dy, sp, bp) for N tokens of K, reused per thread."""
-    cache: dict[tuple[int, int], tuple[np.ndarray, ...]] | None = getattr(_WORK, "bufs", None)
-    if cache is None:
-        cache = _WORK.bufs = {}
-    bufs = cache.get((N, K))
-    if bufs is None:
-        if len(cache) > 16:
-            cache.clear()
-        nb = K // 256
-        Yb = np.zeros((N, K), np.int8)
-        bufs = cache[(N, K)] = (Yb, Yb.view(np.int32), np.zeros((N, nb), F32), np.zeros((N, 4 * nb), np.int32),
-                                np.zeros((N, 8 * nb), np.int32))
-    return bufs
+    return thread_scratch(_WORK, _make_work, N, K)
+
+
+def _make_work(N: int, K: int) -> tuple[np.ndarray, ...]:
+    nb = K // 256
+    Yb = np.zeros((N, K), np.int8)
+    return (Yb, Yb.view(np.int32), np.zeros((N, nb), F32), np.zeros((N, 4 * nb), np.int32),
+            np.zeros((N, 8 * nb), np.int32))
 
 
 def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedKWeight:

@@ -244,22 +244,32 @@ def _fifth_bit_plane(qh: np.ndarray) -> np.ndarray:
 _WORK = threading.local()
 
 
+def thread_scratch(store: threading.local, make: Callable[[int, int], tuple[np.ndarray, ...]], N: int,
+                   K: int) -> tuple[np.ndarray, ...]:
+    """make(N, K)'s arrays, made once per thread of `store` and reused (at most 16 shapes kept)."""
+    cache: dict[tuple[int, int], tuple[np.ndarray, ...]] | None = getattr(store, "bufs", None)
+    if cache is None:
+        cache = store.bufs = {}
+    bufs = cache.get((N, K))
+    if bufs is None:
+        if len(cache) > 16:
+            cache.clear()
+        bufs = cache[(N, K)] = make(N, K)
+    return bufs
+
+
 def _work(Np: int, K: int) -> tuple[np.ndarray, ...]:
     """Activation scratch (Y, Yb, Y4, Yz, dy, sy, ys) for Np tokens of K, reused per thread (Y4: Yb's
     codes as int32 words of 4, Yz: the vnni kernels' lane starting values). Rows past a call's N (the
     padding to 4 tokens) hold zeros or an earlier call's finite codes: only the accumulators of those
     padding tokens read them, and those are never stored."""
-    cache: dict[tuple[int, int], tuple[np.ndarray, ...]] | None = getattr(_WORK, "bufs", None)
-    if cache is None:
-        cache = _WORK.bufs = {}
-    bufs = cache.get((Np, K))
-    if bufs is None:
-        if len(cache) > 16:
-            cache.clear()
-        Yb, Yz = np.zeros((Np, K), np.int8), np.zeros((Np, K // 4), np.int32)
-        scales = tuple(np.zeros((Np, K // 32), F32) for _ in range(3))
-        bufs = cache[(Np, K)] = (np.zeros((Np, K), F32), Yb, Yb.view(np.int32), Yz, *scales)
-    return bufs
+    return thread_scratch(_WORK, _make_work, Np, K)
+
+
+def _make_work(Np: int, K: int) -> tuple[np.ndarray, ...]:
+    Yb, Yz = np.zeros((Np, K), np.int8), np.zeros((Np, K // 4), np.int32)
+    scales = tuple(np.zeros((Np, K // 32), F32) for _ in range(3))
+    return (np.zeros((Np, K), F32), Yb, Yb.view(np.int32), Yz, *scales)
 
 
 def _f16_plane(b: np.ndarray, off: int) -> np.ndarray:
