@@ -48,6 +48,7 @@ from .proxy import Call, StageDevice, StageProxy
 from .resources import cluster_nodes, stage_options
 from .shipping import WeightManifest, manifest, ship
 from .stage import PlanMissingError, StageSpec, StageWorker
+from .wire import Message, ray_payload
 
 
 class RayStartError(RuntimeError):
@@ -268,7 +269,7 @@ def started_local() -> bool:
 
 
 class StageActor:
-    """The Ray face of a StageWorker: results are numpy bytes, which Ray stores without pickling. A
+    """The Ray face of a StageWorker: messages in and out are wire.ray_payload's (bytes or arrays). A
     health port on the node's IP answers while the stage's calls queue (workers/health.py)."""
 
     def __init__(self, spec: StageSpec) -> None:
@@ -298,10 +299,9 @@ class StageActor:
     def ping(self) -> int:
         return self.worker.ping()
 
-    def compute(self, pid: str, desc: dict | None, inputs: np.ndarray, *upstream: np.ndarray,
-                incarnation: str | None = None) -> np.ndarray:
-        return np.frombuffer(self.worker.compute(pid, desc, inputs, *upstream, incarnation=incarnation),
-                             dtype=np.uint8)
+    def compute(self, pid: str, desc: dict | None, inputs: Message, *upstream: Message,
+                incarnation: str | None = None) -> bytes | np.ndarray:
+        return ray_payload(self.worker.compute(pid, desc, inputs, *upstream, incarnation=incarnation))
 
     def compute_chained(self, args: tuple, up: bytes | None = None) -> bytes:
         """compute() as a node of the compiled graph (workers/compiled.py): args are the driver's
@@ -361,7 +361,7 @@ def _stage_error(e: BaseException, what: str, stage: int = -1) -> BaseException:
 def _ray_call(actor: Any, stage: int, layers: tuple[int, int], watch: StageWatch,
               incarnation: Callable[[], str | None]) -> Call:
     def submit(pid: str, desc: dict | None, inputs: bytearray, *ups: Any) -> Any:
-        return actor.compute.remote(pid, desc, np.frombuffer(inputs, dtype=np.uint8), *ups,
+        return actor.compute.remote(pid, desc, ray_payload(inputs), *ups,
                                     incarnation=incarnation())
 
     def guarded(handles: list) -> list:
