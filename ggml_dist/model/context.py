@@ -84,6 +84,8 @@ class UbatchRecord:
     tokens: list[int] | None = None
     done: bool = False                              # its result came back since it was last run
     embd: bool = False                              # outputs are embeddings (the final norm's rows)
+    # per token, (record, output row) whose chosen token it is (submit's tokens_from), until known
+    token_src: list[tuple[UbatchRecord, int]] | None = None
 
     def result(self) -> np.ndarray:
         if self.value is None:
@@ -142,6 +144,11 @@ class PendingLogits:
         """The tokens chosen for the output rows, in batch order (the batch was submitted with
         sampling=); on a pipeline its last stage chose them, and only they crossed the wire."""
         return self._recovering(self._collect_tokens)
+
+    def rows(self) -> list[tuple[UbatchRecord, int]]:
+        """Per output, in batch order: the ubatch record that computes it and its row there."""
+        rows = {int(i): (rec, r) for rec in self._records for r, i in enumerate(rec.ub.idx[rec.ub.output])}
+        return [rows[i] for i in sorted(rows)]
 
     def _recovering(self, collect: Callable):
         for attempt in range(self._ctx.max_recoveries + 1):
@@ -257,13 +264,20 @@ class LlamaContext:
         return self.submit(batch).result()
 
     def submit(self, batch: Batch, sampling: list[RowSampling] | None = None,
-               keep_logits: bool = True, embeddings: bool = False) -> PendingLogits:
+               keep_logits: bool = True, embeddings: bool = False,
+               tokens_from: PendingLogits | None = None) -> PendingLogits:
         """Queue every ubatch of a batch; the KV cells advance now, the logits come with result().
         sampling: one RowSampling per output token (batch order): result's tokens() are chosen where
         the logits are (a pipeline's last stage), and with keep_logits=False only they come back.
-        embeddings: the outputs are the final norm's rows [n_out, n_embd] instead of logits."""
+        embeddings: the outputs are the final norm's rows [n_out, n_embd] instead of logits.
+        tokens_from: an earlier submit (with sampling=) whose chosen tokens, in order, are this batch's
+        tokens (the batch's own ids are placeholders). Positions, masks and cells do not depend on
+        them, so the batch is queued before they are known: on a pipeline the last stage's token goes
+        to the first stage as a handle, and the driver never waits for it (token feedback); elsewhere
+        the tokens are waited for when the batch runs."""
         if embeddings and sampling is not None:
             raise BatchError("embeddings are not sampled")
+        token_src = None if tokens_from is None else self._token_sources(tokens_from, batch)
         if self.warmup is not None and self.warmup.ready():
             self._compiled_kernels_ready()
         hp = self.model.hp
@@ -294,6 +308,8 @@ class LlamaContext:
             slot = cells.find_slot_ubatch(ub.seq_ids, ub.n_seqs)
             cells.apply(slot, ub.pos, ub.seq_ids)
             rec = UbatchRecord(ub, slot, cells.n_kv(self._streams(ub)), embd=embeddings)
+            if token_src is not None:
+                rec.token_src = [token_src[int(i)] for i in ub.idx]
             if sampling is not None and rank is not None:
                 rec.sampling = [sampling[rank[int(i)]] for i in ub.idx[ub.output]]
                 rec.keep_logits = keep_logits
@@ -303,6 +319,16 @@ class LlamaContext:
             if ub.n_outputs:
                 records.append(rec)
         return PendingLogits(self, records, hp.n_embd if embeddings else hp.n_vocab)
+
+    @staticmethod
+    def _token_sources(tokens_from: PendingLogits, batch: Batch) -> list[tuple[UbatchRecord, int]]:
+        src = tokens_from.rows()
+        if any(rec.sampling is None for rec, _ in src):
+            raise BatchError("tokens_from: that batch was submitted without sampling= (no tokens are chosen)")
+        if len(src) != batch.n_tokens:
+            raise BatchError(f"tokens_from: that batch chooses {len(src)} tokens, this batch has "
+                             f"{batch.n_tokens}")
+        return src
 
     def _compiled_kernels_ready(self) -> None:
         """The background compile has cached the kernels: from this ubatch on, the compiled ones run
@@ -431,8 +457,15 @@ class LlamaContext:
             if self.after_alloc is not None:
                 self.after_alloc(self.sched, res.graph)
             self.gf_res_prev = res
+        fed = self._resolve_tokens(rec)
         self._set_inputs(res, ub, slot, key.n_kv)
         logits = res.logits
+        if fed is not None:                    # the token comes from the stage that sampled it
+            feed = logits.buffer.feed
+            if feed is None or not feed(res.inputs.tokens, fed):
+                self._known_tokens(rec)        # waits for it (a compiled graph takes no handles)
+                tensor_set(res.inputs.tokens, ub.tokens.astype(np.int32))
+                fed = None
         remote = rec.sampling is not None and ub.n_outputs > 0 and logits.buffer.set_sampling is not None
         if remote:                             # the stage that computes the logits samples them
             logits.buffer.set_sampling(logits, rec.sampling, rec.keep_logits)
@@ -443,6 +476,8 @@ class LlamaContext:
                     for ev in events:
                         ev.wait()
         self.sched.graph_compute_async(res.graph)
+        if fed is not None and logits.buffer.feed(res.inputs.tokens, None):
+            raise RuntimeError("the tokens' feed was not taken: no stage copies the token input in")
         if self.pipelined:
             self._inflight.append((rec.fetched, [b.event_record() for b in self.backends if b.inputs_by_value]))
         rec.value, rec.tokens, rec.fetch_tokens, rec.done = None, None, None, False
@@ -463,6 +498,28 @@ class LlamaContext:
         self.sched.synchronize()
         value = tensor_get(logits)
         rec.fetch = lambda: value
+
+    def _resolve_tokens(self, rec: UbatchRecord) -> Callable[[], np.ndarray] | None:
+        """A record's tokens from its sources (submit's tokens_from): known ones are written into its
+        ubatch, for good (a replay needs no source then). Returns the fetch to feed instead where every
+        token is the next unread row of one remote sampling, in order; else waits for the tokens."""
+        src = rec.token_src
+        if src is None:
+            return None
+        if all(s.tokens is not None for s, _ in src):
+            return self._known_tokens(rec)
+        s0 = src[0][0]
+        if all(s is s0 and r == i for i, (s, r) in enumerate(src)) and len(src) == s0.ub.n_outputs \
+                and s0.fetch_tokens is not None:
+            return s0.fetch_tokens
+        return self._known_tokens(rec)
+
+    @staticmethod
+    def _known_tokens(rec: UbatchRecord) -> None:
+        assert rec.token_src is not None
+        rec.ub.tokens = np.array([s.chosen()[r] for s, r in rec.token_src], np.int32)
+        rec.token_src = None
+        return None
 
     def _set_inputs(self, res: GraphResult, ub: Ubatch, slot: np.ndarray, n_kv: int) -> None:
         inp = res.inputs

@@ -320,9 +320,13 @@ class Sched:
                 if s.flags & TensorFlag.INPUT:
                     # user data: copy now, the user may overwrite s right after this call.
                     # differs from ggml: a backend that snapshots what it is given (a stage proxy sends
-                    # the bytes with its next call) has no copy slot still being read: no wait
+                    # the bytes with its next call) has no copy slot still being read: no wait; and it
+                    # may take the input from another call's result instead (Buffer.feed: the token
+                    # the last stage sampled, handed to the first without the driver)
                     if not by_value[B]:
                         self._event_synchronize(B)
+                    elif backend.cpy_tensor_async is not None and backend.cpy_tensor_async(src_backend, s, dst):
+                        continue
                     tensor_copy(s, dst)
                 else:
                     ev = self.events[B][cc] if self.has_events[B] else None

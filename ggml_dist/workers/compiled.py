@@ -78,7 +78,7 @@ class CompiledChain:
         self.n_executions = 0
 
     def call(self, k: int) -> Call:
-        return Call(lambda *a: self.submit(k, *a), self.get, self.wait)
+        return Call(lambda *a: self.submit(k, *a), self.get, self.wait, lambda: not self.enabled)
 
     # -- submission -----------------------------------------------------------------------------------
     def submit(self, k: int, pid: str, desc: dict | None, inputs: bytearray, *ups: Any) -> ChainHandle:

@@ -2,7 +2,8 @@
 
     StageDevice   supports_op (the actor runs the CPU kernels), its own non-host buffer type
     RemoteBuffer  where the driver's allocator places the stage's tensors: addresses only, no memory;
-                  set_tensor snapshots a graph input for the next call, get_tensor fetches an export
+                  set_tensor snapshots a graph input for the next call, get_tensor fetches an export,
+                  feed hands a sampled token to a later call's input as a handle (token feedback)
     StageProxy    graph_compute(split) = one asynchronous actor call carrying the split's plan id (and
                   its description the first time), the inputs that came from the driver, and the
                   producing stages' result handles
@@ -40,6 +41,7 @@ class Exports:
     Keys are node positions in the user graph, so the same graph shape gives the same plan ids."""
     keys: dict[Tensor, str] = field(default_factory=dict)
     handles: dict[Tensor, Any] = field(default_factory=dict)   # export -> handle of the call that made it
+    feeds: dict[Tensor, tuple[Any, str]] = field(default_factory=dict)   # graph input -> (handle, key)
 
     @classmethod
     def of(cls, sched: Any, graph: Graph) -> Exports:
@@ -87,7 +89,7 @@ class RemoteBuffer(Buffer):
     def get_tensor(self, t: Tensor) -> np.ndarray:
         return self.get_tensor_async(t)()
 
-    def get_tensor_async(self, t: Tensor, suffix: str = "") -> Callable[[], np.ndarray]:
+    def get_tensor_async(self, t: Tensor, suffix: str = "") -> Fetch:
         """A fetch of t's value as made by the call that last computed it (captured now); suffix
         ":tok": the tokens that call sampled from it (set_sampling)."""
         proxy = self.buft.proxy
@@ -96,7 +98,22 @@ class RemoteBuffer(Buffer):
         if key is None or handle is None:
             raise RuntimeError(f"'{t.name}' is not exported by {proxy.name}; only split outputs and "
                                f"OUTPUT tensors can be read back from a stage")
-        return lambda: proxy.fetch(handle, key + suffix)
+        return Fetch(proxy, handle, key + suffix)
+
+    def feed(self, t: Tensor, fetch: Callable[[], np.ndarray] | None) -> bool:
+        """The next compute takes graph input t from `fetch` (a Fetch of this pipeline's): the stage
+        that reads t gets the producing call's handle, and Ray hands it the result from stage to stage.
+        Not while the calls run as a compiled graph (its executions take their inputs from the driver).
+        fetch None: withdraw t's feed if the compute did not take it."""
+        proxy = self.buft.proxy
+        assert proxy is not None and proxy.exports is not None
+        feeds = proxy.exports.feeds
+        if fetch is None:
+            return feeds.pop(t, None) is not None
+        if not isinstance(fetch, Fetch) or not fetch.proxy.call.takes_refs():
+            return False
+        feeds[t] = (fetch.handle, fetch.key)
+        return True
 
     def set_sampling(self, t: Tensor, rows: list, keep_logits: bool) -> None:
         """The next call that computes t (the logits) samples one token per row where it runs (rows:
@@ -136,10 +153,24 @@ class StageDevice(Device):
 
 @dataclass
 class Call:
-    """How a proxy reaches its actor: submit returns a handle at once; get waits for handles."""
+    """How a proxy reaches its actor: submit returns a handle at once; get waits for handles;
+    takes_refs: whether any later call (not only the next stage's) may take a handle as an input."""
     submit: Submit
     get: Get
     wait: Callable[[list], object]
+    takes_refs: Callable[[], bool] = lambda: True
+
+
+@dataclass(frozen=True, eq=False)
+class Fetch:
+    """An export of one stage call, read when called (RemoteBuffer.get_tensor_async), or fed to a
+    later call as its handle (RemoteBuffer.feed)."""
+    proxy: StageProxy
+    handle: Any
+    key: str
+
+    def __call__(self) -> np.ndarray:
+        return self.proxy.fetch(self.handle, self.key)
 
 
 class StageProxy(Backend):
@@ -169,6 +200,9 @@ class StageProxy(Backend):
     # -- copies: recorded, sent with the next call --------------------------------------------------
     def cpy_tensor_async(self, src_backend: Any, src: Tensor, dst: Tensor) -> bool:
         ex = self.exports
+        if ex is not None and src in ex.feeds:          # a graph input fed from a call's result
+            self.pending_up[dst] = ex.feeds.pop(src)
+            return True
         if isinstance(src_backend, StageProxy) and ex is not None and src in ex.handles:
             self.pending_up[dst] = (ex.handles[src], ex.keys[src])
             return True
@@ -251,6 +285,7 @@ class StageProxy(Backend):
         self.last_handle = None
         if self.exports is not None:
             self.exports.handles.clear()
+            self.exports.feeds.clear()
 
     # -- synchronisation ----------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -195,3 +195,26 @@ def test_inconsistent_positions(model):
             ctx.decode(batch)
     assert ctx.kv.cells.used == 3 and ctx.seq_pos_max(0) == 2
     ctx.decode(Batch.from_tokens([7], pos0=3))                    # the next position is fine
+
+
+# submit(tokens_from=): a batch queued before its tokens are known takes the tokens an earlier batch
+# chose, in order; the same logits as the same batch with the tokens written in
+def test_tokens_from_an_earlier_batch(model):
+    from ggml_dist.model.sampling import GREEDY
+    params = ContextParams(n_ctx=128, n_seq_max=2)
+    ref, ctx = LlamaContext(model, params), LlamaContext(model, params)
+    prompt = Batch(np.array([1, 2, 3, 4], np.int32), np.array([0, 1, 0, 1], np.int32),
+                   [frozenset({0}), frozenset({0}), frozenset({1}), frozenset({1})], np.array([0, 1, 0, 1], bool))
+    first = ctx.submit(prompt, sampling=[GREEDY, GREEDY])
+    nxt = Batch(np.zeros(2, np.int32), np.array([2, 2], np.int32), [frozenset({0}), frozenset({1})],
+                np.ones(2, bool))
+    second = ctx.submit(nxt, sampling=[GREEDY, GREEDY], tokens_from=first)   # queued, tokens unknown
+    want_first = ref.submit(prompt, sampling=[GREEDY, GREEDY]).tokens()
+    nxt_known = Batch(np.array(want_first, np.int32), nxt.pos, nxt.seq_ids, nxt.output)
+    want_second = ref.decode(nxt_known)
+    assert first.tokens() == want_first
+    assert np.array_equal(second.result(), want_second)
+    with pytest.raises(BatchError, match="without sampling"):
+        ctx.submit(Batch.from_tokens([0], pos0=3), tokens_from=ctx.submit(Batch.from_tokens([5], pos0=3)))
+    with pytest.raises(BatchError, match="chooses 2 tokens"):
+        ctx.submit(Batch.from_tokens([0], pos0=4), tokens_from=second)

@@ -1,0 +1,92 @@
+"""Token feedback: a decode step queued before the previous step's token is known takes that token
+from the last stage where it was sampled (LlamaContext.submit(tokens_from=)); the driver never waits
+for it, and the tokens are one process's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ggml_dist.model.context import ContextParams, LlamaContext  # noqa: E402
+from ggml_dist.model.generate import generate  # noqa: E402
+from ggml_dist.model.model import LlamaModel  # noqa: E402
+from ggml_dist.model.sampling import GREEDY, RowSampling  # noqa: E402
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E402
+from ggml_dist.model.ubatch import Batch  # noqa: E402
+from ggml_dist.workers.cluster import Pipeline, connect  # noqa: E402
+
+PROMPT = [1, 300, 17, 402, 259]
+N = 10
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(write_synthetic(tmp_path_factory.mktemp("feed") / "m.gguf",
+                               SyntheticSpec(wtype="Q4_1", n_layer=4, tied=True, seed=5)))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+def _chain(ctx: LlamaContext, rows: list[RowSampling]) -> list:
+    """The prompt, then one step per row, each queued with the step before's token (none read yet)."""
+    out = [ctx.submit(Batch.from_tokens(PROMPT), sampling=[rows[0]], keep_logits=False)]
+    for i, rs in enumerate(rows[1:]):
+        out.append(ctx.submit(Batch.from_tokens([0], pos0=len(PROMPT) + i), sampling=[rs],
+                              keep_logits=False, tokens_from=out[-1]))
+    return out
+
+
+ROWS = [GREEDY] * 4 + [RowSampling(0.9, 40, 0.95, 0.05, 77, i) for i in range(4)]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_steps_queued_ahead_give_one_process_tokens(local_ray, model_path, stages):
+    want = [p.tokens()[-1] for p in _chain(LlamaContext(LlamaModel.load(model_path), ContextParams(n_ctx=256)), ROWS)]
+    pl = Pipeline.launch(model_path, stages, ContextParams(n_ctx=256), n_copies=4, calls="plain")
+    try:
+        pending = _chain(pl.ctx, ROWS)
+        # every step was submitted before any result came back to the driver
+        assert not any(rec.done for p in pending for rec in p._records)
+        assert [p.tokens()[-1] for p in pending] == want
+    finally:
+        pl.shutdown()
+
+
+# a compiled graph's executions take their inputs from the driver: the driver waits for each token
+# (the chain is not broken into plain calls), same tokens
+def test_compiled_graph_waits_for_the_token(local_ray, model_path):
+    want = [p.tokens()[-1] for p in _chain(LlamaContext(LlamaModel.load(model_path), ContextParams(n_ctx=256)), ROWS)]
+    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls="compiled")
+    try:
+        assert [p.tokens()[-1] for p in _chain(pl.ctx, ROWS)] == want
+        assert pl.chain is not None and pl.chain.enabled and pl.chain.n_executions == len(ROWS)
+    finally:
+        pl.shutdown()
+
+
+# generate queues steps ahead; an end-of-generation token read while later steps are in flight takes
+# them out of the cache again: same tokens, same cache, and the next decode has the same logits
+@pytest.mark.parametrize("lookahead", [2, 4])
+def test_generate_rolls_back_past_the_stop(local_ray, model_path, lookahead):
+    m = LlamaModel.load(model_path)
+    full = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, PROMPT, N).tokens
+    stop = full[5]
+    m.tokenizer.is_eog = lambda t: t == stop                      # type: ignore[method-assign]
+    ref = LlamaContext(m, ContextParams(n_ctx=256))
+    want = generate(ref, m.tokenizer, PROMPT, N)
+    assert want.stop_reason == "eog" and want.tokens == full[:full.index(stop)]
+    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls="plain")
+    try:
+        got = generate(pl.ctx, m.tokenizer, PROMPT, N, lookahead=lookahead)
+        assert (got.tokens, got.stop_reason) == (want.tokens, "eog")
+        assert pl.ctx.seq_pos_max(0) == ref.seq_pos_max(0) == len(PROMPT) + len(want.tokens) - 1
+        nxt = Batch.from_tokens([7], pos0=ref.seq_pos_max(0) + 1)
+        assert np.array_equal(pl.ctx.decode(nxt), ref.decode(nxt))
+    finally:
+        pl.shutdown()
