@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--inject-fault", default=None, metavar="kill-stage:K:after-token:N",
                    help="kill stage K's actor after N generated tokens (the run recovers)")
+    p.add_argument("--lookahead", type=int, default=None, metavar="N",
+                   help="decode steps queued before a token is read (default: 2 over stages, whose last "
+                        "stage feeds each token to the first; 1 in one process)")
 
     p = sub.add_parser("logits", help="write the logits of every position of a token list")
     _add_model_args(p)
@@ -241,7 +244,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                         repeat_penalty=args.repeat_penalty, seed=args.seed)
     on_text = None if args.json else _write_flush
     on_token, recovery_s = _recovery_clock(lctx, _fault_injector(args.inject_fault, pl))
-    res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=on_token)
+    res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=on_token,
+                   lookahead=args.lookahead)
     timings = {"prompt_tok_s": round(res.prompt_tok_s, 3), "decode_tok_s": round(res.decode_tok_s, 3)}
     if pl is not None and args.trace:
         pl.write_trace(args.trace)

@@ -2,7 +2,7 @@
 
     ggml-dist bench pipeline --model M [--stages 1,2,3] [--micro-batches 1,4] [--n-copies K]
                              [--ubatch 32,64] [--mode prefill|decode] [--calls compiled,plain]
-                             [--plot out.png] [--trace PREFIX] --json
+                             [--lookahead 1,2] [--plot out.png] [--trace PREFIX] --json
 
 Every (calls, ubatch, stages, micro-batches) point of the sweep is run (calls: a step as one execution of
 the stages' Ray Compiled Graph, or as plain actor calls; each run reports which ran); decode runs report TTFT and the
@@ -12,7 +12,9 @@ prefill: one prompt of micro_batches x ubatch tokens, decoded as micro_batches u
          n_copies of them in flight (only the last token's logits are read).
 decode:  micro_batches sequences, one per micro-batch, decoding continuously: each sequence's next
          step is submitted as soon as its token is sampled, while the other sequences' steps are in
-         flight (the pipeline is never drained between steps).
+         flight (the pipeline is never drained between steps). --lookahead L keeps L steps of each
+         sequence in flight: a step queued before its token is sampled takes it from the last stage
+         (token feedback), so the driver is not between the last stage and the first.
 The bound comes from the single-stage times t_k of one micro-batch on stage k, measured by the
 actors' own clocks in a run of the same micro-batches with n_copies=1 (one in flight: no overlap,
 so no contention between stages):
@@ -53,7 +55,8 @@ def _ints(s: str) -> list[int]:
 
 
 def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: int, mode: str,
-            n_steps: int, threads: int, trace: str | None = None, calls: str = "auto") -> dict[str, Any]:
+            n_steps: int, threads: int, trace: str | None = None, calls: str = "auto",
+            lookahead: int = 1) -> dict[str, Any]:
     from ..workers.cluster import Pipeline
     n_tok = micro_batches * ubatch
     n_seq = micro_batches if mode == "decode" else 1
@@ -82,10 +85,10 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
                 last.append(int(np.argmax(ctx.decode(Batch.from_tokens(p, seq_id=s))[-1])))
                 ttft.append(time.perf_counter() - t)
             pos = [4] * n_seq
-            _decode_continuous(ctx, last, pos, n_seq)                # warm-up: one step each
+            _decode_continuous(ctx, last, pos, n_seq * lookahead, lookahead)    # warm-up: the plans
             before = pl.stats()
             t0, c0 = time.perf_counter(), time.process_time()
-            itl = _decode_continuous(ctx, last, pos, n_steps * n_seq)
+            itl = _decode_continuous(ctx, last, pos, n_steps * n_seq, lookahead)
             wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
             processed = n_steps * n_seq
             latency = {"ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl),
@@ -112,6 +115,7 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
     ideal_tok_s = processed / ideal if ideal > 0 else 0.0
     return {"_t_k": t_k, "_n_mb": n_mb, "_processed": processed, "ideal_inrun_tok_s": round(ideal_tok_s, 3),
             "stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch, "calls": ran,
+            "lookahead": lookahead if mode == "decode" else None,
             "mode": mode, "tok_s": round(tok_s, 3), "ideal_tok_s": round(ideal_tok_s, 3),
             "efficiency": round(tok_s / ideal_tok_s, 3) if ideal_tok_s else None,
             "bubble_frac": round(1 - sum(busy) / (stages * wall), 3),
@@ -139,21 +143,30 @@ def _pcts(xs: list[float]) -> dict[str, float]:
     return {"p50": round(float(q[0]), 2), "p90": round(float(q[1]), 2), "p99": round(float(q[2]), 2)}
 
 
-def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int) -> list[float]:
-    """n_tokens decode steps over the sequences, each its own micro-batch: every sequence has one step in
-    flight; the oldest is read (micro-batches finish in order), sampled, and that sequence's next step
-    submitted at once. `last` and `pos` are advanced in place. Returns the inter-token latencies: per
-    sequence, the time between two of its tokens (TPOT's samples)."""
+def _decode_continuous(ctx, last: list[int], pos: list[int], n_tokens: int, lookahead: int = 1) -> list[float]:
+    """n_tokens decode steps over the sequences, each its own micro-batch: every sequence has `lookahead`
+    steps in flight; the oldest is read (micro-batches finish in order), and that sequence's next step
+    submitted at once. With lookahead > 1 a step is queued before the token it decodes is known: it
+    takes the step before's token from the last stage (submit(tokens_from=)). `last` and `pos` are
+    advanced in place. Returns the inter-token latencies: per sequence, the time between two of its
+    tokens (TPOT's samples)."""
     assert n_tokens >= len(last), "at least one step per sequence"
     pending: deque = deque()
+    newest: dict[int, Any] = {}                # per sequence, its newest step in flight
 
     def step(s: int) -> None:                 # greedy on the last stage: only the token comes back
-        b = Batch.from_tokens([last[s]], pos0=pos[s], seq_id=s)
-        pending.append((s, ctx.submit(b, sampling=[GREEDY], keep_logits=False)))
+        prev = newest.get(s) if lookahead > 1 else None
+        b = Batch.from_tokens([last[s] if prev is None else 0], pos0=pos[s], seq_id=s)
+        fed = {} if prev is None else {"tokens_from": prev}
+        newest[s] = p = ctx.submit(b, sampling=[GREEDY], keep_logits=False, **fed)
+        pending.append((s, p))
         pos[s] += 1
-    for s in range(len(last)):
-        step(s)
-    submitted = len(last)
+    submitted = 0
+    for _ in range(lookahead):
+        for s in range(len(last)):
+            if submitted < n_tokens:
+                step(s)
+                submitted += 1
     seen: dict[int, float] = {}
     itl: list[float] = []
     for _ in range(n_tokens):
@@ -207,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--calls", default="auto", help="comma list of how the driver reaches the stages: "
                     "'compiled' (one Ray Compiled Graph execution per step), 'plain' (an actor call per stage) "
                     "or 'auto' (compiled where every stage and the driver have cores of their own)")
+    ap.add_argument("--lookahead", default="1", help="comma list (decode): steps each sequence has in flight; "
+                    "past 1, a step is queued before its token is known and the last stage feeds it to the first")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     calls = [c.strip() for c in a.calls.split(",") if c.strip()]
@@ -218,15 +233,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages = _ints(a.stages)
     connect(num_cpus=max(2, max(stages) * a.threads))
     runs = []
-    sweep = [(c, ub, k, mb) for c in calls for ub in _ints(a.ubatch) for k in stages
-             for mb in _ints(a.micro_batches)]
-    for c, ub, k, mb in sweep:
+    lookaheads = _ints(a.lookahead) if a.mode == "decode" else [1]
+    if not lookaheads or min(lookaheads) < 1:
+        ap.error(f"--lookahead takes positive integers, not {a.lookahead!r}")
+    sweep = [(c, ub, k, mb, la) for c in calls for ub in _ints(a.ubatch) for k in stages
+             for mb in _ints(a.micro_batches) for la in lookaheads]
+    for c, ub, k, mb, la in sweep:
         # the single-stage times: the same micro-batches with one in flight (no overlap, no contention)
-        def trace(nc: int, k: int = k, mb: int = mb, ub: int = ub, c: str = c) -> str | None:
-            return f"{a.trace}-{c}-s{k}-mb{mb}-nc{nc}-ub{ub}.json" if a.trace else None
+        def trace(nc: int, k: int = k, mb: int = mb, ub: int = ub, c: str = c, la: int = la) -> str | None:
+            return f"{a.trace}-{c}-s{k}-mb{mb}-nc{nc}-ub{ub}-la{la}.json" if a.trace else None
         solo = run_one(path, k, mb, 1, ub, a.mode, a.steps, a.threads, trace(1), c)
         for nc in (_ints(a.n_copies) if a.n_copies else [default_copies(k)]):
-            r = solo if nc == 1 else run_one(path, k, mb, nc, ub, a.mode, a.steps, a.threads, trace(nc), c)
+            r = solo if nc == 1 else run_one(path, k, mb, nc, ub, a.mode, a.steps, a.threads, trace(nc), c, la)
             if a.trace:
                 r["trace"] = trace(nc)
             r = dict(r)

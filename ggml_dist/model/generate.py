@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -62,40 +63,44 @@ class TextStream:
 def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n_predict: int,
              params: SamplingParams = SamplingParams(), seq_id: int = 0,
              on_text: Callable[[str], None] | None = None, stop_at_eog: bool = True,
-             n_batch: int = 512, on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
-    """Greedy or sampled continuation of prompt_tokens; on_token(index, id) runs after each token."""
+             n_batch: int = 512, on_token: Callable[[int, int], None] | None = None,
+             lookahead: int | None = None) -> GenerationResult:
+    """Greedy or sampled continuation of prompt_tokens; on_token(index, id) runs after each token.
+
+    lookahead: decode steps queued before the oldest one's token is read (default 2 on a pipeline,
+    1 elsewhere). Step k+1 takes step k's token where it is sampled (submit(tokens_from=)): a
+    pipeline's last stage hands it to the first without the driver in between. Steps queued past a
+    stop are taken out of the KV cache again (seq_rm), which leaves it as lookahead 1 would."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty: give at least one token")
     if n_predict < 0:
         raise ValueError(f"n_predict must be >= 0, got {n_predict}")
+    if lookahead is not None and lookahead < 1:
+        raise ValueError(f"lookahead must be >= 1, got {lookahead}")
     sampler, stream = Sampler(params), TextStream(tokenizer)
     history = list(prompt_tokens)
-    submit = None if sampler.penalized else getattr(decoder, "submit", None)
-
-    def next_token(batch: Batch) -> int:
-        """The token after the batch's last output."""
-        if submit is not None:
-            tok = submit(batch, sampling=[sampler.row()], keep_logits=False).tokens()[-1]
-            sampler.advance()
-            return int(tok)
-        return sampler.sample(decoder.decode(batch)[-1], history)
+    steps = _Steps(decoder, sampler, history, seq_id, lookahead)
 
     t0 = time.perf_counter()
     starts = range(0, len(prompt_tokens), n_batch)          # prefill in n_batch pieces
     for i in starts[:-1]:
         decoder.decode(Batch.from_tokens(prompt_tokens[i:i + n_batch], pos0=i, seq_id=seq_id))
     last = Batch.from_tokens(prompt_tokens[starts[-1]:], pos0=starts[-1], seq_id=seq_id)
-    tok = next_token(last) if n_predict else None
-    if tok is None:
+    if n_predict:
+        steps.request(last)
+    else:
         decoder.decode(last)
-    prompt_s = time.perf_counter() - t0
     out: list[int] = []
     text: list[str] = []
     stop = "length"
-    t1 = time.perf_counter()
-    pos = len(prompt_tokens)
+    prompt_s = t1 = 0.0
     while len(out) < n_predict:
-        assert tok is not None
+        while steps.queued < steps.depth and steps.n_requested < n_predict:
+            steps.request(None, pos0=len(prompt_tokens) + steps.n_requested - 1)
+        tok = steps.next_token()
+        if not out:                                         # the prompt's token: its time is the prompt's
+            prompt_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
         if stop_at_eog and tokenizer.is_eog(tok):
             stop = "eog"
             break
@@ -107,10 +112,9 @@ def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n
         text.append(piece)
         if on_text and piece:
             on_text(piece)
-        if len(out) == n_predict:
-            break
-        tok = next_token(Batch.from_tokens([tok], pos0=pos, seq_id=seq_id))
-        pos += 1
+    if not n_predict:
+        prompt_s, t1 = time.perf_counter() - t0, time.perf_counter()
+    steps.drop_after(len(prompt_tokens) + len(out))
     tail = stream.flush()
     if tail:
         text.append(tail)
@@ -118,3 +122,60 @@ def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n
             on_text(tail)
     return GenerationResult(list(prompt_tokens), out, "".join(text), prompt_s,
                             time.perf_counter() - t1, stop)
+
+
+class _Steps:
+    """One sequence's decode steps in flight, oldest first; each gives the token after its batch.
+
+    With a decoder that chooses tokens where its logits are (submit(sampling=)) and no penalty that
+    needs the history, a step is fed the previous step's token without waiting for it (tokens_from),
+    up to `depth` steps ahead. Otherwise one step at a time, sampled here from its logits."""
+
+    def __init__(self, decoder: Decoder, sampler: Sampler, history: list[int], seq_id: int,
+                 lookahead: int | None) -> None:
+        self.decoder, self.sampler, self.history, self.seq_id = decoder, sampler, history, seq_id
+        self.submit = None if sampler.penalized else getattr(decoder, "submit", None)
+        self.seq_rm = getattr(decoder, "seq_rm", None)
+        ahead = self.submit is not None and self.seq_rm is not None
+        default = 2 if getattr(decoder, "pipelined", False) else 1
+        self.depth = (lookahead or default) if ahead else 1
+        self._pending: deque = deque()
+        self.n_requested = 0
+        self._top = -1                        # the highest position a queued step decodes
+        self._last = 0                        # the token read last
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def request(self, batch: Batch | None, pos0: int = 0) -> None:
+        """Queue the batch, or (None) the step that decodes the newest queued step's token at pos0."""
+        if batch is None:
+            prev = self._pending[-1] if self._pending else None
+            if prev is None or self.depth == 1:           # one at a time: the token is known by now
+                batch = Batch.from_tokens([self._last], pos0=pos0, seq_id=self.seq_id)
+                prev = None
+            else:
+                batch = Batch.from_tokens([0], pos0=pos0, seq_id=self.seq_id)
+        else:
+            prev = None
+        self._top = int(batch.pos[-1])
+        self.n_requested += 1
+        if self.submit is None:
+            self._pending.append(self.decoder.decode(batch)[-1])
+            return
+        fed = {} if prev is None else {"tokens_from": prev}
+        self._pending.append(self.submit(batch, sampling=[self.sampler.row()], keep_logits=False, **fed))
+        self.sampler.advance()
+
+    def next_token(self) -> int:
+        p = self._pending.popleft()
+        tok = int(self.sampler.sample(p, self.history)) if self.submit is None else int(p.tokens()[-1])
+        self._last = tok
+        return tok
+
+    def drop_after(self, pos: int) -> None:
+        """Forget the steps still queued, and take what they decoded at pos and on out of the cache."""
+        self._pending.clear()
+        if self.seq_rm is not None and self._top >= pos:
+            self.seq_rm(self.seq_id, pos, -1)
