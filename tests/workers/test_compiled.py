@@ -29,7 +29,7 @@ class Adder:
     def __init__(self) -> None:
         self.n = 0
 
-    def compute(self, pid, desc, inputs, *ups, incarnation=None):
+    def compute(self, pid, desc, inputs, incarnation, *ups):
         self.n += 1
         out = np.frombuffer(inputs, np.uint8).copy()       # messages come as bytes or arrays
         for u in ups:
@@ -38,7 +38,7 @@ class Adder:
 
     def compute_chained(self, args, up=None):
         pid, desc, inputs, incarnation = args
-        return self.compute(pid, desc, inputs, *(() if up is None else (up,)), incarnation=incarnation)
+        return self.compute(pid, desc, inputs, incarnation, *(() if up is None else (up,)))
 
     def calls(self):
         return self.n
