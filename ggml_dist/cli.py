@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--inject-fault", default=None, metavar="kill-stage:K:after-token:N",
                    help="kill stage K's actor after N generated tokens (the run recovers)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="N continuations of the prompt decoded together (sequence i samples with seed + i); "
+                        "over stages they form one micro-batch per stage, which overlap")
     p.add_argument("--lookahead", type=int, default=None, metavar="N",
                    help="decode steps queued before a token is read (default: 2 over stages, whose last "
                         "stage feeds each token to the first; 1 in one process)")
@@ -194,7 +197,8 @@ def _params(args: argparse.Namespace):
     from .model.context import ContextParams
     kv_type = GGMLType.F16 if args.cache_type == "f16" else GGMLType.F32
     return ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.ubatch, type_k=kv_type,
-                         type_v=kv_type, exact=args.exact, background_compile=True)
+                         type_v=kv_type, exact=args.exact, background_compile=True,
+                         n_seq_max=max(1, getattr(args, "parallel", 1)))
 
 
 def _load(args: argparse.Namespace):
@@ -243,6 +247,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sp = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, seed=args.seed)
     on_text = None if args.json else _write_flush
+    if args.parallel != 1:
+        return _run_parallel(args, lctx, pl, ids, sp)
     on_token, recovery_s = _recovery_clock(lctx, _fault_injector(args.inject_fault, pl))
     res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=on_token,
                    lookahead=args.lookahead)
@@ -267,6 +273,41 @@ def _cmd_run(args: argparse.Namespace) -> int:
               f"graphs reused {lctx.n_reused}, rebuilt {lctx.n_rebuilt}"
               + (f" | recoveries {lctx.n_recoveries}, recovery_s {[round(x, 3) for x in recovery_s]}"
                  if lctx.n_recoveries else ""), file=sys.stderr)
+    return 0
+
+
+def _run_parallel(args: argparse.Namespace, lctx, pl, ids: list[int], sp) -> int:
+    """run --parallel N: N continuations, printed one after the other once all are done."""
+    from .model.generate import generate_parallel
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.inject_fault:
+        raise ValueError("--inject-fault takes a single sequence (no --parallel)")
+    tok = lctx.model.tokenizer
+    done = [0]
+
+    def progress(seq: int, i: int, t: int) -> None:
+        done[0] += 1
+        if not args.json and done[0] % 32 == 0:
+            print(f"ggml-dist: {done[0]} tokens over {args.parallel} sequences", file=sys.stderr, flush=True)
+    res = generate_parallel(lctx, tok, ids, args.n_predict, args.parallel, sp, lookahead=args.lookahead,
+                            n_batch=args.batch, on_token=progress)
+    n_gen = sum(max(len(r.tokens) - 1, 0) for r in res)
+    decode_s = res[0].decode_s
+    timings = {"prompt_tok_s": round(res[0].prompt_tok_s, 3),
+               "decode_tok_s": round(n_gen / decode_s, 3) if decode_s > 0 else 0.0}
+    if args.json:
+        out = {"prompt_tokens": ids, "sequences": [{"tokens": r.tokens, "text": r.text, "stop_reason": r.stop_reason}
+                                                   for r in res], "timings": timings}
+        if pl is not None:
+            out["stages"] = _stage_summary(pl)
+            out["stage_calls"] = pl.calls_used()
+        print(json.dumps(out))
+        return 0
+    for i, r in enumerate(res):
+        sys.stdout.write(f"--- sequence {i} ({r.stop_reason}, {len(r.tokens)} tokens)\n{r.text}\n")
+    print(f"prompt: {len(ids)} tokens, {timings['prompt_tok_s']} tok/s | decode: {n_gen} tokens over "
+          f"{args.parallel} sequences, {timings['decode_tok_s']} tok/s", file=sys.stderr)
     return 0
 
 

@@ -39,6 +39,18 @@ def test_run_stream(capsys, model):
     assert rc == 0 and "tok/s" in err and out.strip()
 
 
+# run --parallel: N continuations of the prompt, seed + i each; --json lists them
+def test_run_parallel(capsys, model):
+    rc, out, _ = _run(capsys, "run", "--model", model, "--prompt", "abc", "-n", "5", "--json", "--ctx", "256",
+                      "--parallel", "3", "--temp", "1.0", "--seed", "4")
+    assert rc == 0
+    seqs = json.loads(out)["sequences"]
+    assert len(seqs) == 3 and all(len(s["tokens"]) == 5 and s["stop_reason"] == "length" for s in seqs)
+    rc, out, err = _run(capsys, "run", "--model", model, "--prompt", "abc", "-n", "4", "--ctx", "256",
+                        "--parallel", "2")
+    assert rc == 0 and out.count("--- sequence") == 2 and "over 2 sequences" in err
+
+
 # logits of every position of the given ids, no BOS added
 def test_logits_npz(capsys, model, tmp_path):
     f = tmp_path / "l.npz"
@@ -66,6 +78,8 @@ def test_plan(capsys, model):
     (["logits", "--model", "MODEL", "--tokens", "1,x", "--out", "o.npz"], "comma-separated integers"),
     (["run", "--model", "MODEL"], "no prompt"),
     (["run", "--model", "MODEL", "--prompt", "x", "--layers", "0-9"], "layer ranges"),
+    (["run", "--model", "MODEL", "--prompt", "x", "--parallel", "0"], "--parallel must be >= 1"),
+    (["run", "--model", "MODEL", "--prompt", "x", "--lookahead", "0"], "lookahead must be >= 1"),
 ])
 def test_errors(capsys, model, argv, msg):
     argv = [model if a == "MODEL" else a for a in argv]

@@ -8,6 +8,7 @@ alone when no penalty needs the history: a pipeline's last stage then sends back
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -179,3 +180,138 @@ class _Steps:
         self._pending.clear()
         if self.seq_rm is not None and self._top >= pos:
             self.seq_rm(self.seq_id, pos, -1)
+
+
+def generate_parallel(ctx, tokenizer: Tokenizer, prompt_tokens: list[int], n_predict: int, n_seq: int,
+                      params: SamplingParams = SamplingParams(), groups: int | None = None,
+                      lookahead: int | None = None, stop_at_eog: bool = True, n_batch: int = 512,
+                      on_token: Callable[[int, int, int], None] | None = None) -> list[GenerationResult]:
+    """n_seq continuations of one prompt decoded together (llama.cpp's batched example); sequence i
+    samples with seed + i. ctx: a LlamaContext with n_seq_max >= n_seq and a unified KV cache.
+
+    The prompt is evaluated once, as sequence 0, and its cells join the others (seq_cp). The sequences
+    then fall into `groups` micro-batches (default: one per stage on a pipeline, so the stages overlap;
+    one in one process, which reads the weights once per step for all). A group's next step is queued
+    `lookahead` steps ahead (default 2 on a pipeline), its tokens fed from the last stage while the
+    group is unchanged; a sequence that stops leaves its group, and steps queued past its stop are taken
+    out of the cache again. on_token(seq, index, id) runs after each token."""
+    if not prompt_tokens:
+        raise ValueError("the prompt is empty: give at least one token")
+    if n_predict < 1 or n_seq < 1:
+        raise ValueError(f"n_predict and n_seq must be >= 1, got {n_predict} and {n_seq}")
+    if n_seq > ctx.params.n_seq_max or not ctx.kv.unified:
+        raise ValueError(f"{n_seq} sequences need a context with n_seq_max >= {n_seq} (it has "
+                         f"{ctx.params.n_seq_max}) and a unified KV cache")
+    pipelined = ctx.pipelined
+    n_groups = min(n_seq, groups or (sum(b.inputs_by_value for b in ctx.backends) if pipelined else 1))
+    base = params.seed if params.seed is not None else Sampler(params).seed
+    seqs = [_Sequence(i, Sampler(dataclasses.replace(params, seed=base + i)), TextStream(tokenizer),
+                      list(prompt_tokens)) for i in range(n_seq)]
+    t0 = time.perf_counter()
+    starts = range(0, len(prompt_tokens), n_batch)
+    for i in starts[:-1]:
+        ctx.decode(Batch.from_tokens(prompt_tokens[i:i + n_batch], pos0=i))
+    logits = ctx.decode(Batch.from_tokens(prompt_tokens[starts[-1]:], pos0=starts[-1]))[-1]
+    for s in seqs[1:]:
+        ctx.seq_cp(0, s.id)
+    prompt_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    dec = _Decoding(ctx, tokenizer, seqs, n_predict, len(prompt_tokens), stop_at_eog, on_token,
+                    (lookahead or (2 if pipelined else 1)))
+    for s in seqs:
+        dec.accept(s, s.sampler.sample(logits, s.history))
+    groups_of = [seqs[g * n_seq // n_groups:(g + 1) * n_seq // n_groups] for g in range(n_groups)]
+    dec.run(groups_of)
+    decode_s = time.perf_counter() - t1
+    out = []
+    for s in seqs:
+        tail = s.stream.flush()
+        out.append(GenerationResult(list(prompt_tokens), s.tokens, "".join(s.text) + tail, prompt_s, decode_s,
+                                    s.stop, {"seq": s.id}))
+    return out
+
+
+@dataclass(eq=False)
+class _Sequence:
+    id: int
+    sampler: Sampler
+    stream: TextStream
+    history: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    stop: str = ""                     # "" while it goes on
+    n_queued: int = 0                  # decode steps submitted for it
+
+
+class _Decoding:
+    """generate_parallel's decode loop: per group, steps in flight oldest first; micro-batches are read
+    in submission order (they finish in order)."""
+
+    def __init__(self, ctx, tokenizer: Tokenizer, seqs: list[_Sequence], n_predict: int, n_prompt: int,
+                 stop_at_eog: bool, on_token: Callable[[int, int, int], None] | None, lookahead: int) -> None:
+        self.ctx, self.tok, self.seqs, self.n_predict, self.n_prompt = ctx, tokenizer, seqs, n_predict, n_prompt
+        self.stop_at_eog, self.on_token, self.lookahead = stop_at_eog, on_token, lookahead
+        self.remote = not any(s.sampler.penalized for s in seqs)   # chosen where the logits are
+        self.inflight: deque = deque()                             # (group, pending, members)
+
+    def accept(self, s: _Sequence, tok: int) -> None:
+        if self.stop_at_eog and self.tok.is_eog(tok):
+            self._finish(s, "eog")
+            return
+        s.tokens.append(tok)
+        s.history.append(tok)
+        s.text.append(s.stream.push(tok))
+        if self.on_token is not None:
+            self.on_token(s.id, len(s.tokens), tok)
+        if len(s.tokens) == self.n_predict:
+            self._finish(s, "length")
+
+    def _finish(self, s: _Sequence, reason: str) -> None:
+        s.stop = reason
+        cut = self.n_prompt + len(s.tokens)          # the cache keeps what lookahead 1 would have
+        if self.ctx.seq_pos_max(s.id) >= cut:
+            self.ctx.seq_rm(s.id, cut, -1)
+
+    def run(self, groups: list[list[_Sequence]]) -> None:
+        for g in range(len(groups)):
+            self._top_up(groups, g)
+        while self.inflight:
+            g, pending, members = self.inflight.popleft()
+            if self.remote:
+                toks = pending.tokens()
+            else:
+                lg = pending.result()
+                toks = [s.sampler.sample(lg[i], s.history) for i, s in enumerate(members)]
+            for s, tok in zip(members, toks):
+                if not s.stop:                        # a sequence that stopped ignores what was queued
+                    self.accept(s, tok)
+            self._top_up(groups, g)
+
+    def _top_up(self, groups: list[list[_Sequence]], g: int) -> None:
+        """Queue group g's next steps, up to lookahead in flight: fed from the group's newest step while
+        the group is unchanged, else (its tokens known) once every step of it was read."""
+        while True:
+            mine = [(p, m) for gg, p, m in self.inflight if gg == g]
+            if len(mine) >= (self.lookahead if self.remote else 1):
+                return
+            members = [s for s in groups[g] if not s.stop and s.n_queued < self.n_predict - 1]
+            if not members:
+                return
+            newest = mine[-1] if mine else None
+            if newest is not None and newest[1] != members:
+                return                                # the group changed: its tokens come back first
+            n = len(members)
+            toks = np.zeros(n, np.int32) if newest else np.array([s.tokens[-1] for s in members], np.int32)
+            pos = np.array([self.n_prompt + s.n_queued for s in members], np.int32)
+            batch = Batch(toks, pos, [frozenset({s.id}) for s in members], np.ones(n, bool))
+            if self.remote:
+                fed = {} if newest is None else {"tokens_from": newest[0]}
+                pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in members], keep_logits=False,
+                                          **fed)
+                for s in members:
+                    s.sampler.advance()
+            else:
+                pending = self.ctx.submit(batch)
+            for s in members:
+                s.n_queued += 1
+            self.inflight.append((g, pending, members))

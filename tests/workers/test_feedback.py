@@ -16,14 +16,14 @@ from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E4
 from ggml_dist.model.ubatch import Batch  # noqa: E402
 from ggml_dist.workers.cluster import Pipeline, connect  # noqa: E402
 
-PROMPT = [1, 300, 17, 402, 259]
+PROMPT = [1, 300, 17, 402]
 N = 10
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return str(write_synthetic(tmp_path_factory.mktemp("feed") / "m.gguf",
-                               SyntheticSpec(wtype="Q4_1", n_layer=4, tied=True, seed=5)))
+                               SyntheticSpec(wtype="Q4_1", n_layer=4, tied=False, seed=21)))
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +76,12 @@ def test_compiled_graph_waits_for_the_token(local_ray, model_path):
 def test_generate_rolls_back_past_the_stop(local_ray, model_path, lookahead):
     m = LlamaModel.load(model_path)
     full = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, PROMPT, N).tokens
+    assert len(set(full)) == N                                   # a varied continuation
     stop = full[5]
     m.tokenizer.is_eog = lambda t: t == stop                      # type: ignore[method-assign]
     ref = LlamaContext(m, ContextParams(n_ctx=256))
     want = generate(ref, m.tokenizer, PROMPT, N)
-    assert want.stop_reason == "eog" and want.tokens == full[:full.index(stop)]
+    assert want.stop_reason == "eog" and want.tokens == full[:5]
     pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls="plain")
     try:
         got = generate(pl.ctx, m.tokenizer, PROMPT, N, lookahead=lookahead)
@@ -88,5 +89,32 @@ def test_generate_rolls_back_past_the_stop(local_ray, model_path, lookahead):
         assert pl.ctx.seq_pos_max(0) == ref.seq_pos_max(0) == len(PROMPT) + len(want.tokens) - 1
         nxt = Batch.from_tokens([7], pos0=ref.seq_pos_max(0) + 1)
         assert np.array_equal(pl.ctx.decode(nxt), ref.decode(nxt))
+    finally:
+        pl.shutdown()
+
+
+# run --parallel's loop: 4 sampled continuations in 2 micro-batches over 2 stages, 2 steps queued per
+# group, one sequence stopping early: one process's tokens for the same schedule, and the same cache
+def test_parallel_continuations(local_ray, model_path):
+    from ggml_dist.model.generate import generate_parallel
+    from ggml_dist.model.sampling import SamplingParams
+    m = LlamaModel.load(model_path)
+    params = ContextParams(n_ctx=256, n_seq_max=4)
+    sp = SamplingParams(temperature=0.9, seed=11)
+    free = generate_parallel(LlamaContext(m, params), m.tokenizer, PROMPT, N, 4, sp, groups=2, lookahead=2)
+    stop = free[1].tokens[4]                                      # sequence 1 ends there (at least)
+    m.tokenizer.is_eog = lambda t: t == stop                      # type: ignore[method-assign]
+    ref = LlamaContext(m, params)
+    want = generate_parallel(ref, m.tokenizer, PROMPT, N, 4, sp, groups=2, lookahead=2)
+    assert want[1].stop_reason == "eog" and len(want[1].tokens) <= 4
+    assert len({tuple(r.tokens) for r in want}) == 4             # seeds differ per sequence
+    assert sorted(r.stop_reason for r in want) == ["eog", "eog", "length", "length"]
+    pl = Pipeline.launch(model_path, 2, params, calls="plain")
+    try:
+        got = generate_parallel(pl.ctx, m.tokenizer, PROMPT, N, 4, sp)    # a group per stage, lookahead 2
+        assert [(r.tokens, r.stop_reason) for r in got] == [(r.tokens, r.stop_reason) for r in want]
+        for s, r in enumerate(want):
+            last_fed = len(r.tokens) - (2 if r.stop_reason == "length" else 1)   # the last token is not fed
+            assert pl.ctx.seq_pos_max(s) == ref.seq_pos_max(s) == len(PROMPT) + last_fed
     finally:
         pl.shutdown()
