@@ -48,6 +48,7 @@ from .proxy import Call, StageDevice, StageProxy
 from .resources import cluster_nodes, stage_options
 from .shipping import WeightManifest, manifest, ship
 from .stage import PlanMissingError, StageSpec, StageWorker
+from .timeline import trace_events
 from .wire import Message, ray_payload
 
 
@@ -615,23 +616,13 @@ class Pipeline:
         return ray.get([a.stats.remote() for a in self.actors], timeout=30)
 
     def write_trace(self, path: str) -> None:
-        """Chrome/Perfetto trace: one track per stage actor; per micro-batch it ran, an `inputs` slice
-        (plan lookup, decoding the driver's and upstream messages into the graph's inputs), the compute
-        slice, and an `outputs` slice (encoding the exports). Gaps are waits for inputs to arrive."""
+        """Chrome/Perfetto trace of the stages' calls so far: a track per stage, one per hop between
+        stages (queueing and transfer), flow arrows per micro-batch (workers/timeline.py)."""
         import json
-        stats = self.stats()
-        t0 = min((e[0] for st in stats for e in st["timeline"]), default=0.0)
-        events: list[dict] = []
-        for k, st in enumerate(stats):
-            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": k,
-                           "args": {"name": f"stage{k} layers {self.placement.stages[k].layers}"}})
-            for i, (a, b, c, d, label) in enumerate(st["timeline"]):
-                for name, cat, lo, hi in (("inputs", "inputs", a, b), (f"mb{i} plan {label}", "compute", b, c),
-                                          ("outputs", "outputs", c, d)):
-                    events.append({"name": name, "ph": "X", "pid": 1, "tid": k, "cat": cat,
-                                   "ts": round((lo - t0) * 1e6, 1), "dur": round((hi - lo) * 1e6, 1)})
+        timelines = [st["timeline"] for st in self.stats()]
+        names = [f"stage{k} layers {s.layers}" for k, s in enumerate(self.placement.stages)]
         with open(path, "w") as f:
-            json.dump({"traceEvents": events}, f)
+            json.dump({"traceEvents": trace_events(timelines, names)}, f)
 
     def shutdown(self) -> None:
         import ray

@@ -237,4 +237,6 @@ def test_bench_pipeline_reports_the_study(local_ray, model_path, tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     compute = [e for e in events if e.get("cat") == "compute"]
     assert {e["tid"] for e in compute} == {0, 1} and all(e["dur"] > 0 for e in compute)
-    assert {e["cat"] for e in events if e["ph"] == "X"} == {"inputs", "compute", "outputs"}
+    assert {e["cat"] for e in events if e["ph"] == "X"} >= {"inputs", "compute", "outputs", "transfer"}
+    hops = [e for e in events if e.get("cat") in ("transfer", "queue")]
+    assert hops and {e["tid"] for e in hops} == {2} and all(e["dur"] >= 0 for e in hops)   # stage0 -> stage1
