@@ -159,6 +159,8 @@ def create_app(engine: ServingEngine, model_name: str, max_body_bytes: int = MAX
             "recovering": ("1 while a lost pipeline stage is being recovered", float(st["recovering"])),
             "recoveries_total": ("lost pipeline stages recovered", float(st["recoveries"])),
             "replayed_tokens_total": ("tokens replayed to rebuild lost KV caches", float(st["replayed_tokens"])),
+            "steps_fed_total": ("decode steps queued before their tokens were back (token feedback)",
+                                float(st["fed_steps"])),
         }
         busy = engine.stage_busy() if engine.ready.is_set() and not engine.load_error else []
         return PlainTextResponse(metrics.render(gauges, busy),

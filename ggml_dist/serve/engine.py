@@ -14,10 +14,14 @@
                     are, the last stage on a pipeline; on the driver when penalties need the history),
                     stream the text
 
-On a pipeline of K stages `depth` is K: the active sequences fall into K groups, and a group is sent
-again as soon as its logits are back, so stage k works on one group while stage k+1 works on another
-(vLLM's max_concurrent_batches). In one process depth is 1 and every idle sequence shares one batch.
-A sequence is in at most one micro-batch at a time, so its positions in a batch are consecutive and its
+On a pipeline of K stages the active sequences fall into K groups, and a group is sent again as soon
+as its logits are back, so stage k works on one group while stage k+1 works on another (vLLM's
+max_concurrent_batches). Where the stage calls take result handles (plain calls) a group's next step is
+queued before its tokens are back, with `lookahead` steps of a group in flight (`depth` = K x
+lookahead, at most 4): its tokens come from the last stage (submit(tokens_from=): _follow_up), so the
+engine thread is not between the last stage and the first. A sequence that stops while a step of it is
+still in flight is finished at once; that step's row for it is ignored. In one process depth is 1 and
+every idle sequence shares one batch. A sequence's micro-batches are queued in position order, so its
 KV writes happen in order. Every slot owns n_ctx / n_parallel cells of the cache, as in llama-server:
 in one process a KV stream of its own (kv_unified=False, llama-server's default with an explicit
 --parallel), so a step's attention is one product per sequence over that sequence's cells; a micro-batch
@@ -137,7 +141,8 @@ class Sequence:
     history: list[int]                      # prompt, then generated tokens (for repeat penalty)
     n_past: int = 0                         # tokens already in the KV cache
     n_gen: int = 0
-    in_flight: bool = False
+    n_flight: int = 0                       # micro-batches in flight that hold it
+    done: bool = False                      # finished: rows of it still in flight are ignored
     t_last: float | None = None             # when the previous token was emitted
     logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent (with the next event)
     constraint: Any = None                  # serve/grammar.Constraint when the request has a grammar
@@ -149,12 +154,18 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.n_past < len(self.req.prompt)
 
+    @property
+    def in_flight(self) -> bool:
+        return self.n_flight > 0
+
 
 @dataclass(slots=True)
 class MicroBatch:
     pending: PendingLogits
     parts: list[tuple[Sequence, int, bool]]     # (sequence, tokens it put in, has an output row)
     sampled: bool = False                       # tokens chosen where the logits are (no penalties)
+    keep: bool = False                          # with its logits
+    followed: bool = False                      # its group's next step is queued (fed its tokens)
 
 
 # -- engine ------------------------------------------------------------------------------------------
@@ -169,7 +180,7 @@ class EngineConfig:
     n_batch: int = 512
     max_queue: int = 64
     threads_per_stage: int = 1
-    n_copies: int | None = None             # micro-batches in flight on a pipeline (default: stages)
+    n_copies: int | None = None             # micro-batches in flight on a pipeline (default: 2 x stages, <= 4)
     stage_calls: str = "auto"               # Pipeline.launch(calls=...): compiled graph or plain calls
     chat_template: str | None = None        # Jinja source overriding the GGUF's tokenizer.chat_template
     kv_unified: bool | None = None          # one KV stream shared by the slots, or one per slot
@@ -214,7 +225,10 @@ class Engine:
         self.model: LlamaModel | None = None
         self.ctx: LlamaContext | None = None
         self.pipeline: Any = None               # workers.cluster.Pipeline, when on Ray
-        self.depth = 1
+        self.depth = 1                          # micro-batches in flight
+        self.n_groups = 1                       # micro-batches the active sequences fall into
+        self.lookahead = 1                      # steps of a group in flight
+        self.n_fed = 0                          # steps queued before their tokens were back
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.busy_s = 0.0                       # in-process compute time (one stage)
@@ -291,7 +305,7 @@ class Engine:
         return {**self.health(), "kv_cells_used": ctx.kv.cells.used if ctx else 0,
                 "kv_cells_cached": self.cached_cells(),
                 "kv_cells_total": ctx.kv.kv_size * ctx.kv.n_stream if ctx else 0,
-                "replayed_tokens": ctx.n_replayed_tokens if ctx else 0}
+                "replayed_tokens": ctx.n_replayed_tokens if ctx else 0, "fed_steps": self.n_fed}
 
     def stage_busy(self) -> list[float]:
         """Compute seconds per stage (the engine's own in one process); the last known figures while a
@@ -319,11 +333,13 @@ class Engine:
                   file=sys.stderr)
             # Pipeline.launch returns once every stage actor has mapped its weights
             self.pipeline = Pipeline.launch(cfg.model_path, cfg.n_stages or None, params,
-                                            n_copies=cfg.n_copies or cfg.n_stages or None,
+                                            n_copies=cfg.n_copies or (min(4, 2 * cfg.n_stages) or None),
                                             threads_per_stage=cfg.threads_per_stage,
                                             on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True),
                                             calls=cfg.stage_calls)
             self.depth = self.pipeline.ctx.n_copies
+            self.n_groups = min(self.depth, len(self.pipeline.proxies))
+            self.lookahead = self.depth // self.n_groups if self.pipeline.feeds_tokens() else 1
             self.model, self.ctx = self.pipeline.model, self.pipeline.ctx
         # one token through every stage: compiles kernels and plans before the first request
         self.ctx.decode(Batch.from_tokens([self.model.tokenizer.bos_id or 0]))
@@ -383,7 +399,7 @@ class Engine:
                 self._fail_all(f"{type(e).__name__}: {e}")
         for s in self._slots:
             if s is not None:
-                s.in_flight = False
+                s.n_flight = 0
                 self._finish(s, "cancelled")
         while self._jobs:
             self._jobs.popleft()[1].set_exception(NotReady("the server is shutting down"))
@@ -541,13 +557,15 @@ class Engine:
         """Submit micro-batches until `depth` are in flight or no sequence is idle."""
         assert self.ctx is not None
         n_active = sum(s is not None for s in self._slots)
-        per_batch = max(1, math.ceil(n_active / self.depth))
+        per_batch = max(1, math.ceil(n_active / self.n_groups))
         while len(self._in_flight) < self.depth:
             n = len(self._slots)
             idle = [s for k in range(n) if (s := self._slots[(self._next_slot + k) % n]) is not None
                     and not s.in_flight and not s.req.cancelled and s.parent is None]
             if not idle:
-                return
+                if not self._follow_up():
+                    return
+                continue
             # decoding sequences first (one token each), then prompt chunks in what is left of n_batch;
             # the batch lists them in slot order
             idle.sort(key=lambda s: s.prefilling)
@@ -578,7 +596,7 @@ class Engine:
                 seq_ids += [frozenset({s.slot})] * len(chunk)
                 output += [False] * (len(chunk) - 1) + [last]
                 parts.append((s, len(chunk), last))
-                s.in_flight = True
+                s.n_flight += 1
             self._next_slot = (chosen[-1][0].slot + 1) % n
             batch = Batch(np.asarray(tokens, np.int32), np.asarray(pos, np.int32), seq_ids,
                           np.asarray(output, bool))
@@ -591,10 +609,46 @@ class Engine:
             t0 = time.perf_counter()
             if sampled:
                 pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in outs], keep_logits=keep)
+                for s in outs:
+                    s.sampler.advance()                  # the choice made there is this sampler's
             else:
                 pending = self.ctx.submit(batch)
             self.busy_s += time.perf_counter() - t0
-            self._in_flight.append(MicroBatch(pending, parts, sampled))
+            self._in_flight.append(MicroBatch(pending, parts, sampled, keep))
+
+    def _follow_up(self) -> bool:
+        """Queue the next step of a group in flight before its tokens are back: the newest micro-batch
+        not followed yet, where every sequence decodes one token chosen where the logits are, and
+        wants at least one more. False if there is none."""
+        if self.lookahead < 2:
+            return False
+        assert self.ctx is not None
+        for mb in reversed(self._in_flight):
+            if mb.followed or not mb.sampled or mb.keep or not all(
+                    n == 1 and has_out and self._may_run_ahead(s) for s, n, has_out in mb.parts):
+                continue
+            seqs = [s for s, _, _ in mb.parts]
+            batch = Batch(np.zeros(len(seqs), np.int32), np.array([s.n_past + s.n_flight for s in seqs], np.int32),
+                          [frozenset({s.slot}) for s in seqs], np.ones(len(seqs), bool))
+            t0 = time.perf_counter()
+            pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in seqs], keep_logits=False,
+                                      tokens_from=mb.pending)
+            self.busy_s += time.perf_counter() - t0
+            for s in seqs:
+                s.sampler.advance()
+                s.n_flight += 1
+            mb.followed = True
+            self.n_fed += 1
+            self._in_flight.append(MicroBatch(pending, [(s, 1, True) for s in seqs], True))
+            return True
+        return False
+
+    def _may_run_ahead(self, s: Sequence) -> bool:
+        """Whether s may have one more step queued than it has: no grammar, logprobs or choices waiting
+        on it, and the token it would choose is still wanted (max_tokens, the slot's context)."""
+        return (not s.done and not s.req.cancelled and s.constraint is None and s.parent is None
+                and not s.children and s.sampler.params.logprobs is None and s.n_flight < self.lookahead
+                and s.n_gen + s.n_flight < s.req.max_tokens and len(s.history) + s.n_flight + 1 < self.n_ctx_slot)
 
     def _short_chunk(self, batch: list[Sequence]) -> int:
         """Tokens that a short prompt (at most TRICKLE left) puts in this batch.
@@ -625,14 +679,15 @@ class Engine:
         self.busy_s += time.perf_counter() - t0
         row = 0
         for s, n_tokens, has_out in mb.parts:
-            s.in_flight = False
+            s.n_flight -= 1
             s.n_past += n_tokens
             if has_out:
                 row += 1
-                if toks is not None:
-                    s.sampler.advance()                  # the choice made there was this sampler's
+                if s.done:                               # stopped while this step was in flight
+                    continue
                 if s.req.cancelled:
-                    self._finish(s, "cancelled")
+                    if not s.in_flight:                  # else once its last step is back (_reap)
+                        self._finish(s, "cancelled")
                     continue
                 if toks is not None:
                     tok = toks[row - 1]
@@ -701,7 +756,9 @@ class Engine:
                 error: str | None = None) -> None:
         """Send the last event and free the slot at once: its cells go back to the cache, or with
         cache_prompt (and a KV stream per slot) they stay as the slot's cached tokens."""
-        assert self.ctx is not None and not s.in_flight, f"slot {s.slot} finished while in flight"
+        assert self.ctx is not None
+        s.done = True                           # a step of it may still be in flight (_follow_up): its
+                                                # row is ignored, its cells freed with the others now
         if s.parent is not None:                # a choice that never started: its prompt is not copied
             if s in s.parent.children:
                 s.parent.children.remove(s)
@@ -729,7 +786,7 @@ class Engine:
         self._in_flight.clear()
         for s in self._slots:
             if s is not None:
-                s.in_flight = False
+                s.n_flight = 0
                 self._finish(s, "error", error=msg)
         assert self.ctx is not None
         self.ctx.clear()

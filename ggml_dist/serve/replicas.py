@@ -555,7 +555,8 @@ class ReplicaSet:
     def status(self) -> dict[str, float]:
         sts = self._statuses()
         return {**self.health(), **{k: float(sum(s[k] for s in sts)) for k in
-                                    ("kv_cells_used", "kv_cells_cached", "kv_cells_total", "replayed_tokens")}}
+                                    ("kv_cells_used", "kv_cells_cached", "kv_cells_total", "replayed_tokens",
+                                     "fed_steps")}}
 
     def cached_cells(self) -> int:
         return int(self.status()["kv_cells_cached"])

@@ -603,6 +603,11 @@ class Pipeline:
             f"KV {s.kv_bytes / 2**20:.1f}, compute {s.compute_bytes / 2**20:.1f}, process "
             f"{s.overhead_bytes / 2**20:.1f}); add a node with that much memory and retry")
 
+    def feeds_tokens(self) -> bool:
+        """Whether a step's token input can be a result handle (LlamaContext.submit(tokens_from=)): plain
+        calls; a compiled graph's executions take their inputs from the driver."""
+        return self.chain is None or not self.chain.enabled
+
     def calls_used(self) -> str:
         """How the steps so far reached the stages: "compiled", "plain", or "compiled, then plain" (a
         fall-back: workers/compiled.py says why on stderr)."""

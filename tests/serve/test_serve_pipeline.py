@@ -49,6 +49,31 @@ def test_pipeline_server(local_ray, serve_model):
         text = httpx.get(srv.url + "/metrics").text
         busy = [float(v) for v in re.findall(r'^ggml_dist_stage_busy_seconds_total\{stage="\d"\} (\S+)$', text, re.M)]
         assert len(busy) == 2 and all(b > 0 for b in busy)
+        # groups' next steps were queued before their tokens came back (token feedback), same tokens
+        assert srv.engine.lookahead == 2 and float(re.search(r"^ggml_dist_steps_fed_total (\S+)$", text, re.M)[1]) > 0
+
+
+# stop strings and max_tokens end sequences whose next steps are already queued (token feedback): the
+# text ends where the separate runs' does, and the queued steps' tokens never reach a client
+def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
+    from ggml_dist.model.model import LlamaModel
+    from ggml_dist.serve import EngineConfig, ServerThread
+    model = LlamaModel.load(serve_model)
+    full = [reference(model, p, 24) for p in PROMPTS[:4]]
+    stops = [t[len(t) // 2:len(t) // 2 + 2] for t in full]          # from the middle of each text
+    want = [t[:t.index(st)] for t, st in zip(full, stops)]
+    assert all(w and len(w) < len(t) for w, t in zip(want, full))
+    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def one(i: int) -> str:
+            return c.completions.create(model="m", prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                                        stop=[stops[i]]).choices[0].text
+
+        with ThreadPoolExecutor(4) as ex:
+            assert list(ex.map(one, range(4))) == want
+        assert srv.engine.n_fed > 0
+        assert srv.engine.ctx.kv.cells.used == 0                   # every slot's cells freed
 
 
 # a stage killed while concurrent requests run: all complete, with the tokens of separate runs;
