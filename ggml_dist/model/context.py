@@ -108,11 +108,21 @@ class UbatchRecord:
             if self.fetch_tokens is not None:
                 self.tokens = [int(t) for t in np.asarray(self.fetch_tokens()).reshape(-1)]
                 self.done = True
+                self.fetch_tokens = None       # its result handle is not pinned by the log
             else:
                 lg = self.result()
                 lg = lg.reshape(-1, lg.shape[-1])
                 self.tokens = [sample_row(lg[r], rs) for r, rs in enumerate(self.sampling)]
+            self.settle()
         return self.tokens
+
+    def settle(self) -> None:
+        """Once the tokens this ubatch was fed are all known, write them in and drop its sources, so
+        the log keeps no chain of records back to the first (the driver reads the tokens in order)."""
+        src = self.token_src
+        if src is not None and all(s.tokens is not None for s, _ in src):
+            self.ub.tokens = np.array([s.chosen()[r] for s, r in src], np.int32)
+            self.token_src = None
 
 
 def _choose_before_free(rec: UbatchRecord) -> None:
@@ -503,23 +513,24 @@ class LlamaContext:
         """A record's tokens from its sources (submit's tokens_from): known ones are written into its
         ubatch, for good (a replay needs no source then). Returns the fetch to feed instead where every
         token is the next unread row of one remote sampling, in order; else waits for the tokens."""
+        rec.settle()
         src = rec.token_src
         if src is None:
             return None
-        if all(s.tokens is not None for s, _ in src):
-            return self._known_tokens(rec)
         s0 = src[0][0]
         if all(s is s0 and r == i for i, (s, r) in enumerate(src)) and len(src) == s0.ub.n_outputs \
-                and s0.fetch_tokens is not None:
+                and s0.tokens is None and s0.fetch_tokens is not None:
             return s0.fetch_tokens
-        return self._known_tokens(rec)
+        self._known_tokens(rec)
+        return None
 
     @staticmethod
     def _known_tokens(rec: UbatchRecord) -> None:
+        """Wait for the record's tokens and write them in."""
         assert rec.token_src is not None
-        rec.ub.tokens = np.array([s.chosen()[r] for s, r in rec.token_src], np.int32)
-        rec.token_src = None
-        return None
+        for s, _ in rec.token_src:
+            s.chosen()
+        rec.settle()
 
     def _set_inputs(self, res: GraphResult, ub: Ubatch, slot: np.ndarray, n_kv: int) -> None:
         inp = res.inputs
