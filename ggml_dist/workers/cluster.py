@@ -92,7 +92,9 @@ def connect(address: str | None = None, num_cpus: int | None = None,
             ray.init(address=target, log_to_driver=True, runtime_env=_code_runtime_env())
             _started_local = False
             return f"joined {target}"
-        _start_local(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+        # address "local": a new instance, even where a `ray start` this process was not asked to join
+        # runs here (a bare ray.init() would join it, and refuse num_cpus)
+        _start_local(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
                      object_store_memory=object_store_mb * 2**20, _node_ip_address="127.0.0.1",
                      log_to_driver=True, configure_logging=False)
         _started_local = True

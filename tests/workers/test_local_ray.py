@@ -190,3 +190,29 @@ def test_serve_local_ray_loopback_and_stop(model_path, tmp_path, sig):
     finally:
         proc.kill()
         _kill(procs)
+
+
+# a `ray start` head left running on this machine is not joined unasked (a bare ray.init() would join
+# it, and refuse the CPUs ggml-dist asks its own instance for): run starts a local Ray of its own
+def test_run_starts_its_own_ray_beside_a_ray_start_head(model_path, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    head = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={free_port()}", "--num-cpus=0",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "head.log", "w"))
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists("/tmp/ray/ray_current_cluster") and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(2.0)                                       # its GCS up
+        out = subprocess.run([sys.executable, "-m", "ggml_dist.cli", "run", "--model", model_path, "--stages", "2",
+                              "--prompt", "x", "-n", "3", "--json", "--ctx", "256"],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "started a local Ray" in out.stderr and len(json.loads(out.stdout)["tokens"]) == 3
+    finally:
+        procs = _tree(head.pid)
+        head.terminate()                                      # `ray start --block` stops what it started
+        try:
+            head.wait(timeout=60)
+        finally:
+            _kill(_wait_gone(procs, 15))
