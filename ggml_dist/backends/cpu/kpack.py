@@ -41,7 +41,7 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit, prange
 
-from ..core.types import GGMLType
+from ...core.types import GGMLType
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
 from .kquant_ir import LAYOUT, group_intrinsic

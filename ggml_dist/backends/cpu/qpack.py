@@ -39,7 +39,7 @@ The fma is llvm.fma.f32 (one rounding; the same bits as quants.py's float64 emul
 The int8 kernels take every token count (two tokens per group call). In the float kernels, below
 MIN_TOKENS tokens each token runs the decode kernels (nibbles decoded in the loop); from there on the tiled
 kernels decode a block's codes once for a tile of tokens and take 4 tokens per code load.
-These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/test_qpack.py checks it. The
+These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/cpu/test_qpack.py checks it. The
 kernels release the GIL (nogil=True), as fkernels' do.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 from numba import njit, prange
 
-from ..core.types import GGMLType, row_size
+from ...core.types import GGMLType, row_size
 from . import avx2, vnni
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..core.types import GGMLType, row_size
+from ...core.types import GGMLType, row_size
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
 from .threads import get_threads, launch

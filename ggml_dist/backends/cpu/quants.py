@@ -11,7 +11,7 @@ API
   as ggml's CPU backend.
 
 This is the reference: it imports no numba. qkernels.py, fkernels.py and qpack.py are its compiled twins
-(the same bits); cpu_ops chooses between them per op (``ComputeOptions.numba``).
+(the same bits); ops.py chooses between them per op (``ComputeOptions.numba``).
 
 ``mul_mat(exact=False)`` has two accumulation orders (``order=``, default "ggml", the one that runs).
 Both quantize X exactly as ggml and compute the integer block sums exactly; they differ only at ULP level.
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.types import TYPE_TRAITS, GGMLType, row_size
+from ...core.types import TYPE_TRAITS, GGMLType, row_size
 
 F32 = np.float32
 F64 = np.float64

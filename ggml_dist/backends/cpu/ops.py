@@ -23,11 +23,11 @@ from types import ModuleType
 
 import numpy as np
 
-from ..core.tensor import GLUOp, Op, Tensor, TensorFlag, UnaryOp
-from ..core.types import GGMLType, is_quantized
+from ...core.tensor import GLUOp, Op, Tensor, TensorFlag, UnaryOp
+from ...core.types import GGMLType, is_quantized
+from ..base import BufferUsage
 from . import numerics as nm
 from . import quants
-from .base import BufferUsage
 from .rope import bind_rope, rope_forward
 
 F32 = np.float32
