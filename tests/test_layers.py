@@ -79,7 +79,7 @@ def test_imports_only_go_down():
 # backends/: base.py (the device protocol) below cpu/ (the CPU backend) below accel.py (a fake GPU made of
 # the CPU's kernels). Inside cpu/, the numpy reference path imports no numba; the compiled twins do.
 BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.accel")
-REFERENCE = ("base", "cpu/quants", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
+REFERENCE = ("base", "cpu/quants", "cpu/blocks", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
              "cpu/numerics")
 
 
@@ -101,7 +101,7 @@ def test_backends_import_only_down_inside_the_layer():
 
 
 def test_the_reference_kernels_do_not_import_numba():
-    """quants.py (block formats, the numpy MUL_MAT) and the op
+    """quants.py (block formats, the numpy MUL_MAT), blocks.py (their table) and the op
     kernels are the reference the compiled twins are checked against; numba is imported only by the
     modules that compile."""
     for name in REFERENCE:

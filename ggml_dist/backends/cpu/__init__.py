@@ -3,6 +3,7 @@
 The numpy reference path (imports no numba; GGML_DIST_NO_NUMBA=1 runs it alone):
     backend.py      CPUDevice / CPUBufferType / CPUBuffer / CPUBackend, binding a graph once, replay
     ops.py          ComputeOptions, the op kernels on strided numpy views, dispatch to the compiled twins
+    blocks.py       the block formats, one table: fields and offsets, vec_dot type, the kernels that take each
     quants.py       the block formats' decode / quantize and MUL_MAT in numpy (ggml-quants.c, vec_dot orders)
     numerics.py     ggml's float helpers (fma, vectorised exp, f16 rounding)
     rope.py         ROPE (ggml's rope cache, the C library's cosf/sinf)

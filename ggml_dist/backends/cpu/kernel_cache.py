@@ -10,8 +10,8 @@ locator keys by the file's path inside the package and the numba and Python vers
     $GGML_DIST_CACHE/kernels/...     else (default ~/.cache/ggml_dist/kernels)
 
 Numba's stamp (the source file's mtime and size) would not notice an edit to another file that the
-kernel's code is made of: qpack's kernels inline vnni.py's and avx2.py's IR, and call fkernels'. So
-the stamp here is a hash of every module of the CPU backend package
+kernel's code is made of: qpack's kernels inline vnni.py's and avx2.py's IR and call fkernels', and
+qkernels' read blocks.py's offsets as constants. So the stamp here is a hash of every module of the CPU backend package
 (backends/cpu/, where every kernel and everything a kernel is made of lives), and a copy whose CPU
 backend differs in any byte never loads another copy's kernels (an upgrade recompiles them once).
 Importing this module registers the locator (before the kernels are defined: qkernels imports it first).

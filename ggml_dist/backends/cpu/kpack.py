@@ -44,6 +44,7 @@ from numba import njit, prange
 from ...core.types import GGMLType
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
+from .blocks import BLOCKS, KPACK_TYPES
 from .kquant_ir import LAYOUT, group_intrinsic
 from .qpack import Kernels, default_kernels, packed_as, thread_scratch
 from .threads import get_threads, launch
@@ -51,9 +52,9 @@ from .threads import get_threads, launch
 T = GGMLType
 F32 = np.float32
 R = 64                                  # rows per group (kquant_ir's, vnni's)
-PACKABLE = frozenset({T.Q4_K, T.Q5_K, T.Q6_K})
+PACKABLE = KPACK_TYPES                  # Q4_K, Q5_K, Q6_K (blocks.py's packed="kpack")
 _NAME = {T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
-_BLOCK = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+_BLOCK = {t: BLOCKS[t].nbytes for t in PACKABLE}
 _LANES, _TILED, _REPACKED = 0, 1, 2     # modes of a call; _REPACKED: gemm for rows < ng, then chain
 _PARALLEL_WORK = 1 << 18                # multiply-adds from which a product is split across threads
 

@@ -28,6 +28,7 @@ from ...core.types import GGMLType, is_quantized
 from ..base import BufferUsage
 from . import numerics as nm
 from . import quants
+from .blocks import KPACK_TYPES, QPACK_TYPES
 from .rope import bind_rope, rope_forward
 
 F32 = np.float32
@@ -288,7 +289,7 @@ def _packed_product(mod: ModuleType, t, dst, srcs) -> bool:
     return True
 
 
-_PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1})  # qpack.PACKABLE
+_PACKABLE = QPACK_TYPES                 # qpack.PACKABLE (blocks.py: no numba import)
 
 
 def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:
@@ -334,7 +335,7 @@ def _bind_packed_product(t, dst, srcs, packer: Callable[[ComputeOptions], Module
 
 
 # K-quant model weights: kpack.py (Q4_K, Q5_K, Q6_K packed once, int8 kernels; the same bits as qkernels)
-_KPACKABLE = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})    # kpack.PACKABLE (numba-free import)
+_KPACKABLE = KPACK_TYPES                # kpack.PACKABLE (blocks.py: no numba import)
 
 
 def _kpack_applies(a_t, b_t) -> bool:

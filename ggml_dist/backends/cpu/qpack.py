@@ -54,20 +54,21 @@ from numba import njit, prange
 
 from ...core.types import GGMLType, row_size
 from . import avx2, vnni
+from .blocks import BLOCKS, QPACK_TYPES
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch
 
 T = GGMLType
 F32 = np.float32
 R = 64                                  # rows per group: the vector loops run over a group's rows
-PACKABLE = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1})
+PACKABLE = QPACK_TYPES                  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks.py's packed="qpack")
 _Q5 = (T.Q5_0, T.Q5_1)                  # int8 kernels only; with Kernels.FLOAT qkernels' product (see PackedWeight)
 _KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0, _KIND_Q5_0, _KIND_Q5_1 = 0, 1, 2, 3, 4, 5
 # multiply-adds from which a product is split across threads (a launch costs a few us with OpenMP, see
 # qkernels; ~50-100 us with numba's workqueue layer, where only large products gain)
 _PARALLEL_WORK = 1 << 18
 # block bytes, offset of the codes (Q5: of the nibbles; its 32-bit qh sits just before them)
-_BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2), T.Q5_0: (22, 6), T.Q5_1: (24, 8)}
+_BLOCK = {t: (BLOCKS[t].nbytes, BLOCKS[t].off("qs")) for t in PACKABLE}
 
 
 # ------------------------------------------------------------------------------------------------
