@@ -31,7 +31,7 @@ from ..base import (
     array_at,
     tensor_array,
 )
-from .ops import KERNELS, QUANT_SRC_OPS, ComputeOptions, bind
+from .ops import KERNELS, QUANT_SRC_OPS, ComputeOptions, bind, resolve
 
 TENSOR_ALIGNMENT = 32               # ggml's CPU buffer alignment
 
@@ -124,7 +124,7 @@ class CPUBackend(Backend):
                  opts: ComputeOptions = ComputeOptions()) -> None:
         self.device = device
         self.name = device.name
-        self.opts = opts
+        self.opts = resolve(opts)           # the host's kernel choice, made once for this backend
         self.eval_callback: Callable[[Tensor, bool], bool] | None = None
         keep_freed_host_memory()
         self._queue: queue.Queue | None = None

@@ -128,7 +128,8 @@ class PackedKWeight:
         M, nbytes = w.shape
         if nbytes % _BLOCK[wtype]:
             raise ValueError(f"{wtype.name} rows are whole {_BLOCK[wtype]}-byte superblocks, got {nbytes} bytes")
-        self.type, self.M, self.K, self.key, self.kernels = wtype, M, nbytes // _BLOCK[wtype] * 256, key, kernels
+        self.type, self.M, self.K, self.key = wtype, M, nbytes // _BLOCK[wtype] * 256, key
+        self.kernels: Kernels = kernels
         self.qs = _pack(wtype, w)
         self.repacked = wtype == T.Q4_K and M % 8 == 0
         self._entries = _ENTRIES[kernels][wtype]                   # (serial, parallel)
@@ -204,10 +205,10 @@ def _make_work(N: int, K: int) -> tuple[np.ndarray, ...]:
             np.zeros((N, 8 * nb), np.int32))
 
 
-def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedKWeight:
-    """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` (as
-    qpack.packed); made again if t was rebound to other bytes."""
-    return packed_as(PackedKWeight, wtype, w, t)
+def packed(wtype: GGMLType, w: np.ndarray, t, kernels: Kernels | str | None = None) -> PackedKWeight:
+    """The packed form of weight tensor t (bytes w) for `kernels` (None: kernels_here()), made once and
+    kept in ``t.extra`` (as qpack.packed); made again if t was rebound to other bytes."""
+    return packed_as(PackedKWeight, wtype, w, t, kernels)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -287,10 +287,11 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) == 3 and a[0] is b[0] and a[1:] == b[1:]
 
 
-def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
-    """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` as ggml keeps its
-    repack buffer; made again if t was rebound to other bytes."""
-    return packed_as(PackedWeight, wtype, w, t)
+def packed(wtype: GGMLType, w: np.ndarray, t, kernels: Kernels | str | None = None) -> PackedWeight:
+    """The packed form of weight tensor t (bytes w) for `kernels` (None: default_kernels()), made once
+    and kept in ``t.extra`` as ggml keeps its repack buffer; made again if t was rebound to other bytes
+    or is asked for with other kernels."""
+    return packed_as(PackedWeight, wtype, w, t, kernels)
 
 
 class Packed(Protocol):
@@ -299,23 +300,26 @@ class Packed(Protocol):
     raw: np.ndarray | None              # the file's rows, if it keeps them (then their pages stay)
     K: int
     M: int
+    kernels: Kernels
 
-    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple) -> None: ...
+    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple, kernels: Kernels | str | None = None
+                 ) -> None: ...
 
 
 P = TypeVar("P", bound=Packed)
 
 
-def packed_as(cls: type[P], wtype: GGMLType, w: np.ndarray, t) -> P:
+def packed_as(cls: type[P], wtype: GGMLType, w: np.ndarray, t, kernels: Kernels | str | None = None) -> P:
     """packed() for any packed-weight class."""
     key = (t.buffer, t.data, w.shape)       # the buffer itself, not its id: an id can be reused
+    want = None if kernels is None else Kernels(kernels)
     pw = t.extra
-    if isinstance(pw, cls) and _same(pw.key, key):
+    if isinstance(pw, cls) and _same(pw.key, key) and want in (None, pw.kernels):
         return pw
     with _PACK_LOCK:
         pw = t.extra
-        if not (isinstance(pw, cls) and _same(pw.key, key)):
-            pw = t.extra = cls(wtype, w, key)
+        if not (isinstance(pw, cls) and _same(pw.key, key) and want in (None, pw.kernels)):
+            pw = t.extra = cls(wtype, w, key, kernels=want)
             release = getattr(t.buffer, "release_pages", None)
             if release is not None and pw.raw is None:      # the mapping's pages of t are not read again
                 release(t.data, row_size(wtype, pw.K) * pw.M)
