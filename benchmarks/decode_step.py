@@ -1,6 +1,6 @@
 """Where a decode step's time goes in one process: the step's wall time, then the bound replay's calls
 timed one by one and grouped by the call that ran (the packed matmul, an fkernels call bound by
-cpu_ops._BINDERS, a ufunc, a generic kernel). Prints one JSON object.
+ops._BINDERS, a ufunc, a generic kernel). Prints one JSON object.
 
     python benchmarks/decode_step.py [--model smollm2-135m] [--threads 1] [--steps 40]
 
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
     a = ap.parse_args(argv)
-    from ggml_dist.backends import cpu, threads
+    from ggml_dist.backends.cpu import backend as cpu
+    from ggml_dist.backends.cpu import threads
     from ggml_dist.model.context import ContextParams, LlamaContext
     from ggml_dist.model.model import LlamaModel
     from ggml_dist.model.pull import resolve_model

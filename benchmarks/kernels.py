@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ggml_dist.backends import qkernels
-from ggml_dist.backends import quants as Q
-from ggml_dist.backends import threads as kernel_threads
+from ggml_dist.backends.cpu import qkernels
+from ggml_dist.backends.cpu import quants as Q
+from ggml_dist.backends.cpu import threads as kernel_threads
 from ggml_dist.core.types import GGMLType
 
 # (type, M rows, K): a 1B-class Q4_0 matrix and the SmolLM2-135M shapes (q/o, ffn up/gate, ffn down, head)
@@ -99,7 +99,7 @@ def run_case(tname: str, M: int, K: int, n_gemm: int, skip_numpy_gemm: bool,
 
 
 def run_packed_case(tname: str, M: int, K: int, N: int) -> dict[str, Any]:
-    from ggml_dist.backends import avx2, qpack, vnni
+    from ggml_dist.backends.cpu import avx2, qpack, vnni
     t = GGMLType[tname]
     rng = np.random.default_rng(0)
     w = Q.quantize(t, (rng.standard_normal((M, K)) * 0.05).astype(np.float32))

@@ -223,7 +223,7 @@ def llamacpp_batched_decode(path: str, n_seqs: int, threads: int, unified: bool 
 
 
 def batched_decode_table(path: str, n_max: int) -> dict:
-    from ggml_dist.backends import threads as kernel_threads
+    from ggml_dist.backends.cpu import threads as kernel_threads
     threads = kernel_threads.get_threads()
     table: dict = {"threads": threads}
     for n in sorted({1, n_max}):

@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd in ("run", "serve", "bench"):     # a first run's kernel compiles announce themselves
-        from .backends.compile_progress import install
+        from .backends.cpu.compile_progress import install
         install(f"ggml-dist {args.cmd}")
     try:
         return _COMMANDS[args.cmd](args)
@@ -214,7 +214,7 @@ def _load(args: argparse.Namespace):
         args.stages = 1
     if args.stages == 1 and not args.address:         # one stage: this process (also inside a job)
         if getattr(args, "threads_given", False):
-            from .backends import threads
+            from .backends.cpu import threads
             threads.set_threads(args.threads)
         model = LlamaModel.load(path)
         return model, LlamaContext(model, _params(args)), None

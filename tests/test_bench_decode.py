@@ -92,7 +92,7 @@ def test_host_info_of_this_host(monkeypatch):
 
 
 def test_ours_info_names_the_kernel_path():
-    from ggml_dist.backends import qpack
+    from ggml_dist.backends.cpu import qpack
     ours = decode.ours_info()
     assert ours["kernels"] in ("vnni", "avx2", "float", "numpy")
     if ours["kernels"] != "numpy":

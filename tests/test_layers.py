@@ -76,12 +76,44 @@ def test_imports_only_go_down():
     assert not upward, "\n".join(upward)
 
 
+# backends/: base.py (the device protocol) below cpu/ (the CPU backend) below accel.py (a fake GPU made of
+# the CPU's kernels). Inside cpu/, the numpy reference path imports no numba; the compiled twins do.
+BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.accel")
+REFERENCE = ("base", "cpu/quants", "cpu/blocks", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
+             "cpu/numerics")
+
+
+def _numba_imports(path: Path) -> list[int]:
+    tree = ast.parse(path.read_text())
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+            and any((getattr(n, "module", None) or a.name).split(".")[0] in ("numba", "llvmlite")
+                    for a in n.names)]
+
+
+def test_backends_import_only_down_inside_the_layer():
+    def part(mod: str) -> int | None:
+        return next((i for i, p in enumerate(BACKENDS_ORDER) if mod == f"ggml_dist.{p}"
+                     or mod.startswith(f"ggml_dist.{p}.")), None)
+
+    upward = sorted(f"{a} imports {b}" for a, targets in import_graph().items() for b in targets
+                    if (i := part(a)) is not None and (j := part(b)) is not None and j > i)
+    assert not upward, "\n".join(upward)
+
+
 def test_the_reference_kernels_do_not_import_numba():
-    """quants.py (block formats, the numpy MUL_MAT) and the op kernels are the reference the compiled
-    twins are checked against; numba is imported only by the modules that compile."""
-    for name in ("quants", "cpu_ops", "reference", "base", "cpu", "rope"):
-        tree = ast.parse((PACKAGE / "backends" / f"{name}.py").read_text())
-        found = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
-                 and any((getattr(n, "module", None) or a.name).split(".")[0] in ("numba", "llvmlite")
-                         for a in n.names)]
+    """quants.py (block formats, the numpy MUL_MAT), blocks.py (their table) and the op
+    kernels are the reference the compiled twins are checked against; numba is imported only by the
+    modules that compile."""
+    for name in REFERENCE:
+        found = _numba_imports(PACKAGE / "backends" / f"{name}.py")
         assert not found, f"backends/{name}.py imports numba at line(s) {found}"
+
+
+def test_every_backends_module_is_either_reference_or_compiled():
+    """A new module of backends/ is put on one side or the other: on the reference side (REFERENCE)
+    it must not import numba; a module that imports numba is a compiled one."""
+    known = set(REFERENCE) | {"__init__", "accel", "cpu/__init__"}
+    for path in sorted((PACKAGE / "backends").rglob("*.py")):
+        name = path.relative_to(PACKAGE / "backends").with_suffix("").as_posix()
+        what = f"backends/{name}.py: reference (add it to REFERENCE) or compiled (it imports no numba)?"
+        assert name in known or _numba_imports(path), what

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 from ..core.tensor import VIEW_OPS, Op, Tensor
 from .base import BufferType, Device, DeviceType
-from .cpu import CPUBackend, CPUBufferType, cpu_supports_op
-from .cpu_ops import ComputeOptions
+from .cpu.backend import CPUBackend, CPUBufferType, cpu_supports_op
+from .cpu.ops import ComputeOptions
 
 
 class AccelDevice(Device):

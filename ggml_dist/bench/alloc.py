@@ -185,7 +185,7 @@ def measure(name: str, build: Any, alignment: int = 32) -> dict[str, Any]:
 
 def model_builders(model: str, ctx: int, ubatch: int):
     """Prefill and decode graph builders of a real GGUF model (weights mapped, KV cache allocated)."""
-    from ggml_dist.backends.cpu import CPUBufferType
+    from ggml_dist.backends.cpu.backend import CPUBufferType
     from ggml_dist.model.kv_cache import KVCache
     from ggml_dist.model.llama import GraphKey, LlamaGraphBuilder
     from ggml_dist.model.model import LlamaModel

@@ -114,7 +114,8 @@ def host_info() -> dict[str, Any]:
 def ours_info() -> dict[str, Any]:
     """The kernel path of this process (qpack.default_kernels(), or the numpy reference kernels with
     GGML_DIST_NO_NUMBA=1), its SIMD, and how ours computes attention."""
-    from ..backends import cpu_ops, qpack
+    from ..backends.cpu import ops as cpu_ops
+    from ..backends.cpu import qpack
     kernels = qpack.default_kernels().value if cpu_ops.NUMBA_DEFAULT else "numpy"
     return {"kernels": kernels, "simd": _OUR_KERNEL_SIMD.get(kernels, "float"), **OURS_ATTENTION}
 
@@ -167,7 +168,7 @@ def simd_comparison(ours: dict[str, Any], llamacpp: dict[str, Any] | None, host_
 # ------------------------------------------------------------------------------------------------
 # the measurements (each in its own child process)
 def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
-    from ..backends import threads as kernel_threads
+    from ..backends.cpu import threads as kernel_threads
     from ..model.context import ContextParams, LlamaContext
     from ..model.model import LlamaModel
     from ..model.ubatch import Batch

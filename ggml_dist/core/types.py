@@ -2,7 +2,7 @@
 
 Every type a GGUF file can hold is listed, with block size and bytes per block read from the gguf
 package's GGML_QUANT_SIZES table rather than retyped. How to turn blocks into floats is data work and
-lives in backends/quants.py; core only needs sizes.
+lives in backends/cpu/quants.py; core only needs sizes.
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..backends.base import tensor_get, tensor_set
-from ..backends.cpu import CPUBackend, CPUDevice
-from ..backends.cpu_ops import NUMBA_DEFAULT, ComputeOptions
+from ..backends.cpu.backend import CPUBackend, CPUDevice
+from ..backends.cpu.ops import NUMBA_DEFAULT, ComputeOptions
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
 from .kv_cache import ContextFullError, KVCache

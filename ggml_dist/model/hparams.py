@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ggml_dist.backends.quants import VEC_DOT_TYPE
+from ggml_dist.backends.cpu.quants import VEC_DOT_TYPE
 from ggml_dist.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORM
 from ggml_dist.core.types import TYPE_TRAITS, GGMLType, is_quantized
 from ggml_dist.model.gguf import GGUFError, GGUFFile
@@ -305,8 +305,8 @@ def _gemma3_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
 # the weight types the CPU kernels compute for the op that reads a weight: a type with a block layout but
 # no kernel (IQ*, MXFP4, Q8_1, the integers, F64 as a matmul weight) would otherwise load and fail deep in
 # the first forward pass
-MUL_MAT_TYPES = frozenset(VEC_DOT_TYPE)                 # backends/quants.py mul_mat: every 2-d weight
-GET_ROWS_TYPES = MUL_MAT_TYPES | {GGMLType.Q8_K}        # backends/quants.py dequantize: token_embd
+MUL_MAT_TYPES = frozenset(VEC_DOT_TYPE)                 # backends/cpu/quants.py mul_mat: every 2-d weight
+GET_ROWS_TYPES = MUL_MAT_TYPES | {GGMLType.Q8_K}        # backends/cpu/quants.py dequantize: token_embd
 
 
 def _op_types(name: str, shape: tuple[int, ...],

@@ -35,11 +35,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..backends.cpu_ops import NUMBA_DEFAULT
+from ..backends.cpu.ops import NUMBA_DEFAULT
 from .gguf import load_gguf
 
-_KERNEL_SOURCES = ("qkernels.py", "fkernels.py", "qpack.py", "avx2.py", "vnni.py", "kpack.py", "kquant_ir.py",
-                   "numerics.py", "kernel_cache.py", "threads.py", "rope.py", "cpu_ops.py")
 CHECK_INTERVAL_S = 1.0
 
 
@@ -48,11 +46,8 @@ def marker_path(path: str | Path) -> Path:
     import numba
     from llvmlite import binding as llvm
 
-    from ..backends import kernel_cache
-    h = hashlib.sha256()
-    backends = Path(kernel_cache.__file__).parent
-    for name in _KERNEL_SOURCES:
-        h.update((backends / name).read_bytes())
+    from ..backends.cpu import kernel_cache
+    h = hashlib.sha256(kernel_cache.backends_stamp().encode())     # every module of backends/cpu/
     f = load_gguf(path)
     types = sorted({t.type.name for t in f.tensors.values()})
     h.update(repr((numba.__version__, sys.version_info[:2], llvm.get_host_cpu_name(),

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..backends import threads as kernel_threads
+from ..backends.cpu import threads as kernel_threads
 from .context import ContextParams, LlamaContext
 from .model import LlamaModel
 from .ubatch import Batch

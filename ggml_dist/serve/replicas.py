@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any, Self, assert_never
 
-from ..backends import threads as kernel_threads
+from ..backends.cpu import threads as kernel_threads
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer
 from .engine import Engine, EngineConfig, Event, NotReady, QueueFull, Request, _common_prefix

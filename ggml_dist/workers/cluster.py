@@ -278,7 +278,7 @@ class StageActor:
     def __init__(self, spec: StageSpec) -> None:
         import ray
 
-        from ..backends.compile_progress import install
+        from ..backends.cpu.compile_progress import install
         install(f"stage {spec.stage_id}")         # its compiles reach the driver's log (log_to_driver)
         self.worker = StageWorker(spec)
         self.health = HealthServer(ray.util.get_node_ip_address(), lambda: self.worker.stats.n_calls)

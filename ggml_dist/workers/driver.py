@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..backends.base import BufferUsage
-from ..backends.cpu import CPUDevice
+from ..backends.cpu.backend import CPUDevice
 from ..core.context import Context
 from ..core.graph import Graph
 from ..core.tensor import Tensor

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, Event
-from ..backends.cpu import cpu_supports_op
+from ..backends.cpu.backend import cpu_supports_op
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
 from .plan import describe, plan_id

@@ -21,8 +21,8 @@ import numpy as np
 
 from ..alloc.gallocr import Gallocr
 from ..backends.base import BufferUsage, tensor_array
-from ..backends.cpu import CPUBuffer, CPUDevice, compute_graph
-from ..backends.cpu_ops import ComputeOptions
+from ..backends.cpu.backend import CPUBuffer, CPUDevice, compute_graph
+from ..backends.cpu.ops import ComputeOptions
 from ..core.tensor import Tensor, nbytes
 from ..core.types import GGMLType
 from ..model.gguf import load_gguf
@@ -131,7 +131,7 @@ class StageWorker:
         if spec.n_threads > 0:
             os.environ.setdefault("OMP_NUM_THREADS", str(spec.n_threads))
             try:
-                from ..backends import threads
+                from ..backends.cpu import threads
                 threads.set_threads(spec.n_threads)
             except (ImportError, ValueError):
                 pass

@@ -6,8 +6,8 @@ import numpy as np
 
 from ggml_dist.backends.accel import AccelDevice
 from ggml_dist.backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, tensor_array
-from ggml_dist.backends.cpu import CPUBackend, CPUBuffer, CPUBufferType, CPUDevice, compute_graph
-from ggml_dist.backends.reference import ReferenceExecutor
+from ggml_dist.backends.cpu.backend import CPUBackend, CPUBuffer, CPUBufferType, CPUDevice, compute_graph
+from ggml_dist.backends.cpu.reference import ReferenceExecutor
 from ggml_dist.core import ops
 from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph

@@ -135,7 +135,7 @@ def test_kv_cells():
 # its rows, the transposed V's its columns
 def test_stream_moves_stop_at_n_cells():
     from ggml_dist.backends.base import tensor_array
-    from ggml_dist.backends.cpu import CPUBufferType
+    from ggml_dist.backends.cpu.backend import CPUBufferType
     kv = KVCache(8, 4, 1024, range(2), n_seq_max=4, unified=False)
     kv.allocate(CPUBufferType("CPU"))
     rng = np.random.default_rng(0)

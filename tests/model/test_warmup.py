@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from ggml_dist.backends.cpu import CPUBackend
+from ggml_dist.backends.cpu.backend import CPUBackend
 from ggml_dist.model import context as context_mod
 from ggml_dist.model import warmup
 from ggml_dist.model.context import ContextParams, LlamaContext

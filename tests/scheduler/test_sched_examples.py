@@ -6,8 +6,8 @@ import pytest
 
 from ggml_dist.backends.accel import AccelDevice
 from ggml_dist.backends.base import tensor_array
-from ggml_dist.backends.cpu import CPUDevice
-from ggml_dist.backends.reference import ReferenceExecutor
+from ggml_dist.backends.cpu.backend import CPUDevice
+from ggml_dist.backends.cpu.reference import ReferenceExecutor
 from ggml_dist.core.context import Context
 from ggml_dist.core.tensor import Op, TensorFlag
 from ggml_dist.scheduler.sched import Sched

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from ggml_dist.backends.accel import AccelDevice
 from ggml_dist.backends.base import tensor_array
-from ggml_dist.backends.cpu import CPUDevice
-from ggml_dist.backends.reference import ReferenceExecutor
+from ggml_dist.backends.cpu.backend import CPUDevice
+from ggml_dist.backends.cpu.reference import ReferenceExecutor
 from ggml_dist.core import ops
 from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph

@@ -1,4 +1,4 @@
-"""backends/cpu_ops.py (and numerics, rope, cpu): every kernel, run through ReferenceExecutor, against an
+"""backends/cpu/ops.py (and numerics, rope, backend): every kernel, run through ReferenceExecutor, against an
 independent numpy formulation (float64 where it helps; each test states its tolerance)."""
 import threading
 import time
@@ -9,10 +9,10 @@ from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType as GQ
 
 from ggml_dist.backends.base import array_at
-from ggml_dist.backends.cpu import CPUDevice
-from ggml_dist.backends.cpu_ops import ComputeOptions
-from ggml_dist.backends.numerics import vexp
-from ggml_dist.backends.reference import ReferenceExecutor
+from ggml_dist.backends.cpu.backend import CPUDevice
+from ggml_dist.backends.cpu.numerics import vexp
+from ggml_dist.backends.cpu.ops import ComputeOptions
+from ggml_dist.backends.cpu.reference import ReferenceExecutor
 from ggml_dist.core import ops
 from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph
@@ -591,7 +591,7 @@ def test_rope_iterated_theta_large_positions(ctx, rng):
 @pytest.mark.parametrize("wtype", [F16, F32, GGMLType.Q4_1, GGMLType.Q8_0])
 @pytest.mark.parametrize("n11", [1, 2, 5])
 def test_mul_mat_broadcast_stacked_bits(ctx, rng, wtype, n11):
-    from ggml_dist.backends import quants as Q
+    from ggml_dist.backends.cpu import quants as Q
     K, M, A2, r2 = 64, 12, 2, 3
     wf = randn(rng, 1, A2, M, K)
     if wtype == F16:

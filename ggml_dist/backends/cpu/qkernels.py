@@ -34,9 +34,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..core.types import GGMLType, row_size
+from ...core.types import GGMLType, row_size
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
+from .blocks import BLOCKS, GGUF_KINDS
 from .threads import get_threads, launch
 
 T = GGMLType
@@ -47,10 +48,24 @@ _R = 4        # weight rows per pass: each activation load is reused _R times
 # multiply-adds (N*M*K) below which a kernel runs on the calling thread: a parallel launch costs more
 _SERIAL_WORK = 1 << 17
 
-# kind codes passed to the kernels (one generic kernel per block size, branches per row, not per element)
-_KIND = {T.Q4_0: 0, T.Q4_1: 1, T.Q5_0: 2, T.Q5_1: 3, T.Q8_0: 4, T.Q4_K: 5, T.Q5_K: 6, T.Q6_K: 7, T.Q2_K: 8,
-         T.Q3_K: 9}
+# kind codes passed to the kernels (one generic kernel per block size, branches per row, not per element):
+# blocks.py's gguf_kind, 0..9 = Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K
+_KIND = {t: k for k, t in enumerate(GGUF_KINDS)}
 COVERED = frozenset(_KIND) | {T.F16}
+# the block layouts as module constants, which numba compiles as literals: block bytes per kind, and the
+# codes' offset for kinds 0..6 (Q5: of the nibbles; the 32-bit qh sits just before them)
+_BS = tuple(BLOCKS[t].nbytes for t in GGUF_KINDS)
+_OQ = tuple(BLOCKS[t].off("qs") for t in GGUF_KINDS[:7])
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = (BLOCKS[t] for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))
+_OM = _Q4_1.off("m")                    # Q4_1/Q5_1's m
+assert _Q5_1.off("m") == _OM
+_K_SC, _K_DMIN, _Q5K_QH = BLOCKS[T.Q4_K].off("scales"), BLOCKS[T.Q4_K].off("dmin"), BLOCKS[T.Q5_K].off("qh")
+assert (BLOCKS[T.Q5_K].off("scales"), BLOCKS[T.Q5_K].off("dmin")) == (_K_SC, _K_DMIN)
+_Q6_QH, _Q6_SC, _Q6_D = (BLOCKS[T.Q6_K].off(f) for f in ("qh", "scales", "d"))
+_Q2_QS, _Q2_D, _Q2_DMIN = (BLOCKS[T.Q2_K].off(f) for f in ("qs", "d", "dmin"))
+_Q3_QS, _Q3_SC, _Q3_D = (BLOCKS[T.Q3_K].off(f) for f in ("qs", "scales", "d"))
+_Q4_0_BS, _Q4_1_BS, _Q5_0_BS, _Q5_1_BS, _Q8_0_BS = (f.nbytes for f in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
+_Q4_0_QS, _Q4_1_QS, _Q5_0_QS, _Q5_1_QS, _Q8_0_QS = (f.off("qs") for f in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
 
 # f16 bits -> f32 value (exact); numba has no float16 on the CPU
 _F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
@@ -94,7 +109,7 @@ def _k_words(row, o, oq, c, i, q5):
     lo4 = u & _M4
     hi4 = (u >> _S4) & _M4
     if q5:
-        h = _u64(row, o + 16 + 8 * i)
+        h = _u64(row, o + _Q5K_QH + 8 * i)
         lo4 |= ((h >> _U(2 * c)) & _M1) << _S4
         hi4 |= ((h >> _U(2 * c + 1)) & _M1) << _S4
     return lo4, hi4
@@ -107,17 +122,17 @@ def _dec_row(kind, row, lut, sp, cw, ns, d1, d2, sc, mn):
     16 sub-blocks of 16). d1 = d per block, d2 = m (Q4_1/Q5_1) or dmin; sc, mn per sub-block."""
     nb = d1.shape[0]
     if kind <= 4:
-        bs = (18, 20, 22, 24, 34)[kind]
+        bs = _BS[kind]
         for b in range(nb):
             o = b * bs
             d1[b] = _f16(lut, row, o)
             if kind == 4:
                 for i in range(4):
-                    cw[i * ns + b] = _u64(row, o + 2 + 8 * i)
+                    cw[i * ns + b] = _u64(row, o + _Q8_0_QS + 8 * i)
                 continue
             if kind == 1 or kind == 3:
-                d2[b] = _f16(lut, row, o + 2)
-            oq = (2, 4, 6, 8)[kind]
+                d2[b] = _f16(lut, row, o + _OM)
+            oq = _OQ[kind]
             u0 = _u64(row, oq + o)
             u1 = _u64(row, oq + o + 8)
             w0 = u0 & _M4
@@ -135,16 +150,16 @@ def _dec_row(kind, row, lut, sp, cw, ns, d1, d2, sc, mn):
             cw[2 * ns + b] = w2
             cw[3 * ns + b] = w3
     elif kind <= 6:                                     # Q4_K (144 B) / Q5_K (176 B)
-        bs = 144 if kind == 5 else 176
-        oq = 16 if kind == 5 else 48
+        bs = _BS[kind]
+        oq = _OQ[kind]
         for b in range(nb):
             o = b * bs
             d1[b] = _f16(lut, row, o)
-            d2[b] = _f16(lut, row, o + 2)
+            d2[b] = _f16(lut, row, o + _K_DMIN)
             for j in range(4):                          # get_scale_min_k4
-                lo = np.int64(row[o + 4 + j])
-                mid = np.int64(row[o + 8 + j])
-                hi = np.int64(row[o + 12 + j])
+                lo = np.int64(row[o + _K_SC + j])
+                mid = np.int64(row[o + _K_SC + 4 + j])
+                hi = np.int64(row[o + _K_SC + 8 + j])
                 sc[b * 8 + j] = lo & 63
                 mn[b * 8 + j] = mid & 63
                 sc[b * 8 + 4 + j] = (hi & 15) | ((lo >> 6) << 4)
@@ -156,27 +171,27 @@ def _dec_row(kind, row, lut, sp, cw, ns, d1, d2, sc, mn):
     else:                                               # 16 sub-blocks of 16: element 128h + 32g + 8i + k
         for b in range(nb):
             if kind == 7:                               # Q6_K: ql[128], qh[64], sc[16], d
-                o = b * 210
-                d1[b] = _f16(lut, row, o + 208)
+                o = b * _BS[7]
+                d1[b] = _f16(lut, row, o + _Q6_D)
                 for s in range(16):
-                    sc[b * 16 + s] = np.int8(row[o + 192 + s])
+                    sc[b * 16 + s] = np.int8(row[o + _Q6_SC + s])
             elif kind == 8:                             # Q2_K: scales[16], qs[64], d, dmin
-                o = b * 84
-                d1[b] = _f16(lut, row, o + 80)
-                d2[b] = _f16(lut, row, o + 82)
+                o = b * _BS[8]
+                d1[b] = _f16(lut, row, o + _Q2_D)
+                d2[b] = _f16(lut, row, o + _Q2_DMIN)
                 for s in range(16):
                     v = np.int64(row[o + s])
                     sc[b * 16 + s] = v & 15
                     mn[b * 16 + s] = v >> 4
             else:                                       # Q3_K: hmask[32], qs[64], scales[12], d
-                o = b * 110
-                d1[b] = _f16(lut, row, o + 108)
+                o = b * _BS[9]
+                d1[b] = _f16(lut, row, o + _Q3_D)
                 for j in range(8):
-                    v = np.int64(row[o + 96 + j])
+                    v = np.int64(row[o + _Q3_SC + j])
                     sc[b * 16 + j] = v & 15
                     sc[b * 16 + 8 + j] = v >> 4
                 for k in range(4):
-                    v = np.int64(row[o + 104 + k])
+                    v = np.int64(row[o + _Q3_SC + 8 + k])
                     for g in range(4):
                         sc[b * 16 + 4 * g + k] = (sc[b * 16 + 4 * g + k] | (((v >> (2 * g)) & 3) << 4)) - 32
             for h in range(2):
@@ -184,13 +199,13 @@ def _dec_row(kind, row, lut, sp, cw, ns, d1, d2, sc, mn):
                     for i in range(4):
                         if kind == 7:
                             lw = _u64(row, o + 64 * h + 32 * (g & 1) + 8 * i)
-                            hw = _u64(row, o + 128 + 32 * h + 8 * i)
+                            hw = _u64(row, o + _Q6_QH + 32 * h + 8 * i)
                             q = ((lw >> _U(4 * (g >> 1))) & _M4) | (((hw >> _U(2 * g)) & _M2) << _S4)
                             q = ((q | _MH) - _M32) ^ _MH              # bytewise q - 32
                         elif kind == 8:
-                            q = (_u64(row, o + 16 + 32 * h + 8 * i) >> _U(2 * g)) & _M2
+                            q = (_u64(row, o + _Q2_QS + 32 * h + 8 * i) >> _U(2 * g)) & _M2
                         else:
-                            lo = (_u64(row, o + 32 + 32 * h + 8 * i) >> _U(2 * g)) & _M2
+                            lo = (_u64(row, o + _Q3_QS + 32 * h + 8 * i) >> _U(2 * g)) & _M2
                             hb = (_u64(row, o + 8 * i) >> _U(4 * h + g)) & _M1
                             q = ((lo | _MH) - ((hb ^ _M1) << _U(2))) ^ _MH   # bytewise lo - 4*(1-hb)
                         cw[(i & 1) * ns + b * 16 + 8 * h + 2 * g + (i >> 1)] = q
@@ -445,20 +460,21 @@ def _dec_row_g32(kind, row, lut, sp, r, cw, dw, d2):
     as constants (the generic loop with the layout in variables ran ~3x slower)."""
     nb = d2.shape[0]
     if kind == 0:
-        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 18, 2, False, False, _M8)
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, _Q4_0_BS, _Q4_0_QS, False, False, _M8)
     elif kind == 1:
-        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 20, 4, True, False, _U(0))
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, _Q4_1_BS, _Q4_1_QS, True, False, _U(0))
     elif kind == 2:
-        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 22, 6, False, True, _M16)
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, _Q5_0_BS, _Q5_0_QS, False, True, _M16)
     elif kind == 3:
-        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, 24, 8, True, True, _U(0))
+        _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, _Q5_1_BS, _Q5_1_QS, True, True, _U(0))
     else:
         for b in range(nb):
-            o = b * 34
+            o = b * _Q8_0_BS
             d = _f16(lut, row, o)
             for p in range(8):
                 dw[32 * b + 8 * r + p] = d
-            _put4(cw, 16 * b + r, _u64(row, o + 2), _u64(row, o + 10), _u64(row, o + 18), _u64(row, o + 26))
+            oq = o + _Q8_0_QS
+            _put4(cw, 16 * b + r, _u64(row, oq), _u64(row, oq + 8), _u64(row, oq + 16), _u64(row, oq + 24))
 
 
 @njit(cache=True, inline="always")
@@ -471,7 +487,7 @@ def _dec_blocks_g32(row, lut, sp, r, cw, dw, d2, nb, bs, oq, has_m, has_h, cente
         for p in range(8):
             dw[32 * b + 8 * r + p] = d
         if has_m:
-            d2[b] = _f16(lut, row, o + 2)
+            d2[b] = _f16(lut, row, o + _OM)
         u0 = _u64(row, oq + o)
         u1 = _u64(row, oq + o + 8)
         w0 = u0 & _M4
@@ -501,18 +517,18 @@ def _dec_row_g(kind, row, lut, sp, r, cw, dw, d2, scw, mn):
     if kind <= 4:
         _dec_row_g32(kind, row, lut, sp, r, cw, dw, d2)
     elif kind <= 6:                                     # Q4_K (144 B) / Q5_K (176 B)
-        bs = 144 if kind == 5 else 176
-        oq = 16 if kind == 5 else 48
+        bs = _BS[kind]
+        oq = _OQ[kind]
         for b in range(nb):
             o = b * bs
             d = _f16(lut, row, o)
             for p in range(8):
                 dw[32 * b + 8 * r + p] = d
-            d2[b] = _f16(lut, row, o + 2)
+            d2[b] = _f16(lut, row, o + _K_DMIN)
             for j in range(4):                          # get_scale_min_k4
-                lo = np.int64(row[o + 4 + j])
-                mid = np.int64(row[o + 8 + j])
-                hi = np.int64(row[o + 12 + j])
+                lo = np.int64(row[o + _K_SC + j])
+                mid = np.int64(row[o + _K_SC + 4 + j])
+                hi = np.int64(row[o + _K_SC + 8 + j])
                 s0 = lo & 63
                 s1 = (hi & 15) | ((lo >> 6) << 4)
                 for p in range(8):

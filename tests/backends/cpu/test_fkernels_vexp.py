@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from ggml_dist.backends import fkernels as fk
-from ggml_dist.backends import numerics as nm
+from ggml_dist.backends.cpu import fkernels as fk
+from ggml_dist.backends.cpu import numerics as nm
 
 F32 = np.float32
 

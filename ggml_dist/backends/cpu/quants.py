@@ -11,7 +11,7 @@ API
   as ggml's CPU backend.
 
 This is the reference: it imports no numba. qkernels.py, fkernels.py and qpack.py are its compiled twins
-(the same bits); cpu_ops chooses between them per op (``ComputeOptions.numba``).
+(the same bits); ops.py chooses between them per op (``ComputeOptions.numba``).
 
 ``mul_mat(exact=False)`` has two accumulation orders (``order=``, default "ggml", the one that runs).
 Both quantize X exactly as ggml and compute the integer block sums exactly; they differ only at ULP level.
@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.types import TYPE_TRAITS, GGMLType, row_size
+from ...core.types import TYPE_TRAITS, GGMLType, row_size
+from .blocks import BLOCKS, VEC_DOT_TYPE, assemble
 
 F32 = np.float32
 F64 = np.float64
@@ -51,12 +52,10 @@ QK = 32
 QK_K = 256
 T = GGMLType
 
-VEC_DOT_TYPE: dict[GGMLType, GGMLType] = {
-    T.F32: T.F32, T.F16: T.F16, T.BF16: T.BF16,
-    T.Q4_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q8_0: T.Q8_0,
-    T.Q4_1: T.Q8_1, T.Q5_1: T.Q8_1,
-    T.Q2_K: T.Q8_K, T.Q3_K: T.Q8_K, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K,
-}
+# VEC_DOT_TYPE (what X is converted to per weight type) is blocks.py's, imported above.
+# the block layouts (blocks.py): F["qs"] is the slice of a block's codes
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (BLOCKS[t] for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = (BLOCKS[t] for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K))
 
 # temporaries budget for mul_mat row chunks (bytes)
 _CHUNK_BYTES = 48 << 20
@@ -101,26 +100,26 @@ def _bits32(qh: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # decoders: blocks [..., nb, bs] -> integer codes and float32 scales
 def _dec_q4_0(b):
-    return _f16(b[..., 0:2]), _nibbles32(b[..., 2:18]).astype(np.int8) - np.int8(8)
+    return _f16(b[..., Q4_0["d"]]), _nibbles32(b[..., Q4_0["qs"]]).astype(np.int8) - np.int8(8)
 
 
 def _dec_q4_1(b):
-    return _f16(b[..., 0:2]), _f16(b[..., 2:4]), _nibbles32(b[..., 4:20])
+    return _f16(b[..., Q4_1["d"]]), _f16(b[..., Q4_1["m"]]), _nibbles32(b[..., Q4_1["qs"]])
 
 
 def _dec_q5_0(b):
-    q = _nibbles32(b[..., 6:22]) | (_bits32(b[..., 2:6]) << 4)
-    return _f16(b[..., 0:2]), q.astype(np.int8) - np.int8(16)
+    q = _nibbles32(b[..., Q5_0["qs"]]) | (_bits32(b[..., Q5_0["qh"]]) << 4)
+    return _f16(b[..., Q5_0["d"]]), q.astype(np.int8) - np.int8(16)
 
 
 def _dec_q5_1(b):
-    q = _nibbles32(b[..., 8:24]) | (_bits32(b[..., 4:8]) << 4)
-    return _f16(b[..., 0:2]), _f16(b[..., 2:4]), q
+    q = _nibbles32(b[..., Q5_1["qs"]]) | (_bits32(b[..., Q5_1["qh"]]) << 4)
+    return _f16(b[..., Q5_1["d"]]), _f16(b[..., Q5_1["m"]]), q
 
 
 def _dec_q8_0(b):
-    return _f16(b[..., 0:2]), b[..., 2:34].view(np.int8) if b.strides[-1] == 1 else \
-        np.ascontiguousarray(b[..., 2:34]).view(np.int8)
+    return _f16(b[..., Q8_0["d"]]), b[..., Q8_0["qs"]].view(np.int8) if b.strides[-1] == 1 else \
+        np.ascontiguousarray(b[..., Q8_0["qs"]]).view(np.int8)
 
 
 def _i8(b):
@@ -137,48 +136,48 @@ def _scale_min_k4(s: np.ndarray):
 
 def _dec_q4_K(b):
     """-> d, dmin [..., nb]; sc, m [..., nb, 8]; q [..., nb, 8, 32] (0..15), element 32j+l."""
-    sc, m = _scale_min_k4(b[..., 4:16])
-    qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 1, 32)
+    sc, m = _scale_min_k4(b[..., Q4_K["scales"]])
+    qs = b[..., Q4_K["qs"]].reshape(*b.shape[:-1], 4, 1, 32)
     q = (qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
-    return _f16(b[..., 0:2]), _f16(b[..., 2:4]), sc, m, q.reshape(*b.shape[:-1], 8, 32)
+    return _f16(b[..., Q4_K["d"]]), _f16(b[..., Q4_K["dmin"]]), sc, m, q.reshape(*b.shape[:-1], 8, 32)
 
 
 def _dec_q5_K(b):
-    sc, m = _scale_min_k4(b[..., 4:16])
-    qs = b[..., 48:176].reshape(*b.shape[:-1], 4, 1, 32)
+    sc, m = _scale_min_k4(b[..., Q5_K["scales"]])
+    qs = b[..., Q5_K["qs"]].reshape(*b.shape[:-1], 4, 1, 32)
     ql = ((qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F).reshape(*b.shape[:-1], 8, 32)
-    qh = b[..., 16:48].reshape(*b.shape[:-1], 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+    qh = b[..., Q5_K["qh"]].reshape(*b.shape[:-1], 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
     q = ql | ((qh & 1) << 4)
-    return _f16(b[..., 0:2]), _f16(b[..., 2:4]), sc, m, q
+    return _f16(b[..., Q5_K["d"]]), _f16(b[..., Q5_K["dmin"]]), sc, m, q
 
 
 def _dec_q6_K(b):
     """-> d [..., nb]; sc int8 [..., nb, 16]; q [..., nb, 256] unsigned 0..63 (element order)."""
     lead = b.shape[:-1]
-    ql = b[..., 0:128].reshape(*lead, 2, 1, 64)            # half, (lo/hi nibble), l'
-    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)          # half, shift, l
+    ql = b[..., Q6_K["ql"]].reshape(*lead, 2, 1, 64)       # half, (lo/hi nibble), l'
+    qh = b[..., Q6_K["qh"]].reshape(*lead, 2, 1, 32)       # half, shift, l
     lo = ((ql >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F)   # [.., 2, 2(nib), 64]
     # element 64*nib + l' of the half: nibble nib of ql[l']; 2 high bits from qh[l' % 32] at 2*(2*nib + l'//32)
     hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3   # [.., 2, 4, 32] for e//32 = 0..3
     q = lo.reshape(*lead, 2, 4, 32) | (hi << 4)
-    return _f16(b[..., 208:210]), _i8(b[..., 192:208]), q.reshape(*lead, 256)
+    return _f16(b[..., Q6_K["d"]]), _i8(b[..., Q6_K["scales"]]), q.reshape(*lead, 256)
 
 
 def _dec_q2_K(b):
     """-> d, dmin; sc, m [..., nb, 16] (4-bit); q [..., nb, 16, 16] (0..3)."""
     lead = b.shape[:-1]
-    s = b[..., 0:16]
-    qs = b[..., 16:80].reshape(*lead, 2, 1, 32)
+    s = b[..., Q2_K["scales"]]
+    qs = b[..., Q2_K["qs"]].reshape(*lead, 2, 1, 32)
     q = (qs >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3     # [.., 2, 4, 32]
-    return _f16(b[..., 80:82]), _f16(b[..., 82:84]), s & 0x0F, s >> 4, q.reshape(*lead, 16, 16)
+    return _f16(b[..., Q2_K["d"]]), _f16(b[..., Q2_K["dmin"]]), s & 0x0F, s >> 4, q.reshape(*lead, 16, 16)
 
 
 def _dec_q3_K(b):
     """-> d; sc int [..., nb, 16] (-32..31); q [..., nb, 16, 16] (-4..3)."""
     lead = b.shape[:-1]
-    hm = b[..., 0:32]
-    qs = b[..., 32:96].reshape(*lead, 2, 1, 32)
-    s = b[..., 96:108]
+    hm = b[..., Q3_K["hmask"]]
+    qs = b[..., Q3_K["qs"]].reshape(*lead, 2, 1, 32)
+    s = b[..., Q3_K["scales"]]
     lo, hi = s[..., 0:8], s[..., 8:12]
     sc_lo = np.concatenate([lo & 0x0F, lo >> 4], axis=-1)                    # 16
     sc_hi = np.concatenate([(hi >> sh) & 3 for sh in (0, 2, 4, 6)], axis=-1)  # 16
@@ -186,13 +185,13 @@ def _dec_q3_K(b):
     ql = ((qs >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(*lead, 8, 32)
     h = (hm.reshape(*lead, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
     q = ql.astype(np.int8) - ((h ^ 1) << 2).astype(np.int8)
-    return _f16(b[..., 108:110]), sc, q.reshape(*lead, 16, 16)
+    return _f16(b[..., Q3_K["d"]]), sc, q.reshape(*lead, 16, 16)
 
 
 def _dec_q8_K(b):
-    bs = b[..., 260:292]
+    bs = b[..., Q8_K["bsums"]]
     bsums = (bs[..., 0::2].astype(np.uint16) | (bs[..., 1::2].astype(np.uint16) << 8)).view(np.int16)
-    return _f32(b[..., 0:4]), _i8(b[..., 4:260]), bsums
+    return _f32(b[..., Q8_K["d"]]), _i8(b[..., Q8_K["qs"]]), bsums
 
 
 # ------------------------------------------------------------------------------------------------
@@ -352,21 +351,21 @@ def _quantize_kq_min(type, xb):
     if type == T.Q2_K:
         qq = q.reshape(*lead, 2, 4, 32)
         qs = qq[..., 0, :] | (qq[..., 1, :] << 2) | (qq[..., 2, :] << 4) | (qq[..., 3, :] << 6)
-        return np.concatenate([sc | (mc << 4), qs.reshape(*lead, 64), _pack_f16(d), _pack_f16(dmin)], -1)
+        return np.concatenate(assemble(T.Q2_K, scales=sc | (mc << 4), qs=qs.reshape(*lead, 64), d=_pack_f16(d),
+                                       dmin=_pack_f16(dmin)), -1)
     s = np.concatenate([(sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6),
                         (mc[..., 0:4] & 63) | ((mc[..., 4:8] >> 4) << 6),
                         (sc[..., 4:8] & 15) | ((mc[..., 4:8] & 15) << 4)], axis=-1)
     qq = q.reshape(*lead, 4, 2, 32)
     qs = ((qq[..., 0, :] & 15) | ((qq[..., 1, :] & 15) << 4)).reshape(*lead, 128)
-    parts = [_pack_f16(d), _pack_f16(dmin), s]
+    parts = {"d": _pack_f16(d), "dmin": _pack_f16(dmin), "scales": s, "qs": qs}
     if type == T.Q5_K:
         hb = (q >> 4).reshape(*lead, 8, 32)       # bit j of qh[l] = high bit of element 32j+l
         qh = np.zeros((*lead, 32), np.uint8)
         for j in range(8):
             qh |= hb[..., j, :] << j
-        parts.append(qh)
-    parts.append(qs)
-    return np.concatenate(parts, axis=-1)
+        parts["qh"] = qh
+    return np.concatenate(assemble(type, **parts), axis=-1)
 
 
 def _quantize_q6_K(xb):
@@ -387,7 +386,8 @@ def _quantize_q6_K(xb):
     ql = np.concatenate([(q[..., 0, :] & 15) | ((q[..., 2, :] & 15) << 4),
                          (q[..., 1, :] & 15) | ((q[..., 3, :] & 15) << 4)], axis=-1)    # [.., 2, 64]
     qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
-    return np.concatenate([ql.reshape(*lead, 128), qh.reshape(*lead, 64), sc.view(np.uint8), _pack_f16(d)], -1)
+    return np.concatenate(assemble(T.Q6_K, ql=ql.reshape(*lead, 128), qh=qh.reshape(*lead, 64),
+                                   scales=sc.view(np.uint8), d=_pack_f16(d)), -1)
 
 
 def _quantize_q3_K(xb):
@@ -415,7 +415,7 @@ def _quantize_q3_K(xb):
     lo, hi = s6 & 15, s6 >> 4
     sbytes = np.concatenate([lo[..., 0:8] | (lo[..., 8:16] << 4),
                              hi[..., 0:4] | (hi[..., 4:8] << 2) | (hi[..., 8:12] << 4) | (hi[..., 12:16] << 6)], -1)
-    return np.concatenate([hm, qs.reshape(*lead, 64), sbytes, _pack_f16(d)], -1)
+    return np.concatenate(assemble(T.Q3_K, hmask=hm, qs=qs.reshape(*lead, 64), scales=sbytes, d=_pack_f16(d)), -1)
 
 
 def quantize(type: GGMLType, x: np.ndarray) -> np.ndarray:
@@ -443,8 +443,8 @@ def quantize(type: GGMLType, x: np.ndarray) -> np.ndarray:
         return out.reshape(*lead, -1)
     if type == T.Q8_K:
         q, d, bsums = quantize_q8_K(x)
-        return np.concatenate([_u8(d[..., None], q.shape[:-1]), q.view(np.uint8), _u8(bsums, q.shape[:-1])],
-                              axis=-1).reshape(*lead, -1)
+        return np.concatenate(assemble(T.Q8_K, d=_u8(d[..., None], q.shape[:-1]), qs=q.view(np.uint8),
+                                       bsums=_u8(bsums, q.shape[:-1])), axis=-1).reshape(*lead, -1)
     xb = _split(x, QK_K)
     if type in (T.Q4_K, T.Q5_K, T.Q2_K):
         out = _quantize_kq_min(type, xb)

@@ -39,7 +39,7 @@ The fma is llvm.fma.f32 (one rounding; the same bits as quants.py's float64 emul
 The int8 kernels take every token count (two tokens per group call). In the float kernels, below
 MIN_TOKENS tokens each token runs the decode kernels (nibbles decoded in the loop); from there on the tiled
 kernels decode a block's codes once for a tile of tokens and take 4 tokens per code load.
-These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/test_qpack.py checks it. The
+These are exactly quants.mul_mat(order="ggml")'s values; tests/backends/cpu/test_qpack.py checks it. The
 kernels release the GIL (nogil=True), as fkernels' do.
 """
 from __future__ import annotations
@@ -52,22 +52,23 @@ from typing import Protocol, TypeVar
 import numpy as np
 from numba import njit, prange
 
-from ..core.types import GGMLType, row_size
+from ...core.types import GGMLType, row_size
 from . import avx2, vnni
+from .blocks import BLOCKS, QPACK_TYPES
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch
 
 T = GGMLType
 F32 = np.float32
 R = 64                                  # rows per group: the vector loops run over a group's rows
-PACKABLE = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1})
+PACKABLE = QPACK_TYPES                  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks.py's packed="qpack")
 _Q5 = (T.Q5_0, T.Q5_1)                  # int8 kernels only; with Kernels.FLOAT qkernels' product (see PackedWeight)
 _KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0, _KIND_Q5_0, _KIND_Q5_1 = 0, 1, 2, 3, 4, 5
 # multiply-adds from which a product is split across threads (a launch costs a few us with OpenMP, see
 # qkernels; ~50-100 us with numba's workqueue layer, where only large products gain)
 _PARALLEL_WORK = 1 << 18
 # block bytes, offset of the codes (Q5: of the nibbles; its 32-bit qh sits just before them)
-_BLOCK = {T.Q4_0: (18, 2), T.Q4_1: (20, 4), T.Q8_0: (34, 2), T.Q5_0: (22, 6), T.Q5_1: (24, 8)}
+_BLOCK = {t: (BLOCKS[t].nbytes, BLOCKS[t].off("qs")) for t in PACKABLE}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,10 +287,11 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) == 3 and a[0] is b[0] and a[1:] == b[1:]
 
 
-def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedWeight:
-    """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` as ggml keeps its
-    repack buffer; made again if t was rebound to other bytes."""
-    return packed_as(PackedWeight, wtype, w, t)
+def packed(wtype: GGMLType, w: np.ndarray, t, kernels: Kernels | str | None = None) -> PackedWeight:
+    """The packed form of weight tensor t (bytes w) for `kernels` (None: default_kernels()), made once
+    and kept in ``t.extra`` as ggml keeps its repack buffer; made again if t was rebound to other bytes
+    or is asked for with other kernels."""
+    return packed_as(PackedWeight, wtype, w, t, kernels)
 
 
 class Packed(Protocol):
@@ -298,23 +300,26 @@ class Packed(Protocol):
     raw: np.ndarray | None              # the file's rows, if it keeps them (then their pages stay)
     K: int
     M: int
+    kernels: Kernels
 
-    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple) -> None: ...
+    def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple, kernels: Kernels | str | None = None
+                 ) -> None: ...
 
 
 P = TypeVar("P", bound=Packed)
 
 
-def packed_as(cls: type[P], wtype: GGMLType, w: np.ndarray, t) -> P:
+def packed_as(cls: type[P], wtype: GGMLType, w: np.ndarray, t, kernels: Kernels | str | None = None) -> P:
     """packed() for any packed-weight class."""
     key = (t.buffer, t.data, w.shape)       # the buffer itself, not its id: an id can be reused
+    want = None if kernels is None else Kernels(kernels)
     pw = t.extra
-    if isinstance(pw, cls) and _same(pw.key, key):
+    if isinstance(pw, cls) and _same(pw.key, key) and want in (None, pw.kernels):
         return pw
     with _PACK_LOCK:
         pw = t.extra
-        if not (isinstance(pw, cls) and _same(pw.key, key)):
-            pw = t.extra = cls(wtype, w, key)
+        if not (isinstance(pw, cls) and _same(pw.key, key) and want in (None, pw.kernels)):
+            pw = t.extra = cls(wtype, w, key, kernels=want)
             release = getattr(t.buffer, "release_pages", None)
             if release is not None and pw.raw is None:      # the mapping's pages of t are not read again
                 release(t.data, row_size(wtype, pw.K) * pw.M)

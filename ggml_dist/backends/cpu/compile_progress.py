@@ -3,7 +3,7 @@ long reads as a hang.
 
     install(label)    from then on, the first kernel compile prints a line, and while compiles run a
                       line every 2 s (how many kernels, which one, how long); kernels already in the
-                      cache (backends/kernel_cache.py) print nothing. Idempotent.
+                      cache (kernel_cache.py) print nothing. Idempotent.
 
 The lines go to stderr, so `--json` output on stdout stays one object.
 """

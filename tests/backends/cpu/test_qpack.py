@@ -1,4 +1,4 @@
-"""Tests for ggml_dist.backends.qpack: weights repacked once into row groups give exactly
+"""Tests for ggml_dist.backends.cpu.qpack: weights repacked once into row groups give exactly
 quants.mul_mat(order="ggml")'s bits (numpy path, the oracle-checked emulation) for every token count, row
 count and thread count; the packed copy is made once per weight, kept in the tensor's extra, and used by the
 CPU backend's MUL_MAT on model weights. Q5_0/Q5_1 run the int8 kernels (their nibbles and a plane of 5th
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggml_dist.backends import quants as Q
-from ggml_dist.backends import threads as kt
+from ggml_dist.backends.cpu import quants as Q
+from ggml_dist.backends.cpu import threads as kt
 from ggml_dist.backends.base import BufferUsage
-from ggml_dist.backends.cpu import CPUDevice, compute_graph
+from ggml_dist.backends.cpu.backend import CPUDevice, compute_graph
 from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph
 from ggml_dist.core.types import GGMLType as T
@@ -21,8 +21,8 @@ from ggml_dist.core import ops
 
 from .test_quants import random_rows
 
-qpack = pytest.importorskip("ggml_dist.backends.qpack")
-qk = pytest.importorskip("ggml_dist.backends.qkernels")
+qpack = pytest.importorskip("ggml_dist.backends.cpu.qpack")
+qk = pytest.importorskip("ggml_dist.backends.cpu.qkernels")
 
 F32 = np.float32
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1]
@@ -303,5 +303,5 @@ def test_q5_without_int8_kernels_keeps_the_file_rows(t, monkeypatch):
 
 
 def test_cpu_backend_packs_what_qpack_packs():
-    from ggml_dist.backends import cpu_ops
+    from ggml_dist.backends.cpu import ops as cpu_ops
     assert cpu_ops._PACKABLE == qpack.PACKABLE

@@ -1,4 +1,4 @@
-"""Tests for ggml_dist.backends.kpack: Q4_K/Q5_K/Q6_K weights packed once give exactly
+"""Tests for ggml_dist.backends.cpu.kpack: Q4_K/Q5_K/Q6_K weights packed once give exactly
 quants.mul_mat(order="ggml")'s bits (the oracle-checked numpy emulation, which qkernels.mul_mat_q equals)
 for decode and prompt token counts, repacked Q4_K (M % 8 == 0) and not, partial row groups, 1 and 2
 threads, both int8 kernel kinds; the CPU backend's MUL_MAT on a model weight takes the packed form."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_dist.backends import quants as Q
-from ggml_dist.backends import threads as kt
 from ggml_dist.backends.base import BufferUsage
-from ggml_dist.backends.cpu import CPUDevice, compute_graph
+from ggml_dist.backends.cpu import quants as Q
+from ggml_dist.backends.cpu import threads as kt
+from ggml_dist.backends.cpu.backend import CPUDevice, compute_graph
 from ggml_dist.core import ops
 from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph
@@ -18,8 +18,8 @@ from ggml_dist.core.types import GGMLType as T
 
 from .test_quants import random_rows
 
-kpack = pytest.importorskip("ggml_dist.backends.kpack")
-qk = pytest.importorskip("ggml_dist.backends.qkernels")
+kpack = pytest.importorskip("ggml_dist.backends.cpu.kpack")
+qk = pytest.importorskip("ggml_dist.backends.cpu.qkernels")
 
 F32 = np.float32
 TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]

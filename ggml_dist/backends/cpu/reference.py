@@ -10,11 +10,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..core.graph import Graph
-from ..core.tensor import Tensor, TensorFlag, nbytes
-from .base import tensor_array
-from .cpu import CPUBufferType, compute_node
-from .cpu_ops import ComputeOptions
+from ...core.graph import Graph
+from ...core.tensor import Tensor, TensorFlag, nbytes
+from ..base import tensor_array
+from .backend import CPUBufferType, compute_node
+from .ops import ComputeOptions
 
 _HOST = CPUBufferType("reference")
 

@@ -41,9 +41,10 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit, prange
 
-from ..core.types import GGMLType
+from ...core.types import GGMLType
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
+from .blocks import BLOCKS, KPACK_TYPES
 from .kquant_ir import LAYOUT, group_intrinsic
 from .qpack import Kernels, default_kernels, packed_as, thread_scratch
 from .threads import get_threads, launch
@@ -51,9 +52,9 @@ from .threads import get_threads, launch
 T = GGMLType
 F32 = np.float32
 R = 64                                  # rows per group (kquant_ir's, vnni's)
-PACKABLE = frozenset({T.Q4_K, T.Q5_K, T.Q6_K})
+PACKABLE = KPACK_TYPES                  # Q4_K, Q5_K, Q6_K (blocks.py's packed="kpack")
 _NAME = {T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k"}
-_BLOCK = {T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+_BLOCK = {t: BLOCKS[t].nbytes for t in PACKABLE}
 _LANES, _TILED, _REPACKED = 0, 1, 2     # modes of a call; _REPACKED: gemm for rows < ng, then chain
 _PARALLEL_WORK = 1 << 18                # multiply-adds from which a product is split across threads
 
@@ -127,7 +128,8 @@ class PackedKWeight:
         M, nbytes = w.shape
         if nbytes % _BLOCK[wtype]:
             raise ValueError(f"{wtype.name} rows are whole {_BLOCK[wtype]}-byte superblocks, got {nbytes} bytes")
-        self.type, self.M, self.K, self.key, self.kernels = wtype, M, nbytes // _BLOCK[wtype] * 256, key, kernels
+        self.type, self.M, self.K, self.key = wtype, M, nbytes // _BLOCK[wtype] * 256, key
+        self.kernels: Kernels = kernels
         self.qs = _pack(wtype, w)
         self.repacked = wtype == T.Q4_K and M % 8 == 0
         self._entries = _ENTRIES[kernels][wtype]                   # (serial, parallel)
@@ -203,10 +205,10 @@ def _make_work(N: int, K: int) -> tuple[np.ndarray, ...]:
             np.zeros((N, 8 * nb), np.int32))
 
 
-def packed(wtype: GGMLType, w: np.ndarray, t) -> PackedKWeight:
-    """The packed form of weight tensor t (bytes w), made once and kept in ``t.extra`` (as
-    qpack.packed); made again if t was rebound to other bytes."""
-    return packed_as(PackedKWeight, wtype, w, t)
+def packed(wtype: GGMLType, w: np.ndarray, t, kernels: Kernels | str | None = None) -> PackedKWeight:
+    """The packed form of weight tensor t (bytes w) for `kernels` (None: kernels_here()), made once and
+    kept in ``t.extra`` (as qpack.packed); made again if t was rebound to other bytes."""
+    return packed_as(PackedKWeight, wtype, w, t, kernels)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The CPU backend: host buffers of numpy bytes, kernels from cpu_ops, optional asynchronous compute.
+"""The CPU backend: host buffers of numpy bytes, kernels from ops.py, optional asynchronous compute.
 
 With `async_compute=True` the backend runs its graphs on one worker thread, in submission order, and
 exposes ggml's event calls (record / wait / synchronize) on that queue. numpy releases the GIL in its
@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..core.graph import Graph
-from ..core.tensor import Op, Tensor, TensorFlag, nbytes
-from ..core.types import is_quantized
-from .base import (
+from ...core.graph import Graph
+from ...core.tensor import Op, Tensor, TensorFlag, nbytes
+from ...core.types import is_quantized
+from ..base import (
     Backend,
     Buffer,
     BufferType,
@@ -31,7 +31,7 @@ from .base import (
     array_at,
     tensor_array,
 )
-from .cpu_ops import KERNELS, QUANT_SRC_OPS, ComputeOptions, bind
+from .ops import KERNELS, QUANT_SRC_OPS, ComputeOptions, bind, resolve
 
 TENSOR_ALIGNMENT = 32               # ggml's CPU buffer alignment
 
@@ -124,7 +124,7 @@ class CPUBackend(Backend):
                  opts: ComputeOptions = ComputeOptions()) -> None:
         self.device = device
         self.name = device.name
-        self.opts = opts
+        self.opts = resolve(opts)           # the host's kernel choice, made once for this backend
         self.eval_callback: Callable[[Tensor, bool], bool] | None = None
         keep_freed_host_memory()
         self._queue: queue.Queue | None = None
@@ -187,7 +187,7 @@ class BoundGraph:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self.calls: list = []           # one bound call per computed node (cpu_ops.bind): what run() replays
+        self.calls: list = []           # one bound call per computed node (ops.bind): what run() replays
         tensors: dict[Tensor, None] = {}
         consumers: dict[Tensor, list[Tensor]] = {}
         for t in graph.nodes:

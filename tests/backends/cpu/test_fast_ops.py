@@ -1,4 +1,4 @@
-"""The numba fast paths of cpu_ops (backends/fkernels.py) give the numpy kernels' bits exactly.
+"""The numba fast paths of ops.py (backends/cpu/fkernels.py) give the numpy kernels' bits exactly.
 
 Each test runs an op with ComputeOptions.numba on (fkernels) and off (the numpy reference) and compares
 the results bit for bit (uint32 views, so NaN payloads and signed zeros count), on awkward shapes: lengths
@@ -10,13 +10,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from ggml_dist.backends import cpu_ops
-from ggml_dist.backends import threads as kt
-from ggml_dist.backends import fkernels as fk
-from ggml_dist.backends.cpu_ops import KERNELS, ComputeOptions
+from ggml_dist.backends.cpu import ops as cpu_ops
+from ggml_dist.backends.cpu import threads as kt
+from ggml_dist.backends.cpu import fkernels as fk
+from ggml_dist.backends.cpu.ops import KERNELS, ComputeOptions
 from ggml_dist.backends.base import tensor_array
-from ggml_dist.backends.cpu import compute_graph
-from ggml_dist.backends.reference import _HOST, ReferenceExecutor, _all_tensors
+from ggml_dist.backends.cpu.backend import compute_graph
+from ggml_dist.backends.cpu.reference import _HOST, ReferenceExecutor, _all_tensors
 from ggml_dist.core.tensor import nbytes
 from ggml_dist.core import ops
 from ggml_dist.core.context import Context
@@ -112,7 +112,7 @@ def test_f16_conversions():
 def test_vexp_scalar_bits():
     from numba import njit
 
-    from ggml_dist.backends import numerics as nm
+    from ggml_dist.backends.cpu import numerics as nm
 
     @njit
     def run(x, out):

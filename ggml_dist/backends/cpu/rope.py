@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.tensor import Tensor
+from ...core.tensor import Tensor
 from .numerics import fma32
 
 F32 = np.float32

@@ -1,4 +1,4 @@
-"""Tests for ggml_dist.backends.quants: formats vs gguf.quants, §1.2 activation quantizers vs scalar
+"""Tests for ggml_dist.backends.cpu.quants: formats vs gguf.quants, §1.2 activation quantizers vs scalar
 references, mul_mat vs slow references built from ggml-numerics.md §1.4."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from gguf.constants import GGMLQuantizationType as G
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ggml_dist.backends import quants as Q
+from ggml_dist.backends.cpu import quants as Q
 from ggml_dist.core.types import GGMLType as T, row_size
 
 F32 = np.float32
@@ -498,7 +498,7 @@ def test_mul_mat_tiled_kquants(t):
     for numba in (False, True):       # the reference, then its compiled twin
         def mm(w, x, vec_n=None, numba=numba):
             if numba:
-                return pytest.importorskip("ggml_dist.backends.qkernels").mul_mat_q(
+                return pytest.importorskip("ggml_dist.backends.cpu.qkernels").mul_mat_q(
                     t, w, x, order="ggml", repacked=False, vec_n=vec_n)
             return Q.mul_mat(t, w, x, order="ggml", repacked=False, vec_n=vec_n)
         out = mm(w, x)

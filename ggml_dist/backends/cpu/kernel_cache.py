@@ -10,10 +10,11 @@ locator keys by the file's path inside the package and the numba and Python vers
     $GGML_DIST_CACHE/kernels/...     else (default ~/.cache/ggml_dist/kernels)
 
 Numba's stamp (the source file's mtime and size) would not notice an edit to another file that the
-kernel's code is made of: qpack's kernels inline vnni.py's and avx2.py's IR, and call fkernels'. So the
-stamp here is a hash of every module of the backends package, and a copy whose backends differ in any
-byte never loads another copy's kernels (an upgrade recompiles them once). Importing this module
-registers the locator (before the kernels are defined: qkernels imports it first).
+kernel's code is made of: qpack's kernels inline vnni.py's and avx2.py's IR and call fkernels', and
+qkernels' read blocks.py's offsets as constants. So the stamp here is a hash of every module of the CPU backend package
+(backends/cpu/, where every kernel and everything a kernel is made of lives), and a copy whose CPU
+backend differs in any byte never loads another copy's kernels (an upgrade recompiles them once).
+Importing this module registers the locator (before the kernels are defined: qkernels imports it first).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from pathlib import Path
 import numba
 from numba.core import caching, config
 
-_PACKAGE = Path(__file__).resolve().parent.parent          # .../ggml_dist
+_HERE = Path(__file__).resolve().parent                                 # .../ggml_dist/backends/cpu
+_PACKAGE = _HERE.parents[len(__name__.split(".")) - 3]                  # .../ggml_dist
 
 
 def kernel_cache_dir() -> Path:
@@ -38,17 +40,17 @@ def kernel_cache_dir() -> Path:
 
 
 def sources_stamp(directory: Path) -> str:
-    """sha256 of the modules in directory (their names and bytes)."""
+    """sha256 of the modules under directory, sub-packages included (their paths there and bytes)."""
     h = hashlib.sha256()
-    for p in sorted(directory.glob("*.py")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    for p in sorted(directory.rglob("*.py")):
+        h.update(p.relative_to(directory).as_posix().encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
 
 
 @cache
 def backends_stamp() -> str:
-    """The backends package's sources_stamp, read once per process."""
-    return sources_stamp(Path(__file__).resolve().parent)
+    """The CPU backend package's sources_stamp, read once per process."""
+    return sources_stamp(_HERE)
 
 
 class PackageCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):

@@ -1,4 +1,4 @@
-"""Tests for ggml_dist.backends.qkernels: the numba kernels give the same bits as the numpy reference
+"""Tests for ggml_dist.backends.cpu.qkernels: the numba kernels give the same bits as the numpy reference
 quants.mul_mat, order="fast" and order="ggml", for every covered type (and cpu_ops.weights_mul_mat
 dispatches to them)."""
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ggml_dist.backends import quants as Q
-from ggml_dist.backends.cpu_ops import ComputeOptions, weights_mul_mat
-from ggml_dist.backends import threads as kt
+from ggml_dist.backends.cpu import quants as Q
+from ggml_dist.backends.cpu.ops import ComputeOptions, weights_mul_mat
+from ggml_dist.backends.cpu import threads as kt
 from ggml_dist.core.types import GGMLType as T
 
 from .test_quants import random_rows
 
-qk = pytest.importorskip("ggml_dist.backends.qkernels")
+qk = pytest.importorskip("ggml_dist.backends.cpu.qkernels")
 
 F32 = np.float32
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16]

@@ -17,17 +17,18 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 from types import ModuleType
 
 import numpy as np
 
-from ..core.tensor import GLUOp, Op, Tensor, TensorFlag, UnaryOp
-from ..core.types import GGMLType, is_quantized
+from ...core.tensor import GLUOp, Op, Tensor, TensorFlag, UnaryOp
+from ...core.types import GGMLType, is_quantized
+from ..base import BufferUsage
 from . import numerics as nm
 from . import quants
-from .base import BufferUsage
+from .blocks import KPACK_TYPES, QPACK_TYPES
 from .rope import bind_rope, rope_forward
 
 F32 = np.float32
@@ -44,10 +45,14 @@ class ComputeOptions:
     exact: keep f32 activations in MUL_MAT instead of ggml's vec_dot_type conversion.
     numba: run the compiled twins of the numpy kernels (the same bits; False: the numpy reference only).
     order: MUL_MAT's accumulation order (quants module docstring): "ggml", the one llama.cpp's x86 build
-    has, or "fast" (ULP-level off it; kept for the kernels' tests and studies)."""
+    has, or "fast" (ULP-level off it; kept for the kernels' tests and studies).
+    kernels: the kernels that read packed weights, qpack.Kernels' value ("vnni", "avx2", "float"; all
+    give the same bits). None: the host's choice, made by resolve() when a CPU backend is created
+    (qpack.default_kernels(), where GGML_DIST_FORCE_AVX2 / GGML_DIST_NO_VNNI / GGML_DIST_NO_AVX2 count)."""
     exact: bool = False
     numba: bool = NUMBA_DEFAULT
     order: str = "ggml"
+    kernels: str | None = None
 
 
 Kernel = Callable[[Tensor, np.ndarray, list, ComputeOptions], None]
@@ -65,6 +70,15 @@ def _compiled(name: str, opts: ComputeOptions) -> ModuleType | None:
         except ImportError:
             _COMPILED[name] = None
     return _COMPILED[name]
+
+
+def resolve(opts: ComputeOptions) -> ComputeOptions:
+    """opts with the host's choices made, once per backend: the packed weights' kernels. Options that
+    pack nothing (no numba, exact, order "fast") stay as they are."""
+    if opts.kernels is not None or opts.exact or opts.order != "ggml":
+        return opts
+    qp = _compiled("qpack", opts)
+    return opts if qp is None else replace(opts, kernels=qp.default_kernels().value)
 
 
 def _fk(opts: ComputeOptions) -> ModuleType | None:
@@ -270,14 +284,15 @@ def _mul_mat_packed(t, dst, srcs, opts) -> bool:
             or a_t.buffer.usage != BufferUsage.WEIGHTS):
         return False
     from . import qpack
-    return _packed_product(qpack, t, dst, srcs)
+    return _packed_product(qpack, t, dst, srcs, opts)
 
 
-def _packed_product(mod: ModuleType, t, dst, srcs) -> bool:
-    """dst = the product of t's weight packed by mod (qpack, kpack) and its activations; False where
-    the packed weight gives it back (a non-finite activation: the generic path gives ggml's values)."""
+def _packed_product(mod: ModuleType, t, dst, srcs, opts: ComputeOptions) -> bool:
+    """dst = the product of t's weight packed by mod (qpack, kpack) for opts.kernels and its activations;
+    False where the packed weight gives it back (a non-finite activation: the generic path gives ggml's
+    values)."""
     a_t, x = t.src[0], srcs[1]
-    pw = mod.packed(a_t.type, srcs[0][0, 0], a_t)
+    pw = mod.packed(a_t.type, srcs[0][0, 0], a_t, opts.kernels)
     xm = x.reshape(-1, x.shape[-1]) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     direct = dst.flags.c_contiguous
     r = pw.mul_mat(xm, dst.reshape(xm.shape[0], dst.shape[-1]) if direct else None)
@@ -288,7 +303,7 @@ def _packed_product(mod: ModuleType, t, dst, srcs) -> bool:
     return True
 
 
-_PACKABLE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1})  # qpack.PACKABLE
+_PACKABLE = QPACK_TYPES                 # qpack.PACKABLE (blocks.py: no numba import)
 
 
 def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:
@@ -313,28 +328,31 @@ def _bind_packed_product(t, dst, srcs, packer: Callable[[ComputeOptions], Module
                          ) -> Callable[[ComputeOptions], None]:
     """The bound packed product of weight t.src[0]: packed by packer(opts).packed once (again if the
     weight was rebound), its bind() call replayed; the generic path where packer gives no module or
-    the product is given back (a non-finite activation)."""
+    the product is given back (a non-finite activation). packer(opts) is asked once per options object
+    (a backend's are fixed), not per replayed call."""
     a_t = t.src[0]
     w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
     out = dst.reshape(xm.shape[0], dst.shape[-1])          # N may be 0: a ubatch without outputs
-    bound: list = [None, None]                             # the packed weight, its bound product
+    bound: list = [None, None, None, None]                 # the options, packer's module, the packed
+                                                           # weight, its bound product
 
     def run(opts: ComputeOptions) -> None:
-        mod = packer(opts)
+        if opts is not bound[0]:
+            bound[:] = [opts, packer(opts), None, None]
+        _, mod, pw, call = bound
         if mod is None:
             return _mul_mat(t, dst, srcs, opts)
-        pw, call = bound
         if pw is None or a_t.extra is not pw:
-            pw = mod.packed(a_t.type, w, a_t)
-            bound[:] = [pw, pw.bind(xm, out)]
-            call = bound[1]
+            pw = mod.packed(a_t.type, w, a_t, opts.kernels)
+            bound[2:] = [pw, pw.bind(xm, out)]
+            call = bound[3]
         if not call():
             _mul_mat(t, dst, srcs, opts)
     return run
 
 
 # K-quant model weights: kpack.py (Q4_K, Q5_K, Q6_K packed once, int8 kernels; the same bits as qkernels)
-_KPACKABLE = frozenset({GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})    # kpack.PACKABLE (numba-free import)
+_KPACKABLE = KPACK_TYPES                # kpack.PACKABLE (blocks.py: no numba import)
 
 
 def _kpack_applies(a_t, b_t) -> bool:
@@ -345,11 +363,12 @@ def _kpack_applies(a_t, b_t) -> bool:
 
 
 def _kpack(opts: ComputeOptions) -> ModuleType | None:
-    """kpack, where opts take the compiled ggml-order path and this CPU has its kernels (VNNI or AVX2)."""
-    if opts.exact or opts.order != "ggml":
+    """kpack, where opts take the compiled ggml-order path with int8 kernels (opts.kernels, or where
+    unresolved the host's: VNNI or AVX2)."""
+    if opts.exact or opts.order != "ggml" or opts.kernels == "float":
         return None
     kp = _compiled("kpack", opts)
-    return kp if kp is not None and kp.available() else None
+    return kp if kp is not None and (opts.kernels is not None or kp.available()) else None
 
 
 def _mul_mat_kpacked(t, dst, srcs, opts) -> bool:
@@ -357,7 +376,7 @@ def _mul_mat_kpacked(t, dst, srcs, opts) -> bool:
     a non-finite activation, a Q6_K lane past 2^24), and the generic path computes it."""
     a_t, b_t = t.src[0], t.src[1]
     kp = _kpack(opts) if _kpack_applies(a_t, b_t) else None
-    return kp is not None and _packed_product(kp, t, dst, srcs)
+    return kp is not None and _packed_product(kp, t, dst, srcs, opts)
 
 
 def _bind_mul_mat_kpacked(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:

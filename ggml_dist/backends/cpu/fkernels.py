@@ -1,8 +1,8 @@
-"""numba kernels for the CPU backend's float ops: one call per op, bit-identical to cpu_ops' numpy paths.
+"""numba kernels for the CPU backend's float ops: one call per op, bit-identical to ops.py's numpy paths.
 
-cpu_ops runs these when numba is on (quants.USE_NUMBA) and an op's operands fit (f32 activations, f16 or
+ops.py runs these when numba is on (ComputeOptions.numba) and an op's operands fit (f32 activations, f16 or
 f32 weights and caches); everything else, and GGML_DIST_NO_NUMBA=1, takes the numpy kernels, which stay the
-reference. Each kernel works on the 4-d strided views cpu_ops receives (numpy order, ne reversed), so a
+reference. Each kernel works on the 4-d strided views ops.py receives (numpy order, ne reversed), so a
 decode step pays one dispatch per op instead of a chain of numpy temporaries. Each reads a whole row (or
 element pair) before writing it, so dst may alias src0 as gallocr's in-place reuse allows.
 
@@ -22,7 +22,7 @@ Kernels, each mirroring a ggml CPU function:
 * ``swiglu``: ggml_vec_swiglu_f32.
 * ``rope``: the rotation of ggml_compute_forward_rope_flt (cos/sin come from rope.py's cache).
 * ``set_rows``: ggml_compute_forward_set_rows into F32 or F16 (ggml_cpu_fp32_to_fp16).
-The vexp kernels (softmax, swiglu) cover rows whose length is a multiple of 8; cpu_ops keeps the numpy
+The vexp kernels (softmax, swiglu) cover rows whose length is a multiple of 8; ops.py keeps the numpy
 path for the rest, whose tail uses numpy's float32 exp, which numba cannot reproduce.
 """
 from __future__ import annotations
@@ -242,7 +242,7 @@ def _mac(w, y, acc):
 # whose mask is -inf): SKIP_KQ leaves out KQ's cells that the soft_max's mask sets to -inf (any finite KQ
 # value gives -inf there; 0 is written), SKIP_KQV leaves out the leading and trailing lane steps whose
 # probabilities are all 0 (fma(v, 0, acc) = acc; acc starts at +0 and never becomes -0). Both are exact
-# when the cached K and V are finite; cpu_ops binds them only to the KQ -> SOFT_MAX -> KQV chain.
+# when the cached K and V are finite; ops.py binds them only to the KQ -> SOFT_MAX -> KQV chain.
 SKIP_NONE, SKIP_KQ, SKIP_KQV = 0, 1, 2
 _NO_MASK = np.zeros((1, 1, 1, 1), F32)
 

@@ -22,7 +22,7 @@ Saturation (every int16 below is exact, so each lane is the exact integer sum vp
 * Q8_0 x Q8_0 (both signed): ggml's sign trick, |x| as the unsigned operand and y with x's sign
   (vpsignb) as the signed one: |x| <= 128 (a -128 weight code, valid in a file, is 128 as u8) and
   |y| <= 127 give pairs <= 32512. A code y = -128 would wrap in vpsignb where x < 0; qpack._prep never
-  makes one (|f32(x * 127/amax)| <= 127.00002 rounds to at most 127; tests/backends/test_avx2.py checks
+  makes one (|f32(x * 127/amax)| <= 127.00002 rounds to at most 127; tests/backends/cpu/test_avx2.py checks
   it), and a block where ggml's quantizer makes them (amax below 127/FLT_MAX, so id = inf) has
   d = f16(amax/127) = 0, whose lanes enter the result only as fma(+-0, lane, acc) = acc.
 Numerics are then vnni.py's exactly: Q4_0 lanes start at -8 sum(y) (yz), Q5_0's at -16 sum(y), the

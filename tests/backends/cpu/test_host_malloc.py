@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from ggml_dist.backends.cpu import keep_freed_host_memory
+from ggml_dist.backends.cpu.backend import keep_freed_host_memory
 
 N_VOCAB = 49152
 

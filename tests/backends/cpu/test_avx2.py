@@ -1,4 +1,4 @@
-"""Tests for ggml_dist.backends.avx2: the AVX2 int8 kernels (vpmaddubsw + vpmaddwd) read a packed Q4_0,
+"""Tests for ggml_dist.backends.cpu.avx2: the AVX2 int8 kernels (vpmaddubsw + vpmaddwd) read a packed Q4_0,
 Q4_1, Q8_0, Q5_0 or Q5_1 weight with exactly quants.mul_mat(order="ggml")'s bits (numpy path) for every row, token
 and block count, zero blocks, outliers and the codes nearest int16 saturation included; qpack chooses
 them where AVX2 is there and VNNI is not, or with GGML_DIST_FORCE_AVX2=1. Where the CPU lacks AVX2
@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggml_dist.backends import quants as Q
-from ggml_dist.backends import threads as kt
+from ggml_dist.backends.cpu import quants as Q
+from ggml_dist.backends.cpu import threads as kt
 from ggml_dist.core.types import GGMLType as T
 
 from .test_quants import random_rows
 
-qpack = pytest.importorskip("ggml_dist.backends.qpack")
-qk = pytest.importorskip("ggml_dist.backends.qkernels")
+qpack = pytest.importorskip("ggml_dist.backends.cpu.qpack")
+qk = pytest.importorskip("ggml_dist.backends.cpu.qkernels")
 avx2 = qpack.avx2
 
 F32 = np.float32
@@ -183,7 +183,7 @@ def test_environment_switches(env, want):
     # read once, at import: a fresh interpreter with the switches set ("host": VNNI where the CPU has it)
     clean = {k: v for k, v in os.environ.items() if k not in
              ("GGML_DIST_FORCE_AVX2", "GGML_DIST_NO_VNNI", "GGML_DIST_NO_AVX2")}
-    code = "from ggml_dist.backends import qpack; print(qpack.default_kernels().name)"
+    code = "from ggml_dist.backends.cpu import qpack; print(qpack.default_kernels().name)"
     got = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert got == (("VNNI" if qpack.vnni._host_has_vnni() else "FLOAT") if want == "host" else want)
