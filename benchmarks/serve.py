@@ -240,7 +240,7 @@ class ServerProcess:
 
     def __init__(self, path: str, stages: int, parallel: int, ctx: int, timeout_s: float = 600.0,
                  kv_unified: str = "auto", cache_prompt: bool = True, replicas: int = 1,
-                 stage_calls: str = "auto") -> None:
+                 stage_calls: str = "auto", lookahead: int | None = None) -> None:
         from ggml_dist.serve.server import free_port
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -249,6 +249,7 @@ class ServerProcess:
                "--model", path, "--port", str(self.port), "--stages", str(stages), "--parallel", str(parallel),
                "--ctx", str(ctx), "--kv-unified", kv_unified, "--replicas", str(replicas)]
         cmd += ["--stage-calls", stage_calls] if stages > 1 else []
+        cmd += ["--lookahead", str(lookahead)] if stages > 1 and lookahead else []
         cmd += [] if cache_prompt else ["--no-cache-prompt"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         t0 = time.monotonic()
@@ -317,7 +318,8 @@ def bench(args: argparse.Namespace) -> dict:
 
     def server(k: int, R: int) -> ServerProcess:
         return ServerProcess(path, k, max(clients), max(clients) * 256, kv_unified=args.kv_unified,
-                             cache_prompt=not args.no_cache_prompt, replicas=R, stage_calls=args.stage_calls)
+                             cache_prompt=not args.no_cache_prompt, replicas=R, stage_calls=args.stage_calls,
+                             lookahead=args.lookahead)
     # the one-stage servers (one per --replicas value) are all up at once, idle but for the one measured,
     # so that their points interleave in time; a pipeline's Ray processes are never idle, so each
     # pipeline runs alone, afterwards
@@ -451,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                     "several values: one server each, all up at once, their points interleaved")
     ap.add_argument("--stage-calls", choices=["auto", "compiled", "plain"], default="auto",
                     help="a pipeline server's --stage-calls (compiled graph or plain actor calls)")
+    ap.add_argument("--lookahead", type=int, default=None,
+                    help="a pipeline server's --lookahead (steps of a group in flight; 1: no token feedback)")
     ap.add_argument("--soak", type=int, default=0, help="run the soak with this many clients instead")
     ap.add_argument("--soak-model", default=None, help="GGUF for the soak (default: a synthetic one)")
     ap.add_argument("--parallel", type=int, default=4, help="server slots in the soak")

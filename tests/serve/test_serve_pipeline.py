@@ -33,7 +33,7 @@ def test_pipeline_server(local_ray, serve_model):
     model = LlamaModel.load(serve_model)
     lengths = [12, 20, 8, 16, 10]
     want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths)]
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
+    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
         assert httpx.get(srv.url + "/health").json()["status"] == "ok"
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
@@ -63,7 +63,7 @@ def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
     stops = [t[len(t) // 2:len(t) // 2 + 2] for t in full]          # from the middle of each text
     want = [t[:t.index(st)] for t, st in zip(full, stops)]
     assert all(w and len(w) < len(t) for w, t in zip(want, full))
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
+    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
         def one(i: int) -> str:
