@@ -82,8 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="N continuations of the prompt decoded together (sequence i samples with seed + i); "
                         "over stages they form one micro-batch per stage, which overlap")
     p.add_argument("--lookahead", type=int, default=None, metavar="N",
-                   help="decode steps queued before a token is read (default: 2 over stages, whose last "
-                        "stage feeds each token to the first; 1 in one process)")
+                   help="decode steps queued before a token is read, the later ones fed their token by the "
+                        "last stage (default: 2 over stages for one sequence, else 1)")
 
     p = sub.add_parser("logits", help="write the logits of every position of a token list")
     _add_model_args(p)

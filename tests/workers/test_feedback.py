@@ -111,7 +111,7 @@ def test_parallel_continuations(local_ray, model_path):
     assert sorted(r.stop_reason for r in want) == ["eog", "eog", "length", "length"]
     pl = Pipeline.launch(model_path, 2, params, calls="plain")
     try:
-        got = generate_parallel(pl.ctx, m.tokenizer, PROMPT, N, 4, sp)    # a group per stage, lookahead 2
+        got = generate_parallel(pl.ctx, m.tokenizer, PROMPT, N, 4, sp, lookahead=2)   # a group per stage
         assert [(r.tokens, r.stop_reason) for r in got] == [(r.tokens, r.stop_reason) for r in want]
         for s, r in enumerate(want):
             last_fed = len(r.tokens) - (2 if r.stop_reason == "length" else 1)   # the last token is not fed
