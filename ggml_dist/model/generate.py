@@ -3,7 +3,9 @@
 `generate` is written against a small decoder protocol (decode a Batch, return the outputs' logits), so
 the same loop drives a single-process LlamaContext and a pipeline of Ray stage actors. A decoder that
 can also choose tokens where its logits are (LlamaContext.submit(sampling=)) is asked for the token
-alone when no penalty needs the history: a pipeline's last stage then sends back an id, not the logits.
+alone when no penalty needs the history: a pipeline's last stage then sends back an id, not the logits,
+and the next steps are queued before it is read (lookahead: the last stage feeds the first).
+`generate_parallel` decodes several continuations of one prompt together (run --parallel).
 """
 from __future__ import annotations
 
