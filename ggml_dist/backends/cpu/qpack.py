@@ -537,14 +537,17 @@ def _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_thr
     """_prep, then the work split across n_threads; False (nothing computed) on a non-finite x.
     Work units are (group, token slice) pairs. A product has few groups (192 rows: 3), so with one
     slice per group the threads' shares would be unequal (2 groups against 1) whenever G is not a
-    multiple of n_threads; then the tokens are split too, in up to n_threads slices of whole pairs."""
+    multiple of n_threads; then the tokens are split too, in up to n_threads slices of whole pairs.
+    One chunk of consecutive units per thread: a group call prefetches the next group only within its
+    chunk, so chunks of about one group (4 per thread, as before) left every group of a decode step cold,
+    and 2 threads read a cold AVX2 weight no faster than 1."""
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
     _lane_starts(Yb, Yz, bias[kind])
     G, N = qs.shape[0], Y4.shape[0]
     ts = 1 if G % n_threads == 0 else max(1, min((N + 1) // 2, n_threads))
     n_units = G * ts
-    n_chunks = min(n_units, 4 * n_threads) if n_threads > 1 else 1
+    n_chunks = min(n_units, n_threads)
     for c in prange(n_chunks):
         u0, u1 = c * n_units // n_chunks, (c + 1) * n_units // n_chunks
         _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, group)
