@@ -28,6 +28,7 @@ path for the rest, whose tail uses numpy's float32 exp, which numba cannot repro
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Concatenate, ParamSpec, cast
 
 import numpy as np
@@ -262,6 +263,17 @@ def mul_mat_threads(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SK
 _PARALLEL_WORK = 1 << 16                # multiply-adds (attention products are cheap to launch)
 
 
+def bind_mul_mat(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SKIP_NONE) -> Callable[[], None]:
+    """mul_mat_threads for arrays fixed from now on (a replayed step's): the kernel itself where the
+    product is too small ever to split across threads."""
+    mask = _NO_MASK if mask is None else mask
+    if half and x.shape[0] * x.shape[1] > 1 and x.size * w.shape[2] >= _PARALLEL_WORK:
+        return partial(mul_mat_threads, w, x, dst, tiny, half, mask, skip)
+    if half:
+        return partial(_mm_h_rows, w, x, dst, tiny, 0, x.shape[0] * x.shape[1], mask, skip)
+    return partial(mul_mat, w, x, dst, tiny, half, mask, skip)
+
+
 def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
     """dst[i3, i2, n, m] = W[i3 // r3, i2 // r2, m, :] . X[i3, i2, n, :] (ggml_compute_forward_mul_mat).
 
@@ -279,6 +291,75 @@ def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
         rows = (x.shape[0] // w.shape[0]) * (x.shape[1] // w.shape[1]) * min(x.shape[2], _NB)
         K = w.shape[3]
         _mm(w, x, dst, tiny, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
+
+
+def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont):
+    """The attention chain KQ = K.Q (cells the mask hides skipped) -> SOFT_MAX(KQ * scale + mask) ->
+    KQV = V.softmax [-> CONT of KQV permuted] as one call, for arrays fixed from now on: per slice
+    (query head), _mm_h_rows, _soft_max_rows and _mm_h_rows again, so the same bits as the three
+    bound calls, and every tensor written as they write it. Threads take runs of whole KV heads, as
+    _mm_h_rows_par splits the products: each runs KQ and the soft_max of its heads, then (all threads
+    past the first loop) KQV of its heads; the CONT copy comes after them all. cont: KQV's CONT
+    destination seen in KQV's index order (or None). The caller checks that kq and sm overlap neither
+    each other (but sm on kq exactly: an in-place soft_max) nor q, mask or K, and kqv neither sm nor V
+    (the allocator may put KQV over Q, dead once KQ has read it), and cont not kqv: a thread's writes
+    must not land where another thread still reads."""
+    has_cont = cont is not None
+    cont = kqv if cont is None else cont
+    args = (kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, _NO_MASK)
+    if q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK:
+        return partial(_attention_threads, args)
+    return partial(_attention_serial, *args)
+
+
+def _attention_threads(args) -> None:
+    nt = get_threads()
+    if nt == 1:
+        _attention_serial(*args)
+        return
+    with launch():
+        _attention_par(*args, nt)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _attention_serial(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, nomask):
+    n = q.shape[0] * q.shape[1]
+    _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, 0, n)
+    _mm_h_rows(vw, sm, kqv, tiny_kqv, 0, n, nomask, SKIP_KQV)
+    if has_cont:
+        _copy4(kqv, cont)
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _attention_par(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, nomask,
+                   n_chunks):
+    r2 = q.shape[1] // kw.shape[1]
+    if q.shape[0] * q.shape[1] // r2 < n_chunks:
+        r2 = 1
+    n = q.shape[0] * q.shape[1] // r2                           # units of r2 slices (_mm_h_rows_par's)
+    n_chunks = min(n, n_chunks)
+    for c in prange(n_chunks):
+        _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks))
+    for c in prange(n_chunks):
+        _mm_h_rows(vw, sm, kqv, tiny_kqv, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks), nomask, SKIP_KQV)
+    if has_cont:
+        _copy4(kqv, cont)
+
+
+@njit(cache=True, inline="always")
+def _copy4(src, dst):
+    for i3 in range(src.shape[0]):
+        for i2 in range(src.shape[1]):
+            for i1 in range(src.shape[2]):
+                for i0 in range(src.shape[3]):
+                    dst[i3, i2, i1, i0] = src[i3, i2, i1, i0]
+
+
+@njit(cache=True, inline="always")
+def _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, u0, u1):
+    """Slices u0 .. u1-1 (u = i3 * B2 + i2) of KQ, then their soft_max rows."""
+    _mm_h_rows(kw, q, kq, tiny_kq, u0, u1, mask, SKIP_KQ)
+    _soft_max_rows(kq, scale, mask, slopes, True, sm, u0 * kq.shape[2], u1 * kq.shape[2])
 
 
 # F16 weights (the KV cache): one dot product per (activation row, weight row), each in a _vdot32xG/_vdot8
@@ -703,24 +784,45 @@ def rms_norm(x, eps, wgt, fused, dst):
     """ggml_compute_forward_rms_norm_f32 per row: sum of double(f32(x*x)) in order; mean = f32(sum/n);
     scale = f32(1/sqrt(f32(mean + eps))); y = f32(x*scale). fused: then y = f32(y * wgt[...]) (the MUL
     by the norm weight, wgt broadcast over dst by index modulo its extent; ggml's fusion, same bits)."""
-    ne3, ne2, ne1, ne0 = x.shape
-    w3, w2, w1, w0 = wgt.shape
+    ne3, ne2, ne1, _ne0 = x.shape
     for i3 in range(ne3):
         for i2 in range(ne2):
             for i1 in range(ne1):
-                s = 0.0
+                _rms_row(x, eps, wgt, fused, dst, i3, i2, i1)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def add_rms_norm(a, b, s, eps, wgt, dst):
+    """ADD, RMS_NORM and the MUL by the norm weight as one call (a layer's residual add and the next
+    norm): s = f32(a + b) (the sum's own tensor, which the residual stream reads again), then dst =
+    rms_norm(s) fused with wgt, row by row. The same bits as the three kernels; s may alias a or b."""
+    ne3, ne2, ne1, ne0 = s.shape
+    for i3 in range(ne3):
+        for i2 in range(ne2):
+            for i1 in range(ne1):
+                ar, br, sr = a[i3, i2, i1], b[i3, i2, i1], s[i3, i2, i1]
                 for i in range(ne0):
-                    v = x[i3, i2, i1, i]
-                    s += F64(v * v)
-                mean = F32(s / ne0)
-                scale = F32(1) / F32(np.sqrt(F32(mean + eps)))
-                if fused:
-                    wr = wgt[i3 % w3, i2 % w2, i1 % w1]
-                    for i in range(ne0):
-                        dst[i3, i2, i1, i] = F32(x[i3, i2, i1, i] * scale) * wr[i % w0]
-                else:
-                    for i in range(ne0):
-                        dst[i3, i2, i1, i] = x[i3, i2, i1, i] * scale
+                    sr[i] = ar[i] + br[i]
+                _rms_row(s, eps, wgt, True, dst, i3, i2, i1)
+
+
+@njit(cache=True, inline="always")
+def _rms_row(x, eps, wgt, fused, dst, i3, i2, i1):
+    ne0 = x.shape[3]
+    w3, w2, w1, w0 = wgt.shape
+    s = 0.0
+    for i in range(ne0):
+        v = x[i3, i2, i1, i]
+        s += F64(v * v)
+    mean = F32(s / ne0)
+    scale = F32(1) / F32(np.sqrt(F32(mean + eps)))
+    if fused:
+        wr = wgt[i3 % w3, i2 % w2, i1 % w1]
+        for i in range(ne0):
+            dst[i3, i2, i1, i] = F32(x[i3, i2, i1, i] * scale) * wr[i % w0]
+    else:
+        for i in range(ne0):
+            dst[i3, i2, i1, i] = x[i3, i2, i1, i] * scale
 
 
 def soft_max(x, scale, mask, slopes, has_mask, dst):
@@ -954,6 +1056,41 @@ def _rows_threads(serial, par, n_rows, row_len, *args) -> None:
             par(*args, min(nt, n_rows))
         return
     serial(*args)
+
+
+def bind_rows(serial, par, n_rows: int, row_len: int, *args) -> Callable[[], None]:
+    """_rows_threads for arrays fixed from now on: the serial kernel itself where the op is too small
+    ever to split (most of a decode step's row ops)."""
+    if n_rows > 1 and n_rows * row_len >= _ROW_PARALLEL_WORK:
+        return partial(_rows_threads, serial, par, n_rows, row_len, *args)
+    return partial(serial, *args)
+
+
+def _n_rows(a) -> int:
+    return a.shape[0] * a.shape[1] * a.shape[2]
+
+
+def bind_soft_max(x, scale, mask, slopes, has_mask, dst) -> Callable[[], None]:
+    """soft_max, bound (bind_rows)."""
+    return bind_rows(_soft_max_serial, _soft_max_par, _n_rows(x), x.shape[3], x, scale, mask, slopes,
+                     has_mask, dst)
+
+
+def bind_swiglu(g, u, dst) -> Callable[[], None]:
+    """swiglu, bound (bind_rows)."""
+    return bind_rows(_swiglu_serial, _swiglu_par, _n_rows(dst), dst.shape[3], g, u, dst)
+
+
+def bind_rope(x, cos, sin, n_dims, neox, dst) -> Callable[[], None]:
+    """rope, bound (bind_rows); cos and sin are read when the call runs (a replay's prologue fills them)."""
+    return bind_rows(_rope_serial, _rope_par, _n_rows(x), x.shape[3], x, cos, sin, n_dims, neox, dst)
+
+
+def bind_set_rows(b, c, dst) -> Callable[[], None]:
+    """set_rows, bound: one part on the calling thread below _SET_ROWS_PARALLEL rows."""
+    if _n_rows(b) >= _SET_ROWS_PARALLEL:
+        return partial(set_rows, b, c, dst)
+    return partial(_set_rows_part, b, c, dst, 0, 1)
 
 
 def _encode(v, like):

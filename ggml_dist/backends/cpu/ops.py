@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from types import ModuleType
 
@@ -306,17 +306,17 @@ def _packed_product(mod: ModuleType, t, dst, srcs, opts: ComputeOptions) -> bool
 _PACKABLE = QPACK_TYPES                 # qpack.PACKABLE (blocks.py: no numba import)
 
 
-def _bind_mul_mat_packed(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:
+def _bind_mul_mat_packed(t, dst, srcs, opts: ComputeOptions) -> Bound | None:
     """_mul_mat_packed with its static checks, views and packed weight resolved once: the replayed call
     is the packed product itself. None where the packed path cannot apply."""
     a_t, b_t = t.src[0], t.src[1]
     if a_t.type in _KPACKABLE:
-        return _bind_mul_mat_kpacked(t, dst, srcs)
+        return _bind_mul_mat_kpacked(t, dst, srcs, opts)
     if (a_t.type not in _PACKABLE or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1
             or b_t.type != GGMLType.F32 or a_t.buffer.usage != BufferUsage.WEIGHTS
             or not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous)):
         return None
-    return _bind_packed_product(t, dst, srcs, _qpack)
+    return _bind_packed_product(t, dst, srcs, _qpack(opts), opts)
 
 
 def _qpack(opts: ComputeOptions) -> ModuleType | None:
@@ -324,29 +324,23 @@ def _qpack(opts: ComputeOptions) -> ModuleType | None:
     return None if opts.exact or opts.order != "ggml" else _compiled("qpack", opts)
 
 
-def _bind_packed_product(t, dst, srcs, packer: Callable[[ComputeOptions], ModuleType | None]
-                         ) -> Callable[[ComputeOptions], None]:
-    """The bound packed product of weight t.src[0]: packed by packer(opts).packed once (again if the
-    weight was rebound), its bind() call replayed; the generic path where packer gives no module or
-    the product is given back (a non-finite activation). packer(opts) is asked once per options object
-    (a backend's are fixed), not per replayed call."""
+def _bind_packed_product(t, dst, srcs, mod: ModuleType | None, opts: ComputeOptions) -> Bound | None:
+    """The bound packed product of weight t.src[0]: packed by mod.packed once (again if the weight was
+    repacked meanwhile: t.extra holds another packed form), its bind() call replayed; the generic path
+    where the product is given back (a non-finite activation). None where mod is (no packed path)."""
+    if mod is None:
+        return None
     a_t = t.src[0]
     w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
     out = dst.reshape(xm.shape[0], dst.shape[-1])          # N may be 0: a ubatch without outputs
-    bound: list = [None, None, None, None]                 # the options, packer's module, the packed
-                                                           # weight, its bound product
+    pw = mod.packed(a_t.type, w, a_t, opts.kernels)
+    bound = [pw, pw.bind(xm, out)]
 
-    def run(opts: ComputeOptions) -> None:
-        if opts is not bound[0]:
-            bound[:] = [opts, packer(opts), None, None]
-        _, mod, pw, call = bound
-        if mod is None:
-            return _mul_mat(t, dst, srcs, opts)
-        if pw is None or a_t.extra is not pw:
+    def run() -> None:
+        if a_t.extra is not bound[0]:
             pw = mod.packed(a_t.type, w, a_t, opts.kernels)
-            bound[2:] = [pw, pw.bind(xm, out)]
-            call = bound[3]
-        if not call():
+            bound[:] = [pw, pw.bind(xm, out)]
+        if not bound[1]():
             _mul_mat(t, dst, srcs, opts)
     return run
 
@@ -379,12 +373,12 @@ def _mul_mat_kpacked(t, dst, srcs, opts) -> bool:
     return kp is not None and _packed_product(kp, t, dst, srcs, opts)
 
 
-def _bind_mul_mat_kpacked(t, dst, srcs) -> Callable[[ComputeOptions], None] | None:
+def _bind_mul_mat_kpacked(t, dst, srcs, opts: ComputeOptions) -> Bound | None:
     """_bind_mul_mat_packed for a K-quant weight."""
     a_t, b_t = t.src[0], t.src[1]
     if not (_kpack_applies(a_t, b_t) and srcs[1].flags.c_contiguous and dst.flags.c_contiguous):
         return None
-    return _bind_packed_product(t, dst, srcs, _kpack)
+    return _bind_packed_product(t, dst, srcs, _kpack(opts), opts)
 
 
 def _mul_mat_float(t, dst, srcs, opts, mask=None, skip: int = 0) -> bool:
@@ -569,133 +563,172 @@ def _rope(t, dst, srcs, opts):
     rope_forward(t, dst, srcs, _fk(opts))
 
 
-def _bind_attention(t, dst, srcs, consumers, array) -> Callable[[ComputeOptions], None] | None:
-    """The F16 products of the attention chain KQ = K.Q -> SOFT_MAX(KQ, mask) -> KQV = V.softmax, which
-    may skip the cells the mask hides (fkernels.SKIP_KQ / SKIP_KQV: ggml's flash attention skips them
-    too; exact for finite K and V). KQ must feed only that SOFT_MAX and not be a graph output."""
+# -- bind time: an op's static checks, parameters and views resolved once; the replayed call is the
+# kernel itself. Each binder returns None where its fast path does not apply (the generic kernel runs).
+# A decode step makes ~650 calls, so a few us each are 10-20% of a small model's step.
+Bound = Callable[[], None]
+
+
+@dataclass
+class Binding:
+    """What binding a graph's nodes takes besides each node's arrays (cpu.BoundGraph makes one per
+    graph): the backend's options, every tensor's readers in this graph (tensor -> nodes), the use
+    counts of the whole graph it may be a split of (Graph.use_counts), a tensor's bound array, and the
+    prologue: calls that run first in each replay, making a step's values that several nodes read (the
+    rope's cos/sin of the step's positions), one per key of `shared`."""
+    opts: ComputeOptions
+    consumers: dict = field(default_factory=dict)
+    use_counts: dict = field(default_factory=dict)
+    array: Callable[[Tensor], np.ndarray] | None = None
+    prologue: list[Bound] = field(default_factory=list)
+    shared: dict = field(default_factory=dict)
+
+    @property
+    def fk(self) -> ModuleType | None:
+        return _fk(self.opts)
+
+
+def attention_product(t: Tensor, srcs: list, b: Binding) -> tuple[np.ndarray, np.ndarray, bool, int] | None:
+    """(w, x, tiny, skip) of an F16 product of the attention chain KQ = K.Q -> SOFT_MAX(KQ, mask) ->
+    KQV = V.softmax, which may skip the cells the mask hides (fkernels.SKIP_KQ / SKIP_KQV: ggml's flash
+    attention skips them too; exact for finite K and V), where fkernels.mul_mat takes its arrays as
+    they are; None otherwise. KQ must feed only that SOFT_MAX and not be a graph output."""
     a_t, b_t = t.src[0], t.src[1]
-    if a_t.type != GGMLType.F16 or b_t.type != GGMLType.F32 or t.type != GGMLType.F32:
+    opts = b.opts
+    if (a_t.type != GGMLType.F16 or b_t.type != GGMLType.F32 or t.type != GGMLType.F32 or b.array is None
+            or b.fk is None or opts.exact or opts.order != "ggml"):
         return None
     if b_t.op == Op.SOFT_MAX and b_t.src[0] is not None and b_t.src[0].op == Op.MUL_MAT:
-        mask, skip = None, 2                                    # KQV: probabilities from the soft_max
+        skip = 2                                                # KQV: probabilities from the soft_max
     else:
-        users = consumers.get(t, ())
+        users = b.consumers.get(t, ())
         sm = users[0] if len(users) == 1 else None
         if (sm is None or sm.op != Op.SOFT_MAX or sm.src[0] is not t or len(sm.src) < 2 or sm.src[1] is None
                 or sm.src[1].type != GGMLType.F32 or t.flags & TensorFlag.OUTPUT):
             return None
-        mask, skip = array(sm.src[1]), 1                        # KQ: the soft_max's mask
+        skip = 1                                                # KQ: the soft_max's mask
     w, x = srcs[0].view(np.uint16), srcs[1]
-    direct = _unit_rows(w) is w and _unit_rows(x) is x             # _mul_mat_float's arrays, as they are
-    tiny = b_t.ne[1] >= 2 and a_t.ne[0] % 8 == 0 and a_t.ne[1] % 4 == 0
-
-    def run(opts: ComputeOptions) -> None:
-        fk = _fk(opts)
-        if direct and fk is not None and not opts.exact and opts.order == "ggml":
-            fk.mul_mat_threads(w, x, dst, tiny, True, mask, skip)        # _mul_mat_float, resolved
-        elif not _mul_mat_float(t, dst, srcs, opts, mask, skip):
-            _mul_mat(t, dst, srcs, opts)
-    return run
+    if _unit_rows(w) is not w or _unit_rows(x) is not x:       # _mul_mat_float would copy them
+        return None
+    return w, x, b_t.ne[1] >= 2 and a_t.ne[0] % 8 == 0 and a_t.ne[1] % 4 == 0, skip
 
 
-# -- bind time: an op's static checks, parameters and views resolved once; the replayed call is the
-# kernel itself. Each binder returns None where its fast path does not apply (the generic kernel runs).
-# A decode step makes ~650 calls, so a few us each are 10-20% of a small model's step.
-Bound = Callable[[ComputeOptions], None]
+def _bind_attention(t, dst, srcs, b: Binding) -> Bound | None:
+    """An attention product (attention_product) as fkernels' bound product."""
+    p = attention_product(t, srcs, b)
+    if p is None:
+        return None
+    w, x, tiny, skip = p
+    mask = b.array(b.consumers[t][0].src[1]) if skip == 1 else None     # KQ: the soft_max's mask
+    fk = b.fk
+    assert fk is not None and b.array is not None
+    return fk.bind_mul_mat(w, x, dst, tiny, True, mask, skip)
 
 
-def _with_fk(t: Tensor, dst: np.ndarray, srcs: list, call: Callable[[ModuleType], None]) -> Bound:
-    """call(fkernels) where opts.numba, else the op's generic kernel."""
-    kernel = KERNELS[t.op]
-
-    def run(opts: ComputeOptions) -> None:
-        fk = _fk(opts)
-        if fk is None:
-            kernel(t, dst, srcs, opts)
-        else:
-            call(fk)
-    return run
-
-
-def _bind_ufunc(ufunc: np.ufunc) -> Callable[[Tensor, np.ndarray, list], Bound | None]:
-    """ADD/MUL: _ufunc_into's case (F32, numpy-broadcastable) as the ufunc into dst."""
-    def binder(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
-        a, b = srcs[0], srcs[1]
-        if not _all_f32(t, 2) or not _broadcasts(b, a):
+def _bind_ufunc(ufunc: np.ufunc) -> Callable[[Tensor, np.ndarray, list, Binding], Bound | None]:
+    """ADD/MUL: _ufunc_into's case (F32, numpy-broadcastable) as the ufunc into dst, on 2-D views of
+    contiguous arrays (numpy's call costs less with fewer dimensions) and with out positional."""
+    def binder(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
+        x, y = srcs[0], srcs[1]
+        if not _all_f32(t, 2) or not _broadcasts(y, x):
             return None
-        return lambda opts: ufunc(a, b, out=dst)
+        if x.shape == dst.shape and all(a.flags.c_contiguous for a in (x, y, dst)) and \
+                (y.shape == x.shape or y.size == y.shape[-1] == x.shape[-1]):
+            ne0 = x.shape[-1]
+            x, y, dst = x.reshape(-1, ne0), y.reshape(-1, ne0), dst.reshape(-1, ne0)
+        return partial(ufunc, x, y, dst)
     return binder
 
 
-def _bind_rms_norm(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
-    if not _all_f32(t, 1):
+def _bind_rms_norm(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
+    fk = b.fk
+    if fk is None or not _all_f32(t, 1):
         return None
-    x, eps = srcs[0], F32(t.op_param(0))
-    return _with_fk(t, dst, srcs, lambda fk: fk.rms_norm(x, eps, _ONE4, False, dst))
+    return partial(fk.rms_norm, srcs[0], F32(t.op_param(0)), _ONE4, False, dst)
 
 
-def _bind_glu(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+def _bind_glu(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
     split = len(t.src) > 1 and t.src[1] is not None
-    if GLUOp(t.op_param(0)) != GLUOp.SWIGLU or not _all_f32(t, 2 if split else 1) or dst.shape[-1] % 8:
+    fk = b.fk
+    if (fk is None or GLUOp(t.op_param(0)) != GLUOp.SWIGLU or not _all_f32(t, 2 if split else 1)
+            or dst.shape[-1] % 8):
         return None
     g, u = _glu_halves(srcs[0], srcs[1] if split else None, bool(t.op_param(1)))
-    return _with_fk(t, dst, srcs, lambda fk: fk.swiglu(g, u, dst))
+    return fk.bind_swiglu(g, u, dst)
 
 
-def _bind_soft_max(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+def _bind_soft_max(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
     a_t = t.src[0]
     assert a_t is not None
     has_mask = len(t.src) > 1 and t.src[1] is not None
-    if not _all_f32(t, 2 if has_mask else 1) or a_t.ne[0] % 8:
+    fk = b.fk
+    if fk is None or not _all_f32(t, 2 if has_mask else 1) or a_t.ne[0] % 8:
         return None
     scale, slopes = F32(t.op_param(0, 1.0)), _alibi_slopes_cached(a_t.ne[2], float(t.op_param(1, 0.0)))
-    x, mask = srcs[0], srcs[1] if has_mask else _ONE4
-    return _with_fk(t, dst, srcs, lambda fk: fk.soft_max(x, scale, mask, slopes, has_mask, dst))
+    return fk.bind_soft_max(srcs[0], scale, srcs[1] if has_mask else _ONE4, slopes, has_mask, dst)
 
 
-def _bind_set_rows(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
+def _bind_set_rows(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
     b_t = t.src[0]
     assert b_t is not None
-    if b_t.type != GGMLType.F32 or t.type not in (GGMLType.F32, GGMLType.F16):
+    fk = b.fk
+    if fk is None or b_t.type != GGMLType.F32 or t.type not in (GGMLType.F32, GGMLType.F16):
         return None
-    b, c, d = srcs[0], srcs[1], dst.view(np.uint16) if t.type == GGMLType.F16 else dst
-    return _with_fk(t, dst, srcs, lambda fk: fk.set_rows(b, c, d))
+    return fk.bind_set_rows(srcs[0], srcs[1], dst.view(np.uint16) if t.type == GGMLType.F16 else dst)
 
 
-def _bind_rope(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
-    fast = bind_rope(t, dst, srcs)
-    return None if fast is None else _with_fk(t, dst, srcs, fast)
+def _bind_rope(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
+    fk = b.fk
+    return None if fk is None else bind_rope(t, dst, srcs, fk, b.prologue, b.shared)
 
 
-def _bind_cpy(t: Tensor, dst: np.ndarray, srcs: list) -> Bound | None:
-    """A copy without conversion between arrays of one shape (_cpy's first case)."""
+def _bind_get_rows(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
+    """_get_rows of one 2-D table into F32 rows (a step's token embeddings): all rows in one
+    dequantize call."""
+    a_t = t.src[0]
+    a, ids = srcs[0], srcs[1]
+    if a_t is None or t.type != GGMLType.F32 or a.shape[:2] != (1, 1) or ids.shape[:3] != (1, 1, 1) \
+            or a_t.type == GGMLType.I32:
+        return None
+    table, idx, out, typ, ne0 = a[0, 0], ids[0, 0, 0], dst[0, 0], a_t.type, a_t.ne[0]
+
+    def run() -> None:
+        out[...] = to_f32(table[idx], typ, ne0)
+    return run
+
+
+def _bind_cpy(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
+    """A copy without conversion (_cpy's first two cases): into dst, or a contiguous dst seen in the
+    source's shape."""
     s_t, src = t.src[0], srcs[0]
-    if s_t is None or s_t.type != t.type or src.shape != dst.shape:
+    if s_t is None or s_t.type != t.type:
         return None
-    return lambda opts: np.copyto(dst, src)
+    if src.shape == dst.shape:
+        return partial(np.copyto, dst, src)
+    if dst.flags.c_contiguous and dst.size == src.size:
+        return partial(np.copyto, dst.reshape(src.shape), src)
+    return None
 
 
-_BINDERS: dict[Op, Callable[[Tensor, np.ndarray, list], Bound | None]] = {
+_BINDERS: dict[Op, Callable[[Tensor, np.ndarray, list, Binding], Bound | None]] = {
     Op.ADD: _bind_ufunc(np.add), Op.MUL: _bind_ufunc(np.multiply), Op.RMS_NORM: _bind_rms_norm,
     Op.GLU: _bind_glu, Op.SOFT_MAX: _bind_soft_max, Op.SET_ROWS: _bind_set_rows, Op.ROPE: _bind_rope,
-    Op.CPY: _bind_cpy, Op.CONT: _bind_cpy, Op.DUP: _bind_cpy,
+    Op.CPY: _bind_cpy, Op.CONT: _bind_cpy, Op.DUP: _bind_cpy, Op.GET_ROWS: _bind_get_rows,
 }
 
 
-def bind(t: Tensor, dst: np.ndarray, srcs: list, consumers: dict | None = None,
-         array: Callable[[Tensor], np.ndarray] | None = None) -> Callable[[ComputeOptions], None]:
-    """The node's kernel with its arrays bound, for a replayed step list (cpu.BoundGraph): MUL_MAT on a
-    packable model weight binds the packed product directly; with the graph's consumers (tensor -> nodes
-    reading it) and `array` (tensor -> its bound array), the attention chain's products skip masked cells."""
+def bind(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound:
+    """The node's kernel with its arrays and the backend's options bound, for a replayed step list
+    (cpu.BoundGraph): MUL_MAT on a packable model weight binds the packed product directly, and the
+    attention chain's products skip masked cells; other ops their binder's call, else the generic
+    kernel."""
+    fast = None
     if t.op == Op.MUL_MAT:
-        fast = _bind_mul_mat_packed(t, dst, srcs)
-        if fast is None and consumers is not None and array is not None:
-            fast = _bind_attention(t, dst, srcs, consumers, array)
-        if fast is not None:
-            return fast
-    binder = _BINDERS.get(t.op)
-    fast = binder(t, dst, srcs) if binder is not None else None
-    return fast if fast is not None else partial(KERNELS[t.op], t, dst, srcs)
+        fast = _bind_mul_mat_packed(t, dst, srcs, b.opts) or _bind_attention(t, dst, srcs, b)
+    else:
+        binder = _BINDERS.get(t.op)
+        fast = binder(t, dst, srcs, b) if binder is not None else None
+    return fast if fast is not None else partial(KERNELS[t.op], t, dst, srcs, b.opts)
 
 
 KERNELS: dict[Op, Kernel] = {

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from threading import get_ident
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -128,7 +129,8 @@ class PackedWeight:
     def bind(self, x: np.ndarray, out: np.ndarray) -> Callable[[], bool]:
         """mul_mat(x, out) for arrays fixed from now on (a replayed step's): the kernel and its
         arguments chosen once; the call returns False where mul_mat would return None. x f32 [N, K]
-        C-contiguous, out f32 [N, M] C-contiguous."""
+        C-contiguous, out f32 [N, M] C-contiguous. The activation scratch is the calling thread's,
+        looked up again only when another thread calls."""
         N, K = x.shape
         if K != self.K or x.dtype != F32 or not x.flags.c_contiguous:
             raise ValueError(f"packed {self.type.name} weight: x must be f32 [N, {self.K}] C-contiguous")
@@ -137,13 +139,15 @@ class PackedWeight:
         serial_mm, parallel_mm = self._int8
         big = N * self.M * K >= _PARALLEL_WORK
         q8_1, kind, qs, d, m = self.q8_1, self.kind, self.qs, self.d, self.m
+        state: list = [None, ()]                        # the thread whose scratch args holds, args
 
         def run() -> bool:
-            Y, Yb, Y4, Yz, dy, sy, ys = _work(N, K)
-            if not big or get_threads() == 1:
-                return bool(serial_mm(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out))
-            with launch() as nt:
-                return bool(parallel_mm(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, nt))
+            if state[0] != get_ident():
+                state[:] = [get_ident(), (x, q8_1, *_work(N, K), kind, qs, d, m, out)]
+            if big and get_threads() > 1:
+                with launch() as nt:
+                    return parallel_mm(*state[1], nt)
+            return serial_mm(*state[1])
         return run
 
     def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:

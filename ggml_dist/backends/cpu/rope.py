@@ -34,10 +34,9 @@ def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float
     theta_scale = F32(np.float64(freq_base) ** np.float64(F32(-2.0 / n_dims)))   # powf(base, -2.0f/n_dims)
     half = n_dims // 2
     theta = np.empty((len(pos), half), F32)
-    t = pos.astype(F32)
-    for i in range(half):                       # t_{i+1} = f32(t_i * theta_scale)
-        theta[:, i] = t
-        t = (t * theta_scale).astype(F32)
+    theta[:, 0] = pos.astype(F32)
+    theta[:, 1:] = theta_scale
+    np.multiply.accumulate(theta, axis=1, out=theta)    # t_{i+1} = f32(t_i * theta_scale), in order
     if freq_factors is not None:
         theta = (theta / freq_factors[:half].astype(F32)).astype(F32)
     theta_interp = (F32(freq_scale) * theta).astype(F32)
@@ -160,17 +159,26 @@ def rope_forward(t: Tensor, dst: np.ndarray, srcs: list, fk=None) -> None:
         dst[..., n_dims:] = rest
 
 
-def bind_rope(t: Tensor, dst: np.ndarray, srcs: list) -> Callable[[Any], None] | None:
-    """rope_forward's fk path with its parameters and views resolved once (a replayed step calls it
-    each step: only the positions' cos/sin are looked up); None where that path does not apply."""
+def bind_rope(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, shared: dict
+              ) -> Callable[[], None] | None:
+    """rope_forward's fk path with its parameters and views resolved once; None where that path does
+    not apply. The cos/sin of the step's positions are made once per replay, by a prologue call that
+    every ROPE node with the same positions and parameters shares (shared: key -> the arrays it fills;
+    prologue: the calls a replay makes first)."""
     if srcs[0].dtype != F32 or dst.dtype != F32:
         return None
-    n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr = _rope_params(tuple(t.op_params))
+    params = _rope_params(tuple(t.op_params))
+    n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr = params
     x, pos = srcs[0], srcs[1].reshape(-1)
-    ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
-    neox = bool(mode & ROPE_TYPE_NEOX)
+    has_ff = len(srcs) > 2 and srcs[2] is not None
+    ff = srcs[2].reshape(-1) if has_ff else None
+    key = ("rope", t.src[1], t.src[2] if has_ff else None, params)
+    cs = shared.get(key)
+    if cs is None:
+        cs = shared[key] = (np.empty((len(pos), n_dims // 2), F32), np.empty((len(pos), n_dims // 2), F32))
 
-    def run(fk: Any) -> None:
-        cos, sin = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
-        fk.rope(x, cos, sin, n_dims, neox, dst)
-    return run
+        def fill(cos: np.ndarray = cs[0], sin: np.ndarray = cs[1]) -> None:
+            cos[...], sin[...] = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor,
+                                                    attn_factor, corr, ff)
+        prologue.append(fill)
+    return fk.bind_rope(x, cs[0], cs[1], n_dims, bool(mode & ROPE_TYPE_NEOX), dst)

@@ -490,11 +490,17 @@ def _one_op(ctx, rng, name):
         pos = ctx.new_tensor(I32, (3,))
         out = ops.rope_ext(ctx, x, pos, None, 64, ops.ROPE_TYPE_NEOX, 4096, freq_base=10000.0)
         return out, {x: xv, pos: np.array([7, 8, 9], np.int32)}
+    if name == "get_rows":
+        from ggml_dist.backends.cpu import quants
+        table, idx = ctx.new_tensor(GGMLType.Q8_0, (64, 10)), ctx.new_tensor(I32, (3,))
+        return ops.get_rows(ctx, table, idx), {table: quants.quantize(GGMLType.Q8_0, randn(rng, 10, 64)),
+                                               idx: np.array([7, 0, 7], np.int32)}
     assert name == "cont"
     return ops.cont(ctx, ops.permute(ctx, x, 0, 2, 1, 3)), {x: xv}
 
 
-@pytest.mark.parametrize("name", ["add", "mul", "rms_norm", "swiglu", "soft_max", "set_rows", "rope", "cont"])
+@pytest.mark.parametrize("name", ["add", "mul", "rms_norm", "swiglu", "soft_max", "set_rows", "rope", "cont",
+                                  "get_rows"])
 def test_binders_take_their_path_with_the_reference_bits(ctx, rng, name):
     out, inputs = _one_op(ctx, rng, name)
     g = Graph()
@@ -502,4 +508,5 @@ def test_binders_take_their_path_with_the_reference_bits(ctx, rng, name):
     want = ReferenceExecutor(ComputeOptions(numba=False)).compute(g, inputs)[out]
     assert_same_bits(_bound_run(g, out, inputs), want)
     srcs = [tensor_array(s) if s is not None else None for s in out.src]
-    assert cpu_ops._BINDERS[out.op](out, tensor_array(out), srcs) is not None, "the binder declined"
+    binding = cpu_ops.Binding(cpu_ops.resolve(ComputeOptions()))
+    assert cpu_ops._BINDERS[out.op](out, tensor_array(out), srcs, binding) is not None, "the binder declined"

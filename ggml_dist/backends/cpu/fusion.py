@@ -1,0 +1,129 @@
+"""Consecutive nodes that a bound replay (cpu.BoundGraph) runs as one kernel call.
+
+A decode step of a small model is ~650 kernel calls of a few microseconds each, and a call's fixed cost
+(Python, numba's argument unboxing) is a good part of that. ggml's CPU path fuses too: rms_norm takes
+the MUL by the norm weight into its row loop. The rule is ggml_can_fuse's: the nodes are consecutive in
+the compute order (so no other node's memory, which the allocator may have placed where a skipped
+result would go, is live in between), and each result that is not written is read by the next node only
+(its use count in the whole graph is 1: a split's graph is a view, and a node of a later split may read
+the result through a copy) and is not a graph output. Every fused call gives the bits of the kernels it
+replaces.
+
+    RMS_NORM, MUL(norm, w)                  fkernels.rms_norm(x, eps, w, fused=True)
+    ADD, RMS_NORM, MUL(norm, w)             fkernels.add_rms_norm: the sum is written (the residual
+                                            stream reads it again), the norm is not
+    MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one launch
+      [, CONT(PERMUTE(KQV))]                for the three (and the copy) instead of two launches and
+                                            two calls
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from ...core.tensor import Op, Tensor, TensorFlag
+from ...core.types import GGMLType
+from .ops import Binding, Bound, _alibi_slopes_cached, attention_product
+
+
+def fuse(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+    """The call that runs nodes[i], nodes[i+1], ... at once, and how many nodes it runs; None where no
+    fusion applies (each node is bound on its own)."""
+    fk, array = b.fk, b.array
+    if fk is None or array is None or b.opts.exact:
+        return None
+    t = nodes[i]
+    if t.op == Op.RMS_NORM:
+        w = _norm_weight(nodes, i, b)
+        if w is not None:
+            mul = nodes[i + 1]
+            return partial(fk.rms_norm, array(t.src[0]), np.float32(t.op_param(0)), array(w), True,
+                            array(mul)), 2
+    if t.op == Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op == Op.RMS_NORM:
+        norm = nodes[i + 1]
+        w = _norm_weight(nodes, i + 1, b)
+        a, c = t.src[0], t.src[1]
+        if (w is not None and norm.src[0] is t and a is not None and c is not None
+                and all(x.type == GGMLType.F32 for x in (t, a, c)) and a.ne == c.ne == t.ne):
+            return partial(fk.add_rms_norm, array(a), array(c), array(t), np.float32(norm.op_param(0)),
+                            array(w), array(nodes[i + 2])), 3
+    if t.op == Op.MUL_MAT:
+        return _attention(nodes, i, b)
+    return None
+
+
+def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+    """The attention chain from nodes[i] (see ops.attention_product), with the CONT of its permuted
+    output where that follows; None where a result overlaps what the threads may read meanwhile (see
+    fkernels.bind_attention)."""
+    if i + 2 >= len(nodes):
+        return None
+    kq, sm, kqv = nodes[i], nodes[i + 1], nodes[i + 2]
+    if (sm.op != Op.SOFT_MAX or sm.src[0] is not kq or len(sm.src) < 2 or sm.src[1] is None
+            or kqv.op != Op.MUL_MAT or kqv.src[1] is not sm or kq.ne[0] % 8 or sm.type != GGMLType.F32):
+        return None
+    array = b.array
+    assert array is not None
+    pk = attention_product(kq, [array(x) for x in kq.src[:2]], b)
+    pv = attention_product(kqv, [array(x) for x in kqv.src[:2]], b)
+    if pk is None or pv is None or pk[3] != 1 or pv[3] != 2:
+        return None
+    a_kq, a_sm, a_kqv = array(kq), array(sm), array(kqv)
+    n, cont = 3, None
+    if i + 3 < len(nodes):
+        c = nodes[i + 3]
+        perm = c.src[0] if c.op == Op.CONT else None
+        if (perm is not None and perm.op == Op.PERMUTE and perm.src[0] is kqv and c.type == GGMLType.F32
+                and array(c).flags.c_contiguous):
+            n, cont = 4, _in_source_order(array(c), perm)
+    mask = array(sm.src[1])
+    in_place = (a_sm.ctypes.data, a_sm.shape, a_sm.strides) == (a_kq.ctypes.data, a_kq.shape, a_kq.strides)
+    first = [a_kq] if in_place else [a_kq, a_sm]            # the first loop's results, then what it reads
+    if (_overlap(first, [pk[0], pk[1], mask]) or _overlap([a_kqv], [a_sm, pv[0]])
+            or (cont is not None and _overlap([cont], [a_kqv]))):
+        return None
+    scale = np.float32(sm.op_param(0, 1.0))
+    slopes = _alibi_slopes_cached(kq.ne[2], float(sm.op_param(1, 0.0)))
+    fk = b.fk
+    assert fk is not None
+    call = fk.bind_attention(pk[0], pk[1], a_kq, mask, pk[2], scale, slopes, a_sm, pv[0], pv[2], a_kqv, cont)
+    return call, n
+
+
+def _overlap(writes: list[np.ndarray], others: list[np.ndarray]) -> bool:
+    """Whether some array of writes may share memory with a later one of writes or one of others."""
+    return any(np.may_share_memory(w, x) for k, w in enumerate(writes) for x in writes[k + 1:] + others)
+
+
+def _in_source_order(dst: np.ndarray, perm: Tensor) -> np.ndarray:
+    """A contiguous CONT destination of PERMUTE(x) seen with x's shape: element [idx] is where the copy
+    puts x[idx]. ggml_permute moves x's dim i to position axes[i]; CONT writes the permuted tensor's
+    elements in its ggml order (dim 0 fastest)."""
+    x = perm.src[0]
+    assert x is not None
+    axes = perm.op_params[:4]
+    stride, strides = dst.itemsize, [0] * 4                 # the permuted tensor's, contiguous, by ggml dim
+    for k in range(4):
+        strides[k] = stride
+        stride *= perm.ne[k]
+    ggml = [strides[axes[i]] for i in range(4)]             # x's ggml dim i lands on permuted dim axes[i]
+    return np.lib.stride_tricks.as_strided(dst, shape=tuple(reversed(x.ne)), strides=tuple(reversed(ggml)))
+
+
+def _norm_weight(nodes: list[Tensor], i: int, b: Binding) -> Tensor | None:
+    """The norm weight w where nodes[i] is an F32 RMS_NORM read only by nodes[i+1] = MUL(norm, w) (either
+    operand order: f32 products commute), w an F32 row of the norm's width; else None."""
+    norm = nodes[i]
+    if i + 1 >= len(nodes) or norm.op != Op.RMS_NORM or norm.flags & TensorFlag.OUTPUT:
+        return None
+    mul = nodes[i + 1]
+    x = norm.src[0]
+    if mul.op != Op.MUL or b.use_counts.get(norm, 0) != 1 or b.consumers.get(norm) != [mul] or x is None:
+        return None
+    w = mul.src[1] if mul.src[0] is norm else mul.src[0] if mul.src[1] is norm else None
+    if w is None or w is norm or any(t.type != GGMLType.F32 for t in (norm, x, mul, w)):
+        return None
+    if mul.ne != norm.ne or w.ne[0] != norm.ne[0] or any(n != 1 for n in w.ne[1:]):
+        return None
+    return w

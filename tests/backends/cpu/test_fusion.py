@@ -1,0 +1,243 @@
+"""fusion.py: consecutive nodes bound as one kernel call give the separate kernels' bits, and are fused
+only where ggml_can_fuse's rule allows (the skipped result read by the next node alone, in the whole
+graph, and not an output)."""
+import numpy as np
+import pytest
+
+from ggml_dist.backends.cpu.backend import BoundGraph, compute_graph
+from ggml_dist.backends.cpu.ops import ComputeOptions, resolve
+from ggml_dist.backends.cpu.reference import ReferenceExecutor
+from ggml_dist.core import ops
+from ggml_dist.core.context import Context
+from ggml_dist.core.graph import Graph
+from ggml_dist.core.tensor import TensorFlag
+from ggml_dist.core.types import GGMLType
+
+from .test_fast_ops import _bound_run, assert_same_bits, randn
+
+F32 = GGMLType.F32
+OPTS = resolve(ComputeOptions())
+
+
+@pytest.fixture
+def ctx():
+    return Context(1 << 24)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(5)
+
+
+def _norm_layer(ctx, n_tok, width, residual):
+    """x [+ r] -> rms_norm -> * w, as a llama layer's norm (residual: the add before it)."""
+    x, w = ctx.new_tensor(F32, (width, n_tok)), ctx.new_tensor(F32, (width,))
+    r = ctx.new_tensor(F32, (width, n_tok)) if residual else None
+    s = ops.add(ctx, x, r) if residual else x
+    norm = ops.rms_norm(ctx, s, 1e-6)
+    return x, r, w, s, norm, ops.mul(ctx, norm, w)
+
+
+def _run(g, out, inputs):
+    want = ReferenceExecutor(ComputeOptions(numba=False)).compute(g, inputs)
+    return want, _bound_run(g, out, inputs)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n_tok,width", [(1, 576), (5, 40), (3, 1)])
+def test_a_norm_and_its_weight_run_as_one_call_with_the_same_bits(ctx, rng, residual, n_tok, width):
+    x, r, w, s, norm, out = _norm_layer(ctx, n_tok, width, residual)
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = {x: randn(rng, n_tok, width) * 3, w: randn(rng, width)}
+    if residual:
+        inputs[r] = randn(rng, n_tok, width)
+    want, got = _run(g, out, inputs)
+    assert_same_bits(got, want[out])
+    if residual:                                           # the sum itself is still written
+        from ggml_dist.backends.base import tensor_array
+        assert_same_bits(tensor_array(s).copy(), want[s])
+    assert len(BoundGraph(g, OPTS).calls) == 1
+
+
+def test_the_norm_is_computed_where_another_node_reads_it(ctx, rng):
+    x, _, w, _, norm, out = _norm_layer(ctx, 4, 64, False)
+    other = ops.scale(ctx, norm, 2.0)
+    g = Graph()
+    g.build_forward_expand(out)
+    g.build_forward_expand(other)
+    inputs = {x: randn(rng, 4, 64), w: randn(rng, 64)}
+    want, got = _run(g, other, inputs)
+    assert_same_bits(got, want[other])
+    assert len(BoundGraph(g, OPTS).calls) == 3
+
+
+def test_a_split_s_graph_counts_the_whole_graph_s_readers(ctx, rng):
+    """A split's graph is a view: a node past it reads the norm through a copy, so its use count
+    (the whole graph's) keeps the norm computed even where, in the view, only the MUL reads it."""
+    x, _, w, _, norm, out = _norm_layer(ctx, 4, 64, False)
+    later = ops.scale(ctx, norm, 2.0)
+    g = Graph()
+    g.build_forward_expand(out)
+    g.build_forward_expand(later)
+    _run(g, later, {x: randn(rng, 4, 64), w: randn(rng, 64)})       # allocates every tensor
+    first = g.view(0, g.nodes.index(out) + 1)
+    assert later not in first.nodes
+    assert len(BoundGraph(first, OPTS).calls) == 2
+
+
+def test_an_output_norm_is_computed(ctx, rng):
+    x, _, w, _, norm, out = _norm_layer(ctx, 2, 32, False)
+    norm.flags |= TensorFlag.OUTPUT
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = {x: randn(rng, 2, 32), w: randn(rng, 32)}
+    want, got = _run(g, out, inputs)
+    assert_same_bits(got, want[out])
+    assert len(BoundGraph(g, OPTS).calls) == 2
+
+
+def test_nodes_are_fused_only_when_consecutive(ctx, rng):
+    """Another node computed between the norm and its MUL keeps them apart (the allocator may have put
+    that node's memory where the MUL's result goes)."""
+    x, _, w, _, norm, out = _norm_layer(ctx, 2, 32, False)
+    y = ctx.new_tensor(F32, (32, 2))
+    between = ops.scale(ctx, y, 3.0)
+    g = Graph()
+    g.build_forward_expand(norm)
+    g.build_forward_expand(between)
+    g.build_forward_expand(out)
+    assert [t.op.name for t in g.nodes][-3:] == ["RMS_NORM", "SCALE", "MUL"]
+    inputs = {x: randn(rng, 2, 32), w: randn(rng, 32), y: randn(rng, 2, 32)}
+    want, got = _run(g, out, inputs)
+    assert_same_bits(got, want[out])
+    assert len(BoundGraph(g, OPTS).calls) == 3
+
+
+def test_without_numba_nothing_is_fused(ctx, rng):
+    x, r, w, _, _, out = _norm_layer(ctx, 2, 32, True)
+    g = Graph()
+    g.build_forward_expand(out)
+    _run(g, out, {x: randn(rng, 2, 32), r: randn(rng, 2, 32), w: randn(rng, 32)})
+    assert len(BoundGraph(g, ComputeOptions(numba=False)).calls) == 3
+
+
+def test_a_replay_repeats_the_fused_bits(ctx, rng):
+    x, r, w, s, norm, out = _norm_layer(ctx, 3, 48, True)
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = {x: randn(rng, 3, 48), r: randn(rng, 3, 48), w: randn(rng, 48)}
+    want, got = _run(g, out, inputs)
+    compute_graph(g, ComputeOptions())                      # replayed: same inputs, same bits
+    from ggml_dist.backends.base import tensor_array
+    assert_same_bits(tensor_array(out).copy(), want[out])
+
+
+def _attention(ctx, n_tok, n_head, n_head_kv, cont=True):
+    """A llama layer's attention on KV-cache views (test_fast_ops' shapes): K rows of the cache, V^T
+    rows of kv_size cells, Q permuted, n_kv cells of which the first 37 are used."""
+    d, kv_size, n_kv = 64, 512, 256
+    kc = ctx.new_tensor(GGMLType.F16, (d * n_head_kv, kv_size))
+    vc = ctx.new_tensor(GGMLType.F16, (kv_size, d * n_head_kv))
+    q = ctx.new_tensor(F32, (d, n_head, n_tok))
+    m = ctx.new_tensor(F32, (n_kv, n_tok))
+    k = ops.view_3d(ctx, kc, d, n_kv, n_head_kv, kc.nb[1], d * 2, 0)
+    v = ops.view_3d(ctx, vc, n_kv, d, n_head_kv, vc.nb[1], vc.nb[1] * d, 0)
+    kq = ops.mul_mat(ctx, k, ops.permute(ctx, q, 0, 2, 1, 3))
+    sm = ops.soft_max_ext(ctx, kq, m, 0.125, 0.0)
+    kqv = ops.mul_mat(ctx, v, sm)
+    out = ops.cont(ctx, ops.permute(ctx, kqv, 0, 2, 1, 3), (d * n_head, n_tok)) if cont else kqv
+    return (kc, vc, q, m), (kq, sm, kqv), out
+
+
+def _attention_inputs(rng, tensors, n_tok):
+    kc, vc, q, m = tensors
+    used, kv_size, n_kv = 37, kc.ne[1], m.ne[0]
+    xk = np.zeros((kv_size, kc.ne[0]), np.float16)
+    xk[:used] = randn(rng, used, kc.ne[0])
+    xv = np.zeros((vc.ne[1], kv_size), np.float16)
+    xv[:, :used] = randn(rng, vc.ne[1], used)
+    mask = np.full((n_tok, n_kv), -np.inf, np.float32)
+    mask[:, :used - n_tok + 1] = 0
+    for i in range(n_tok):
+        mask[i, used - n_tok + 1:used - n_tok + 1 + i] = 0
+    return {kc: xk, vc: xv, q: randn(rng, n_tok, q.ne[1], q.ne[0]), m: mask}
+
+
+@pytest.mark.parametrize("cont", [True, False])
+@pytest.mark.parametrize("n_tok,n_head,n_head_kv", [(1, 9, 3), (4, 6, 2), (1, 4, 4), (2, 3, 1)])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_the_attention_chain_runs_as_one_call_with_the_same_bits(ctx, rng, cont, n_tok, n_head, n_head_kv,
+                                                                  n_threads):
+    from ggml_dist.backends.base import tensor_array
+    from ggml_dist.backends.cpu import threads
+    leafs, mids, out = _attention(ctx, n_tok, n_head, n_head_kv, cont)
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = _attention_inputs(rng, leafs, n_tok)
+    before = threads.get_threads()
+    threads.set_threads(n_threads)
+    try:
+        want, got = _run(g, out, inputs)
+    finally:
+        threads.set_threads(before)
+    assert_same_bits(got, want[out])
+    for t in mids:                                          # the chain's own results are written too
+        assert_same_bits(tensor_array(t).copy(), want[t])
+    assert len(BoundGraph(g, OPTS).calls) == 1
+
+
+def test_an_attention_chain_whose_results_overlap_runs_call_by_call(ctx, rng):
+    """KQV placed over the soft_max's probabilities (threads still read other heads' rows while one
+    writes its KQV rows): no fusion. (Over KQ it would fuse: the soft_max, here not in place, has
+    read it all by then.)"""
+    leafs, (kq, sm, kqv), out = _attention(ctx, 1, 6, 2, cont=False)
+    g = Graph()
+    g.build_forward_expand(out)
+    _run(g, out, _attention_inputs(rng, leafs, 1))
+    kqv.buffer, kqv.data = sm.buffer, sm.data
+    assert len(BoundGraph(g, OPTS).calls) == 3
+    kqv.buffer, kqv.data = kq.buffer, kq.data
+    assert len(BoundGraph(g, OPTS).calls) == 1
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_kqv_over_the_dead_queries_is_fused(ctx, rng, n_threads):
+    """KQV over Q (dead once KQ has read it: a llama layer's placement): every thread's KQ reads are
+    done before any KQV row is written, so it fuses, with the same bits."""
+    from ggml_dist.backends.base import tensor_array
+    from ggml_dist.backends.cpu import threads
+    leafs, (kq, sm, kqv), out = _attention(ctx, 1, 9, 3, cont=False)
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = _attention_inputs(rng, leafs, 1)
+    want, _ = _run(g, out, inputs)
+    q = leafs[2]
+    kqv.buffer, kqv.data = q.buffer, q.data
+    for t, v in inputs.items():
+        t.buffer.set_tensor(t, v)
+    assert len(BoundGraph(g, OPTS).calls) == 1
+    before = threads.get_threads()
+    threads.set_threads(n_threads)
+    try:
+        compute_graph(g, OPTS)
+    finally:
+        threads.set_threads(before)
+    assert_same_bits(tensor_array(out).copy(), want[out])
+
+
+def test_a_cont_over_the_dead_scores_is_fused(ctx, rng):
+    """The CONT's destination over KQ's memory (as the allocator places it in a llama layer: the scores
+    are dead once KQV has read them): the copy runs after every thread's heads, so it fuses."""
+    from ggml_dist.backends.base import tensor_array
+    leafs, (kq, sm, kqv), out = _attention(ctx, 1, 9, 3, cont=True)
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = _attention_inputs(rng, leafs, 1)
+    want, _ = _run(g, out, inputs)
+    out.buffer, out.data = kq.buffer, kq.data
+    for t, v in inputs.items():
+        t.buffer.set_tensor(t, v)
+    assert len(BoundGraph(g, OPTS).calls) == 1
+    compute_graph(g, OPTS)
+    assert_same_bits(tensor_array(out).copy(), want[out])
