@@ -46,7 +46,7 @@ from . import kernel_cache  # noqa: F401  (the cache locator, registered before 
 from . import quants as Q
 from .blocks import BLOCKS, KPACK_TYPES
 from .kquant_ir import LAYOUT, group_intrinsic
-from .qpack import Kernels, default_kernels, packed_as, thread_scratch
+from .qpack import Kernels, bound_int8_call, default_kernels, packed_as, thread_scratch
 from .threads import get_threads, launch
 
 T = GGMLType
@@ -157,9 +157,11 @@ class PackedKWeight:
         mode, ng = self._mode(N, vec_n)
         return out if self._run(x, out, mode, ng, N * self.M * self.K >= _PARALLEL_WORK) else None
 
-    def bind(self, x: np.ndarray, out: np.ndarray, vec_n: int | None = None) -> Callable[[], bool]:
-        """mul_mat(x, out) for arrays fixed from now on (a replayed step's): the call returns False where
-        mul_mat would return None. x f32 [N, K] C-contiguous, out f32 [N, M] C-contiguous."""
+    def bind(self, x: np.ndarray, out: np.ndarray, vec_n: int | None = None,
+             fallback: Callable[[], object] | None = None) -> Callable[[], bool]:
+        """mul_mat(x, out) for arrays fixed from now on (a replayed step's, qpack.bound_int8_call): the
+        call returns False where mul_mat would return None, after fallback() if given. x f32 [N, K]
+        C-contiguous, out f32 [N, M] C-contiguous."""
         self._check(x)
         if x.dtype != F32 or not x.flags.c_contiguous:
             raise ValueError(f"packed {self.type.name} weight: x must be f32 [N, {self.K}] C-contiguous")
@@ -167,8 +169,8 @@ class PackedKWeight:
         if N == 0:
             return lambda: True
         mode, ng = self._mode(N, vec_n)
-        big = N * self.M * self.K >= _PARALLEL_WORK
-        return lambda: self._run(x, out, mode, ng, big)
+        return bound_int8_call(self._entries, _work, N, self.K, (x,), (mode, ng, self.qs, out),
+                               N * self.M * self.K >= _PARALLEL_WORK, fallback)
 
     def _run(self, x: np.ndarray, out: np.ndarray, mode: int, ng: int, big: bool) -> bool:
         serial, parallel = self._entries

@@ -325,24 +325,16 @@ def _qpack(opts: ComputeOptions) -> ModuleType | None:
 
 
 def _bind_packed_product(t, dst, srcs, mod: ModuleType | None, opts: ComputeOptions) -> Bound | None:
-    """The bound packed product of weight t.src[0]: packed by mod.packed once (again if the weight was
-    repacked meanwhile: t.extra holds another packed form), its bind() call replayed; the generic path
-    where the product is given back (a non-finite activation). None where mod is (no packed path)."""
+    """The bound packed product of weight t.src[0], packed by mod.packed (once: the packed form stays in
+    t.extra) with opts' kernels: its bind() call, which takes the generic path where the product is
+    given back (a non-finite activation). None where mod is (no packed path)."""
     if mod is None:
         return None
     a_t = t.src[0]
     w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
     out = dst.reshape(xm.shape[0], dst.shape[-1])          # N may be 0: a ubatch without outputs
     pw = mod.packed(a_t.type, w, a_t, opts.kernels)
-    bound = [pw, pw.bind(xm, out)]
-
-    def run() -> None:
-        if a_t.extra is not bound[0]:
-            pw = mod.packed(a_t.type, w, a_t, opts.kernels)
-            bound[:] = [pw, pw.bind(xm, out)]
-        if not bound[1]():
-            _mul_mat(t, dst, srcs, opts)
-    return run
+    return pw.bind(xm, out, fallback=partial(_mul_mat, t, dst, srcs, opts))
 
 
 # K-quant model weights: kpack.py (Q4_K, Q5_K, Q6_K packed once, int8 kernels; the same bits as qkernels)

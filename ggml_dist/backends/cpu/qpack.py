@@ -126,29 +126,23 @@ class PackedWeight:
         self.d = _f16_plane(b, 0)
         self.m = _f16_plane(b, 2) if self.q8_1 else np.zeros((G, 1), np.uint16)
 
-    def bind(self, x: np.ndarray, out: np.ndarray) -> Callable[[], bool]:
+    def bind(self, x: np.ndarray, out: np.ndarray, fallback: Callable[[], object] | None = None
+             ) -> Callable[[], bool]:
         """mul_mat(x, out) for arrays fixed from now on (a replayed step's): the kernel and its
-        arguments chosen once; the call returns False where mul_mat would return None. x f32 [N, K]
-        C-contiguous, out f32 [N, M] C-contiguous. The activation scratch is the calling thread's,
-        looked up again only when another thread calls."""
+        arguments chosen once (bound_int8_call); the call returns False where mul_mat would return
+        None, after fallback() if given. x f32 [N, K] C-contiguous, out f32 [N, M] C-contiguous."""
         N, K = x.shape
         if K != self.K or x.dtype != F32 or not x.flags.c_contiguous:
             raise ValueError(f"packed {self.type.name} weight: x must be f32 [N, {self.K}] C-contiguous")
         if self._int8 is None or N == 0:
-            return lambda: self.mul_mat(x, out) is not None
-        serial_mm, parallel_mm = self._int8
-        big = N * self.M * K >= _PARALLEL_WORK
-        q8_1, kind, qs, d, m = self.q8_1, self.kind, self.qs, self.d, self.m
-        state: list = [None, ()]                        # the thread whose scratch args holds, args
-
-        def run() -> bool:
-            if state[0] != get_ident():
-                state[:] = [get_ident(), (x, q8_1, *_work(N, K), kind, qs, d, m, out)]
-            if big and get_threads() > 1:
-                with launch() as nt:
-                    return parallel_mm(*state[1], nt)
-            return serial_mm(*state[1])
-        return run
+            def plain() -> bool:
+                ok = self.mul_mat(x, out) is not None
+                if not ok and fallback is not None:
+                    fallback()
+                return ok
+            return plain
+        return bound_int8_call(self._int8, _work, N, K, (x, self.q8_1), (self.kind, self.qs, self.d, self.m, out),
+                               N * self.M * K >= _PARALLEL_WORK, fallback)
 
     def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """x f32 [N, K] -> f32 [N, M] (into `out` if given, C-contiguous), or None when x has a non-finite
@@ -244,6 +238,31 @@ def _fifth_bit_plane(qh: np.ndarray) -> np.ndarray:
         by_lane = bits.reshape(*bits.shape[:3], 8, 4)                          # e = 4i + k
         plane[g:g + step] = np.packbits(by_lane, axis=-2, bitorder="little")[..., 0, :].transpose(0, 2, 1, 3)
     return plane.reshape(G, nb, 4 * R)
+
+
+def bound_int8_call(entries: tuple[Callable, Callable], work: Callable[[int, int], tuple], N: int, K: int,
+                    head: tuple, tail: tuple, big: bool, fallback: Callable[[], object] | None
+                    ) -> Callable[[], bool]:
+    """The replayed call of an int8 packed product (qpack's, kpack's): entries (serial, parallel) called
+    with (*head, *work(N, K), *tail), the scratch being the calling thread's (looked up again only
+    when another thread calls); the parallel entry, given the thread count, where the product is big
+    and the kernels have threads; fallback() where the kernel gives the product back (False: a
+    non-finite activation). One Python frame between the replay and the kernel."""
+    serial_mm, parallel_mm = entries
+    state: list = [None, ()]                            # the thread whose scratch args holds, args
+
+    def run() -> bool:
+        if state[0] != get_ident():
+            state[:] = [get_ident(), (*head, *work(N, K), *tail)]
+        if big and get_threads() > 1:
+            with launch() as nt:
+                ok = parallel_mm(*state[1], nt)
+        else:
+            ok = serial_mm(*state[1])
+        if not ok and fallback is not None:
+            fallback()
+        return ok
+    return run
 
 
 _WORK = threading.local()

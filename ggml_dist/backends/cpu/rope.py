@@ -29,8 +29,9 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: fl
 
 def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
                attn_factor: float, corr_dims: tuple[float, float],
-               freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [n_pos, n_dims/2]: theta by the iterated f32 product, as ggml_rope_cache_init."""
+               freq_factors: np.ndarray | None, fk: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n_pos, n_dims/2]: theta by the iterated f32 product, as ggml_rope_cache_init. With fk
+    (fkernels), cos and sin by its compiled loop (libm's cosf and sinf, as here, see fk.cos_sin)."""
     theta_scale = F32(np.float64(freq_base) ** np.float64(F32(-2.0 / n_dims)))   # powf(base, -2.0f/n_dims)
     half = n_dims // 2
     theta = np.empty((len(pos), half), F32)
@@ -49,6 +50,10 @@ def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float
         mscale = F32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale)))
     else:
         theta = theta_interp
+    if fk is not None and fk.LIBM_COS_SIN:
+        cos, sin = np.empty_like(theta), np.empty_like(theta)
+        fk.cos_sin(theta, mscale, cos, sin)
+        return cos, sin
     cos = (libm_cosf(theta) * mscale).astype(F32)
     sin = (libm_sinf(theta) * mscale).astype(F32)
     return cos, sin
@@ -178,7 +183,7 @@ def bind_rope(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, s
         cs = shared[key] = (np.empty((len(pos), n_dims // 2), F32), np.empty((len(pos), n_dims // 2), F32))
 
         def fill(cos: np.ndarray = cs[0], sin: np.ndarray = cs[1]) -> None:
-            cos[...], sin[...] = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor,
-                                                    attn_factor, corr, ff)
+            cos[...], sin[...] = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr,
+                                            ff, fk)
         prologue.append(fill)
     return fk.bind_rope(x, cs[0], cs[1], n_dims, bool(mode & ROPE_TYPE_NEOX), dst)

@@ -388,12 +388,14 @@ def _bound_run(g, out, inputs):
     return tensor_array(out).copy()
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("n_tok,d", [(1, 64), (3, 64), (8, 64), (1, 80)])
-def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok, d):
+def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok, d, fused):
     """Bound into a graph, KQ skips the cells the soft_max masks and KQV the all-zero probability steps
     (fkernels.SKIP_KQ/KQV); the chain's bits equal the numpy kernels'. Two sequences' cells interleave,
     as in a server's shared cache, and the cache is zero past the used cells. d = 80: K's rows end
-    in a partial 32-lane step (summed in double) after the compacted live cells."""
+    in a partial 32-lane step (summed in double) after the compacted live cells. fused: the chain as
+    one call (fusion.py, which always skips), else its products bound one by one."""
     n_head, n_head_kv, kv_size, n_kv, used = 6, 2, 512, 512, 301
     kc = ctx.new_tensor(F16, (d * n_head_kv, kv_size))
     vc = ctx.new_tensor(F16, (kv_size, d * n_head_kv))
@@ -415,10 +417,16 @@ def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok
     g.build_forward_expand(out)
     want = ReferenceExecutor(ComputeOptions(numba=False)).compute(g, inputs)[out]
     skips = []
-    real = fk.mul_mat_threads
-    monkeypatch.setattr(fk, "mul_mat_threads", lambda *a: skips.append(a[6]) or real(*a))
+    if fused:
+        real = fk.bind_attention
+        monkeypatch.setattr(fk, "bind_attention", lambda *a: skips.append("chain") or real(*a))
+    else:
+        from ggml_dist.backends.cpu import fusion
+        monkeypatch.setattr(fusion, "_attention", lambda *a: None)
+        real = fk.mul_mat_threads
+        monkeypatch.setattr(fk, "mul_mat_threads", lambda *a: skips.append(a[6]) or real(*a))
     assert_same_bits(_bound_run(g, out, inputs), want)
-    assert sorted(skips) == [fk.SKIP_KQ, fk.SKIP_KQV]
+    assert sorted(skips) == (["chain"] if fused else [fk.SKIP_KQ, fk.SKIP_KQV])
 
 
 # exact=True keeps the numpy float32 path (no fast kernel)
@@ -510,3 +518,17 @@ def test_binders_take_their_path_with_the_reference_bits(ctx, rng, name):
     srcs = [tensor_array(s) if s is not None else None for s in out.src]
     binding = cpu_ops.Binding(cpu_ops.resolve(ComputeOptions()))
     assert cpu_ops._BINDERS[out.op](out, tensor_array(out), srcs, binding) is not None, "the binder declined"
+
+
+@pytest.mark.parametrize("ext_factor,freq_scale,ff", [(0.0, 1.0, False), (1.0, 0.25, False), (0.0, 1.0, True)])
+def test_rope_cache_compiled_cos_sin_are_libm_s(rng, ext_factor, freq_scale, ff):
+    """rope_cache's cos/sin through fkernels.cos_sin (numba's math.cos of a float32: libm's cosf) equal
+    the ctypes libm calls bit for bit, positions far and near, YaRN and frequency factors included."""
+    from ggml_dist.backends.cpu import rope
+    if not fk.LIBM_COS_SIN or rope._COSF is None:
+        pytest.skip("numba takes SVML's cos/sin here, or no libm loads")
+    pos = np.concatenate([np.arange(0, 40), rng.integers(0, 1 << 17, 200)]).astype(np.int32)
+    factors = rng.uniform(1, 40, 64).astype(np.float32) if ff else None
+    args = (pos, 128, 500000.0, freq_scale, ext_factor, 1.0, (3.0, 40.0), factors)
+    for a, b in zip(rope.rope_cache(*args), rope.rope_cache(*args, fk=fk)):
+        assert_same_bits(b, a)
