@@ -22,7 +22,7 @@ import numpy as np
 from ..alloc.gallocr import Gallocr
 from ..backends.base import BufferUsage, tensor_array
 from ..backends.cpu.backend import CPUBuffer, CPUDevice, compute_graph
-from ..backends.cpu.ops import ComputeOptions
+from ..backends.cpu.ops import ComputeOptions, resolve
 from ..core.tensor import Tensor, nbytes
 from ..core.types import GGMLType
 from ..model.gguf import load_gguf
@@ -148,7 +148,7 @@ class StageWorker:
         self.kv.allocate(self.buft)
         self.arena = StageArena(f"stage{spec.stage_id}-compute", self.buft.alignment)
         self.kv_tensors = {t.name: t for t in self.kv.tensors()}
-        self.opts = ComputeOptions(exact=spec.exact)
+        self.opts = resolve(ComputeOptions(exact=spec.exact))      # the host's kernels, chosen once
         self.warmup: Warmup | None = None
         if spec.background_compile and self.opts.numba and os.access(spec.model_path, os.R_OK):
             self.warmup = background_compile(spec.model_path)
@@ -287,7 +287,7 @@ class StageWorker:
             arr[...] = got[key].reshape(arr.shape)
         t1 = time.perf_counter()
         if self.warmup is not None and self.warmup.ready():     # the compiled kernels are cached now
-            self.warmup, self.opts = None, replace(self.opts, numba=True)
+            self.warmup, self.opts = None, resolve(replace(self.opts, numba=True))
         compute_graph(plan.graph, self.opts)
         t2 = time.perf_counter()
         out = encode(self._exports(plan, sample))

@@ -320,7 +320,7 @@ def _attention_threads(args) -> None:
         _attention_serial(*args)
         return
     with launch():
-        _attention_par(*args, nt)
+        _attention_par(*args, nt)                                               # type: ignore[call-arg]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -1018,6 +1018,44 @@ def cos_sin(theta, mscale, cos, sin):
         for j in range(theta.shape[1]):
             cos[i, j] = F32(math.cos(theta[i, j])) * mscale
             sin[i, j] = F32(math.sin(theta[i, j])) * mscale
+
+
+def bind_geglu(g, u, table, dst) -> Callable[[], None]:
+    """numerics.gelu(g) * u (ggml_vec_geglu_f32 with GGML_GELU_FP16), bound (bind_rows): 0 for g <= -10,
+    g for g >= 10, else table[f16 bits of g] (numerics.gelu_table, f32 [65536]); then f32(act * u)."""
+    return bind_rows(_geglu_serial, _geglu_par, _n_rows(dst), dst.shape[3], g, u, table, dst)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _geglu_serial(g, u, table, dst):
+    _geglu_rows(g, u, table, dst, 0, dst.shape[0] * dst.shape[1] * dst.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _geglu_par(g, u, table, dst, n_chunks):
+    n = dst.shape[0] * dst.shape[1] * dst.shape[2]
+    for c in prange(n_chunks):
+        _geglu_rows(g, u, table, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+@njit(cache=True, inline="always")
+def _geglu_rows(g, u, table, dst, r0, r1):
+    _ne3, ne2, ne1, ne0 = dst.shape
+    s = np.empty(ne0, F32)                  # (a row through the scratch: dst may alias g or u)
+    for r in range(r0, r1):
+        i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
+        gr, ur, dr = g[i3, i2, i1], u[i3, i2, i1], dst[i3, i2, i1]
+        for i in range(ne0):
+            x = gr[i]
+            if x <= F32(-10):
+                a = F32(0)
+            elif x >= F32(10):
+                a = x
+            else:
+                a = table[f16_bits(x)]
+            s[i] = a * ur[i]
+        for i in range(ne0):
+            dr[i] = s[i]
 
 
 def rope(x, cos, sin, n_dims, neox, dst):

@@ -36,18 +36,21 @@ def fuse(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
     t = nodes[i]
     if t.op == Op.RMS_NORM:
         w = _norm_weight(nodes, i, b)
-        if w is not None:
-            mul = nodes[i + 1]
-            return partial(fk.rms_norm, array(t.src[0]), np.float32(t.op_param(0)), array(w), True,
-                            array(mul)), 2
+        x = t.src[0]
+        if w is not None and x is not None:
+            a_x, dst = array(x), array(nodes[i + 1])
+            if _same_or_apart(dst, a_x):
+                return partial(fk.rms_norm, a_x, np.float32(t.op_param(0)), array(w), True, dst), 2
     if t.op == Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op == Op.RMS_NORM:
         norm = nodes[i + 1]
         w = _norm_weight(nodes, i + 1, b)
         a, c = t.src[0], t.src[1]
         if (w is not None and norm.src[0] is t and a is not None and c is not None
                 and all(x.type == GGMLType.F32 for x in (t, a, c)) and a.ne == c.ne == t.ne):
-            return partial(fk.add_rms_norm, array(a), array(c), array(t), np.float32(norm.op_param(0)),
-                            array(w), array(nodes[i + 2])), 3
+            a_a, a_c, dst = array(a), array(c), array(nodes[i + 2])
+            if _same_or_apart(dst, a_a) and _same_or_apart(dst, a_c):
+                return partial(fk.add_rms_norm, a_a, a_c, array(t), np.float32(norm.op_param(0)), array(w),
+                               dst), 3
     if t.op == Op.MUL_MAT:
         return _attention(nodes, i, b)
     return None
@@ -65,8 +68,8 @@ def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | N
         return None
     array = b.array
     assert array is not None
-    pk = attention_product(kq, [array(x) for x in kq.src[:2]], b)
-    pv = attention_product(kqv, [array(x) for x in kqv.src[:2]], b)
+    pk = attention_product(kq, [array(x) if x is not None else None for x in kq.src[:2]], b)
+    pv = attention_product(kqv, [array(x) if x is not None else None for x in kqv.src[:2]], b)
     if pk is None or pv is None or pk[3] != 1 or pv[3] != 2:
         return None
     a_kq, a_sm, a_kqv = array(kq), array(sm), array(kqv)
@@ -89,6 +92,15 @@ def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | N
     assert fk is not None
     call = fk.bind_attention(pk[0], pk[1], a_kq, mask, pk[2], scale, slopes, a_sm, pv[0], pv[2], a_kqv, cont)
     return call, n
+
+
+def _same_or_apart(dst: np.ndarray, src: np.ndarray) -> bool:
+    """dst is src exactly or shares no memory with it. A fused norm writes its MUL's result row by row
+    after reading the row's source; the allocator placed that result when the source may have been
+    dead already (the skipped norm read it), so anywhere over it: a shifted overlap would overwrite
+    rows not read yet."""
+    return (dst.ctypes.data, dst.shape, dst.strides) == (src.ctypes.data, src.shape, src.strides) or \
+        not np.may_share_memory(dst, src)
 
 
 def _overlap(writes: list[np.ndarray], others: list[np.ndarray]) -> bool:

@@ -586,6 +586,7 @@ def attention_product(t: Tensor, srcs: list, b: Binding) -> tuple[np.ndarray, np
     attention skips them too; exact for finite K and V), where fkernels.mul_mat takes its arrays as
     they are; None otherwise. KQ must feed only that SOFT_MAX and not be a graph output."""
     a_t, b_t = t.src[0], t.src[1]
+    assert a_t is not None and b_t is not None
     opts = b.opts
     if (a_t.type != GGMLType.F16 or b_t.type != GGMLType.F32 or t.type != GGMLType.F32 or b.array is None
             or b.fk is None or opts.exact or opts.order != "ggml"):
@@ -611,9 +612,9 @@ def _bind_attention(t, dst, srcs, b: Binding) -> Bound | None:
     if p is None:
         return None
     w, x, tiny, skip = p
-    mask = b.array(b.consumers[t][0].src[1]) if skip == 1 else None     # KQ: the soft_max's mask
-    fk = b.fk
-    assert fk is not None and b.array is not None
+    fk, array = b.fk, b.array
+    assert fk is not None and array is not None
+    mask = array(b.consumers[t][0].src[1]) if skip == 1 else None      # KQ: the soft_max's mask
     return fk.bind_mul_mat(w, x, dst, tiny, True, mask, skip)
 
 
@@ -641,12 +642,20 @@ def _bind_rms_norm(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound 
 
 def _bind_glu(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
     split = len(t.src) > 1 and t.src[1] is not None
-    fk = b.fk
-    if (fk is None or GLUOp(t.op_param(0)) != GLUOp.SWIGLU or not _all_f32(t, 2 if split else 1)
-            or dst.shape[-1] % 8):
+    fk, op = b.fk, GLUOp(t.op_param(0))
+    if fk is None or op not in (GLUOp.SWIGLU, GLUOp.GEGLU) or not _all_f32(t, 2 if split else 1):
         return None
     g, u = _glu_halves(srcs[0], srcs[1] if split else None, bool(t.op_param(1)))
-    return fk.bind_swiglu(g, u, dst)
+    if op == GLUOp.GEGLU:
+        return fk.bind_geglu(g, u, nm.gelu_table(), dst)
+    return None if dst.shape[-1] % 8 else fk.bind_swiglu(g, u, dst)
+
+
+def _bind_scale(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
+    """SCALE without a bias on F32: f32(x * s), numpy's multiply by an f32 scalar into dst."""
+    if not _all_f32(t, 1) or F32(t.op_param(1, 0.0)) != 0:
+        return None
+    return partial(np.multiply, srcs[0], F32(t.op_param(0, 1.0)), dst)
 
 
 def _bind_soft_max(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
@@ -706,6 +715,7 @@ _BINDERS: dict[Op, Callable[[Tensor, np.ndarray, list, Binding], Bound | None]] 
     Op.ADD: _bind_ufunc(np.add), Op.MUL: _bind_ufunc(np.multiply), Op.RMS_NORM: _bind_rms_norm,
     Op.GLU: _bind_glu, Op.SOFT_MAX: _bind_soft_max, Op.SET_ROWS: _bind_set_rows, Op.ROPE: _bind_rope,
     Op.CPY: _bind_cpy, Op.CONT: _bind_cpy, Op.DUP: _bind_cpy, Op.GET_ROWS: _bind_get_rows,
+    Op.SCALE: _bind_scale,
 }
 
 

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from threading import get_ident
 from collections.abc import Callable
+from threading import get_ident
 from typing import Protocol, TypeVar
 
 import numpy as np

@@ -498,6 +498,13 @@ def _one_op(ctx, rng, name):
         pos = ctx.new_tensor(I32, (3,))
         out = ops.rope_ext(ctx, x, pos, None, 64, ops.ROPE_TYPE_NEOX, 4096, freq_base=10000.0)
         return out, {x: xv, pos: np.array([7, 8, 9], np.int32)}
+    if name == "geglu":
+        u = ctx.new_tensor(F32, (64, 5, 3))
+        xg = randn(rng, 3, 5, 64, scale=6.0)
+        xg[0, 0, :4] = [-10.0, 10.0, -9.999, np.nan]
+        return ops.glu(ctx, x, u, GLUOp.GEGLU), {x: xg, u: randn(rng, 3, 5, 64)}
+    if name == "scale":
+        return ops.scale(ctx, x, 0.125), {x: xv}
     if name == "get_rows":
         from ggml_dist.backends.cpu import quants
         table, idx = ctx.new_tensor(GGMLType.Q8_0, (64, 10)), ctx.new_tensor(I32, (3,))
@@ -508,7 +515,7 @@ def _one_op(ctx, rng, name):
 
 
 @pytest.mark.parametrize("name", ["add", "mul", "rms_norm", "swiglu", "soft_max", "set_rows", "rope", "cont",
-                                  "get_rows"])
+                                  "get_rows", "geglu", "scale"])
 def test_binders_take_their_path_with_the_reference_bits(ctx, rng, name):
     out, inputs = _one_op(ctx, rng, name)
     g = Graph()

@@ -241,3 +241,22 @@ def test_a_cont_over_the_dead_scores_is_fused(ctx, rng):
     assert len(BoundGraph(g, OPTS).calls) == 1
     compute_graph(g, OPTS)
     assert_same_bits(tensor_array(out).copy(), want[out])
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_norm_whose_result_overlaps_its_source_shifted_runs_call_by_call(ctx, rng, residual):
+    """The MUL's result over its norm's source one row on (the allocator may place it there once the
+    norm has read the source): a fused row loop would overwrite rows not read yet, so that fusion is
+    declined; over it exactly (in place) it fuses."""
+    x, r, w, s, norm, out = _norm_layer(ctx, 4, 32, residual)
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = {x: randn(rng, 4, 32), w: randn(rng, 32)} | ({r: randn(rng, 4, 32)} if residual else {})
+    _run(g, out, inputs)
+    from ggml_dist.backends.cpu.reference import _HOST
+    buf = _HOST.alloc_buffer(4096)
+    x.buffer, x.data = buf, 0
+    out.buffer, out.data = buf, 64                              # half a row on: a shifted overlap
+    assert len(BoundGraph(g, OPTS).calls) == 2     # (the sum alone, then its norm fused with the MUL)
+    out.data = 0
+    assert len(BoundGraph(g, OPTS).calls) == 1
