@@ -39,6 +39,15 @@ def layout(tmp_path_factory) -> fz.Layout:
     return fz.Layout.walk(p.read_bytes())
 
 
+@pytest.fixture(scope="module")
+def warm(layout: fz.Layout, tmp_path_factory) -> None:
+    """The seed file run once, so the kernels it needs are compiled (on a cold kernel cache the first
+    case took 12.5 s) before any case runs under the hypothesis deadline, which is there for hangs."""
+    p = tmp_path_factory.mktemp("fuzzwarm") / "seed.gguf"
+    p.write_bytes(layout.raw)
+    assert fz.run_case(str(p))["outcome"] == "ok"
+
+
 def _patched(layout: fz.Layout, tmp_path: Path, key: str, value: int | float) -> Path:
     f = next(f for f in layout.by_kind("scalar") if f.info["key"] == key)
     buf = bytearray(layout.raw)
@@ -77,7 +86,7 @@ def test_short_fuzz_budget(tmp_path: Path) -> None:
 
 @settings(max_examples=60, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), index=st.integers(0, 10**6))
-def test_hypothesis_cases(layout: fz.Layout, tmp_path: Path, seed: int, index: int) -> None:
+def test_hypothesis_cases(layout: fz.Layout, warm: None, tmp_path: Path, seed: int, index: int) -> None:
     """Hypothesis picks (seed, case index) pairs; each case runs in-process, no failure."""
     name, data, descs = fz.make_case(seed, index, layout)
     p = tmp_path / f"h-{seed}-{index}.gguf"
