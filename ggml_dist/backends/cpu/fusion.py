@@ -12,9 +12,8 @@ replaces.
     RMS_NORM, MUL(norm, w)                  fkernels.rms_norm(x, eps, w, fused=True)
     ADD, RMS_NORM, MUL(norm, w)             fkernels.add_rms_norm: the sum is written (the residual
                                             stream reads it again), the norm is not
-    MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one launch
-      [, CONT(PERMUTE(KQV))]                for the three (and the copy) instead of two launches and
-                                            two calls
+    MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one call
+      [, CONT(PERMUTE(KQV))]                (two parallel loops and the copy) instead of four
 """
 from __future__ import annotations
 
