@@ -80,7 +80,7 @@ def test_imports_only_go_down():
 # the CPU's kernels). Inside cpu/, the numpy reference path imports no numba; the compiled twins do.
 BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.accel")
 REFERENCE = ("base", "cpu/quants", "cpu/blocks", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
-             "cpu/numerics")
+             "cpu/numerics", "cpu/fusion")
 
 
 def _numba_imports(path: Path) -> list[int]:
