@@ -357,23 +357,26 @@ def test_short_prompts_trickle_in(serve_model, model):
     prompts = [PROMPTS[4], PROMPTS[1], long_prompt]
     ids = [tok.encode(p, add_special=True, parse_special=True) for p in prompts]
     assert len(ids[1]) <= TRICKLE < len(ids[2])
+    N0 = 32
+    n_new = (N0, N0 + 16, 8)
     texts, done, on_event = _collector(len(prompts))
     try:
-        engine.submit(Request(ids[0], 24, SamplingParams(), (), on_event(0)))
+        engine.submit(Request(ids[0], N0, SamplingParams(), (), on_event(0)))
         t0 = time.monotonic()
         while len(batches) < 3:                            # the first sequence is decoding
             assert time.monotonic() - t0 < 60
             time.sleep(0.005)
         for k in (1, 2):
-            engine.submit(Request(ids[k], 8, SamplingParams(), (), on_event(k)))
+            engine.submit(Request(ids[k], n_new[k], SamplingParams(), (), on_event(k)))
         while not all(d.is_set() for d in done):
             assert time.monotonic() - t0 < 60
             time.sleep(0.01)
     finally:
         engine.shutdown()
-    assert texts == [reference(model, p, n) for p, n in zip(prompts, (24, 8, 8))]
+    assert texts == [reference(model, p, n) for p, n in zip(prompts, n_new)]
     # the busy slots stay packed at the bottom: every step is one run of consecutive streams, and a
-    # sequence moved down when the one below it finished (the long prompt's ends first, from the top slot)
+    # sequence moved down when the one below it finished (the first one's ends before the second's,
+    # which wants more tokens than the first has left however far it got before the others joined)
     assert all([s for s, _ in b] == list(range(len(b))) for b in batches)
     assert moves and all(dst < src for src, dst in moves)
     joined = [b for b in batches if (1, 1) in b or any(s == 1 and n > 1 for s, n in b)]
