@@ -106,18 +106,25 @@ class GraphContext:
         cur = ops.rms_norm(ctx, x, self.hp.f_norm_rms_eps)
         return ops.mul(ctx, cur, self.w[weight]).set_name(name)
 
-    def build_qkv(self, ctx: Context, x: Tensor, il: int, n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    def build_qkv(self, ctx: Context, gf: Graph, x: Tensor, il: int, n_tokens: int
+                  ) -> tuple[Tensor, Tensor, Tensor]:
         """The separate Q/K/V projections (build_qkv), each with its bias where the arch has them.
-        Returns ne = (head_dim, n_head, n_tokens), (head_dim, n_head_kv, n_tokens) twice."""
+        Returns ne = (head_dim, n_head, n_tokens), (head_dim, n_head_kv, n_tokens) twice.
+        The three products go into the graph first, one after another (llama.cpp's graph has K's rope
+        and cache store between them): the allocator then places them side by side, and a CPU
+        backend computes them as one call (backends/cpu/fusion.py). The same nodes and values."""
         hp = self.hp
+        products = [ops.mul_mat(ctx, self.w[f"blk.{il}.{what}.weight"], x) for what in ("attn_q", "attn_k", "attn_v")]
+        for mm in products:
+            gf.build_forward_expand(mm)
 
-        def proj(what: str) -> Tensor:
-            cur = ops.mul_mat(ctx, self.w[f"blk.{il}.{what}.weight"], x)
-            return ops.add(ctx, cur, self.w[f"blk.{il}.{what}.bias"]) if hp.spec.qkv_bias else cur
+        def proj(what: str, mm: Tensor) -> Tensor:
+            return ops.add(ctx, mm, self.w[f"blk.{il}.{what}.bias"]) if hp.spec.qkv_bias else mm
 
-        q = ops.reshape(ctx, proj("attn_q"), hp.n_embd_head_k, hp.n_head, n_tokens)
-        k = ops.reshape(ctx, proj("attn_k"), hp.n_embd_head_k, hp.n_head_kv, n_tokens)
-        v = ops.reshape(ctx, proj("attn_v"), hp.n_embd_head_v, hp.n_head_kv, n_tokens)
+        q, k, v = (proj(what, mm) for what, mm in zip(("attn_q", "attn_k", "attn_v"), products))
+        q = ops.reshape(ctx, q, hp.n_embd_head_k, hp.n_head, n_tokens)
+        k = ops.reshape(ctx, k, hp.n_embd_head_k, hp.n_head_kv, n_tokens)
+        v = ops.reshape(ctx, v, hp.n_embd_head_v, hp.n_head_kv, n_tokens)
         return q, k, v
 
     def rope_factors(self, il: int) -> Tensor | None:

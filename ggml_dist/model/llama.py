@@ -28,7 +28,7 @@ def build_llama(g: GraphContext, key: GraphKey) -> GraphResult:
     gf = ctx.new_graph(g.max_nodes)
     for il in range(hp.n_layer):
         cur = g.build_norm(ctx, h, f"blk.{il}.attn_norm.weight", f"attn_norm-{il}")
-        q, k, v = g.build_qkv(ctx, cur, il, n)                      # ne = (head_dim, n_head(_kv), n_tokens)
+        q, k, v = g.build_qkv(ctx, gf, cur, il, n)                  # ne = (head_dim, n_head(_kv), n_tokens)
         rope_factors = g.rope_factors(il)
         q = g.build_rope(ctx, q, inp.pos, rope_factors).set_name(f"Qcur-{il}")
         k = g.build_rope(ctx, k, inp.pos, rope_factors).set_name(f"Kcur-{il}")

@@ -22,7 +22,7 @@ def build_qwen3(g: GraphContext, key: GraphKey) -> GraphResult:
     gf = ctx.new_graph(g.max_nodes)
     for il in range(hp.n_layer):
         cur = g.build_norm(ctx, h, f"blk.{il}.attn_norm.weight", f"attn_norm-{il}")
-        q, k, v = g.build_qkv(ctx, cur, il, n)                      # ne = (head_dim, n_head(_kv), n_tokens)
+        q, k, v = g.build_qkv(ctx, gf, cur, il, n)                  # ne = (head_dim, n_head(_kv), n_tokens)
         q = g.build_norm(ctx, q, f"blk.{il}.attn_q_norm.weight", f"Qcur_normed-{il}")   # per head
         q = g.build_rope(ctx, q, inp.pos, None).set_name(f"Qcur-{il}")
         k = g.build_norm(ctx, k, f"blk.{il}.attn_k_norm.weight", f"Kcur_normed-{il}")

@@ -80,3 +80,16 @@ def test_llama3_per_layer_rope_freqs(tmp_path):
     nodes = {t.name: t for t in LlamaGraphBuilder(m.hp, weights, kv).build(GraphKey(3, 3, 256)).graph.nodes}
     assert nodes["Qcur-0"].src[2] is m.weights["rope_freqs.weight"]
     assert nodes["Qcur-1"].src[2] is dup and nodes["Kcur-1"].src[2] is dup
+
+
+# a layer's Q, K and V products are consecutive nodes, Q's first (llama.cpp's order has K's rope and cache
+# store between them): the allocator places them side by side, and the CPU backend runs them as one call
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])      # synthetic archs; gemma3 shares build_qkv
+def test_qkv_products_are_consecutive(tmp_path, arch):
+    m, _ = _graph(write_synthetic(tmp_path / f"{arch}.gguf", SyntheticSpec(arch=arch)))
+    kv = KVCache(m.hp.n_embd_k_gqa, m.hp.n_embd_v_gqa, 256, range(m.hp.n_layer))
+    nodes = LlamaGraphBuilder(m.hp, m.weights, kv).build(GraphKey(3, 3, 256)).graph.nodes
+    for il in range(m.hp.n_layer):
+        ws = [m.weights[f"blk.{il}.attn_{x}.weight"] for x in "qkv"]
+        at = [k for k, t in enumerate(nodes) if t.op == Op.MUL_MAT and t.src[0] in ws]
+        assert [nodes[k].src[0] for k in at] == ws and at == list(range(at[0], at[0] + 3))

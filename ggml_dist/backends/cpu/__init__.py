@@ -13,6 +13,7 @@ The numba path (the compiled twins, same bits):
     threads.py          the kernels' thread count and launch lock (the one thread API)
     kernel_cache.py     where numba caches the kernels, stamped with every module of this package
     compile_progress.py the progress line while kernels compile
+    entry.py            a kernel's overload chosen once at bind time, called through its entry point
     fkernels.py         float ops (norms, softmax, rope, attention products, f16/f32 MUL_MAT)
     qkernels.py         MUL_MAT on quantized weights in their GGUF blocks (every type, decode per call)
     qpack.py            Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 repacked into 64-row groups, float and int8 kernels

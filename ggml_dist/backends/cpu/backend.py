@@ -184,10 +184,11 @@ class BoundGraph:
     """A graph's compute as a flat list of prebound kernel calls (bind once, replay many).
 
     Binding resolves, once, each node's kernel, the backend's options and the array views of its
-    destination and sources; runs of consecutive nodes that one kernel computes (fusion.py) become one
-    call. A replay only checks that no tensor was re-bound since (the allocator replays the same
-    addresses for a reused graph), runs the prologue (per-step values several calls share) and walks
-    the list: no graph walk, no view construction, no option lookups per op."""
+    destination and sources; nodes that one kernel computes (fusion.py: runs of consecutive nodes, and
+    products of one activation) become one call. A replay only checks that no tensor was re-bound since
+    (the allocator replays the same addresses for a reused graph), runs the prologue (per-step values
+    several calls share) and walks the list: no graph walk, no view construction, no option lookups
+    per op."""
 
     def __init__(self, graph: Graph, opts: ComputeOptions) -> None:
         self.graph, self.opts = graph, opts
@@ -205,15 +206,17 @@ class BoundGraph:
             tensors.update((x, None) for x in t.src if x is not None)
         b = Binding(opts, consumers, graph.use_counts, tensor_array)
         self.calls: list[Callable[[], None]] = []      # what run() replays (ops.bind, fusion.fuse)
-        i = 0
-        while i < len(nodes):
-            fused = fuse(nodes, i, b)
+        taken: set[int] = set()                         # nodes past i that a fused call already runs
+        for i, t in enumerate(nodes):
+            if i in taken:
+                continue
+            fused = fuse(nodes, i, b, taken)
             if fused is None:
-                t = nodes[i]
-                fused = bind(t, tensor_array(t), [tensor_array(x) if x is not None else None for x in t.src],
-                             b), 1
+                self.calls.append(bind(t, tensor_array(t), [tensor_array(x) if x is not None else None
+                                                            for x in t.src], b))
+                continue
             self.calls.append(fused[0])
-            i += fused[1]
+            taken.update(fused[1])
         self.prologue = b.prologue
         self._tensors = list(tensors)
         self._buffers, self._datas = list(map(_BUFFER, self._tensors)), list(map(_DATA, self._tensors))

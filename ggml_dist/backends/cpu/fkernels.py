@@ -41,12 +41,15 @@ from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
+from .entry import Lazy, bound
 from .numerics import _C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4, _C_SHIFT
 from .threads import get_threads, launch
 
 F32 = np.float32
 F64 = np.float64
 _U64 = np.uint64
+_I64 = np.int64      # _I64(c) passed to another kernel: an int64, where c would be a Literal and compile
+                     # an overload of the callee of its own
 _TWO112 = F64(2.0 ** 112)
 
 _P = ParamSpec("_P")
@@ -257,7 +260,7 @@ def mul_mat_threads(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SK
     mask = _NO_MASK if mask is None else mask
     if half and B3 * B2 > 1 and get_threads() > 1 and x.size * M >= _PARALLEL_WORK:
         with launch():
-            _mm_h_rows_par(w, x, dst, tiny, get_threads(), mask, skip)
+            _mm_h_rows_par(w, x, dst, tiny, mask, skip, get_threads())
         return
     mul_mat(w, x, dst, tiny, half, mask, skip)
 
@@ -266,14 +269,36 @@ _PARALLEL_WORK = 1 << 16                # multiply-adds (attention products are 
 
 
 def bind_mul_mat(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SKIP_NONE) -> Callable[[], None]:
-    """mul_mat_threads for arrays fixed from now on (a replayed step's): the kernel itself where the
-    product is too small ever to split across threads."""
+    """mul_mat_threads for arrays fixed from now on (a replayed step's), through entry points
+    (entry.py): the kernel itself where the product is too small ever to split across threads."""
     mask = _NO_MASK if mask is None else mask
-    if half and x.shape[0] * x.shape[1] > 1 and x.size * w.shape[2] >= _PARALLEL_WORK:
-        return partial(mul_mat_threads, w, x, dst, tiny, half, mask, skip)
-    if half:
-        return partial(_mm_h_rows, w, x, dst, tiny, 0, x.shape[0] * x.shape[1], mask, skip)
-    return partial(mul_mat, w, x, dst, tiny, half, mask, skip)
+    if not half:
+        return partial(mul_mat, w, x, dst, tiny, half, mask, skip)
+    n = x.shape[0] * x.shape[1]
+    return bind_split(n > 1 and x.size * w.shape[2] >= _PARALLEL_WORK, (_mm_h_rows, w, x, dst, tiny, 0, n, mask, skip),
+                      (_mm_h_rows_par, w, x, dst, tiny, mask, skip), any_layout=True)
+
+
+def bind_split(splits: bool, serial: tuple, parallel: tuple, most: int = 1 << 30,
+               any_layout: bool = False) -> Callable[[], None]:
+    """A bound op (entry.py) that may split across threads: serial = (kernel, *args) called as it is,
+    parallel = (kernel, *args) given a thread count last. Where the op is too small ever to split, the
+    serial kernel's entry itself; else split(), each entry resolved at its first call (a serial twin that
+    a run at 2 threads never calls is never compiled)."""
+    if not splits:
+        return bound(*serial, any_layout=any_layout)
+    return partial(split, Lazy(*serial, any_layout=any_layout), Lazy(*parallel, any_layout=any_layout), most)
+
+
+def split(serial: Callable[[], None], parallel: Callable[[int], None], most: int = 1 << 30) -> None:
+    """serial() at one thread, else parallel(n) under launch(), n the kernels' thread count
+    (threads.py), at most `most`."""
+    nt = min(get_threads(), most)
+    if nt == 1:
+        serial()
+        return
+    with launch():
+        parallel(nt)
 
 
 def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
@@ -309,25 +334,15 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
     has_cont = cont is not None
     cont = kqv if cont is None else cont
     args = (kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, _NO_MASK)
-    if q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK:
-        return partial(_attention_threads, args)
-    return partial(_attention_serial, *args)
-
-
-def _attention_threads(args) -> None:
-    nt = get_threads()
-    if nt == 1:
-        _attention_serial(*args)
-        return
-    with launch():
-        _attention_par(*args, nt)                                               # type: ignore[call-arg]
+    return bind_split(q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK,
+                      (_attention_serial, *args), (_attention_par, *args), any_layout=True)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _attention_serial(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, nomask):
     n = q.shape[0] * q.shape[1]
     _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, 0, n)
-    _mm_h_rows(vw, sm, kqv, tiny_kqv, 0, n, nomask, SKIP_KQV)
+    _mm_h_rows(vw, sm, kqv, tiny_kqv, _I64(0), n, nomask, _I64(SKIP_KQV))
     if has_cont:
         _copy4(kqv, cont)
 
@@ -343,7 +358,8 @@ def _attention_par(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
     for c in prange(n_chunks):
         _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks))
     for c in prange(n_chunks):
-        _mm_h_rows(vw, sm, kqv, tiny_kqv, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks), nomask, SKIP_KQV)
+        _mm_h_rows(vw, sm, kqv, tiny_kqv, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks), nomask,
+                   _I64(SKIP_KQV))
     if has_cont:
         _copy4(kqv, cont)
 
@@ -360,7 +376,7 @@ def _copy4(src, dst):
 @njit(cache=True, inline="always")
 def _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, u0, u1):
     """Slices u0 .. u1-1 (u = i3 * B2 + i2) of KQ, then their soft_max rows."""
-    _mm_h_rows(kw, q, kq, tiny_kq, u0, u1, mask, SKIP_KQ)
+    _mm_h_rows(kw, q, kq, tiny_kq, _I64(u0), u1, mask, _I64(SKIP_KQ))
     _soft_max_rows(kq, scale, mask, slopes, True, sm, u0 * kq.shape[2], u1 * kq.shape[2])
 
 
@@ -645,7 +661,7 @@ def _all_masked(mrow, m0, m1):
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _mm_h_rows_par(w, x, dst, tiny, n_chunks, mask, skip):
+def _mm_h_rows_par(w, x, dst, tiny, mask, skip, n_chunks):
     """_mm_h_rows with the activation slices (query heads) split across threads in n_chunks runs of
     whole KV heads, so each keeps its GQA groups and its scratch (a run per slice cost more than the
     second thread gave); by slice where there are fewer KV heads than chunks (one stream of an MQA
@@ -1114,11 +1130,10 @@ def _rows_threads(serial, par, n_rows, row_len, *args) -> None:
 
 
 def bind_rows(serial, par, n_rows: int, row_len: int, *args) -> Callable[[], None]:
-    """_rows_threads for arrays fixed from now on: the serial kernel itself where the op is too small
-    ever to split (most of a decode step's row ops)."""
-    if n_rows > 1 and n_rows * row_len >= _ROW_PARALLEL_WORK:
-        return partial(_rows_threads, serial, par, n_rows, row_len, *args)
-    return partial(serial, *args)
+    """_rows_threads for arrays fixed from now on, through entry points (entry.py): the serial kernel
+    itself where the op is too small ever to split (most of a decode step's row ops)."""
+    return bind_split(n_rows > 1 and n_rows * row_len >= _ROW_PARALLEL_WORK, (serial, *args), (par, *args),
+                      n_rows)
 
 
 def _n_rows(a) -> int:
@@ -1143,9 +1158,8 @@ def bind_rope(x, cos, sin, n_dims, neox, dst) -> Callable[[], None]:
 
 def bind_set_rows(b, c, dst) -> Callable[[], None]:
     """set_rows, bound: one part on the calling thread below _SET_ROWS_PARALLEL rows."""
-    if _n_rows(b) >= _SET_ROWS_PARALLEL:
-        return partial(set_rows, b, c, dst)
-    return partial(_set_rows_part, b, c, dst, 0, 1)
+    return bind_split(_n_rows(b) >= _SET_ROWS_PARALLEL, (_set_rows_part, b, c, dst, 0, 1),
+                      (_set_rows_par, b, c, dst), any_layout=True)
 
 
 def _encode(v, like):

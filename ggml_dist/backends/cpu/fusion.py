@@ -1,37 +1,107 @@
-"""Consecutive nodes that a bound replay (cpu.BoundGraph) runs as one kernel call.
+"""Nodes that a bound replay (cpu.BoundGraph) runs as one kernel call.
 
 A decode step of a small model is ~650 kernel calls of a few microseconds each, and a call's fixed cost
-(Python, numba's argument unboxing) is a good part of that. ggml's CPU path fuses too: rms_norm takes
-the MUL by the norm weight into its row loop. The rule is ggml_can_fuse's: the nodes are consecutive in
-the compute order (so no other node's memory, which the allocator may have placed where a skipped
-result would go, is live in between), and each result that is not written is read by the next node only
-(its use count in the whole graph is 1: a split's graph is a view, and a node of a later split may read
-the result through a copy) and is not a graph output. Every fused call gives the bits of the kernels it
-replaces.
+(Python, numba's argument unboxing, a parallel launch) is a good part of that. ggml's CPU path fuses
+too: rms_norm takes the MUL by the norm weight into its row loop. For consecutive nodes the rule is
+ggml_can_fuse's: the nodes are consecutive in the compute order (so no other node's memory, which the
+allocator may have placed where a skipped result would go, is live in between), and each result that
+is not written is read by the next node only (its use count in the whole graph is 1: a split's graph is
+a view, and a node of a later split may read the result through a copy) and is not a graph output.
+Every fused call gives the bits of the kernels it replaces.
 
     RMS_NORM, MUL(norm, w)                  fkernels.rms_norm(x, eps, w, fused=True)
     ADD, RMS_NORM, MUL(norm, w)             fkernels.add_rms_norm: the sum is written (the residual
                                             stream reads it again), the norm is not
     MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one call
       [, CONT(PERMUTE(KQV))]                (two parallel loops and the copy) instead of four
+
+Products of packed weights by the same activation need not be consecutive (a layer's K, V and Q
+products have their ROPE and SET_ROWS between them): the later ones move up to the first, which is
+safe where no node passed over reads or writes memory a moved product writes, or writes its
+activation (the allocator may have put a moved product's result over a tensor that dies in between).
+
+    MUL_MAT(W1, x) ... MUL_MAT(W2, x) [... MUL_MAT(W3, x)]
+                                            ops.bind_packed_products: x quantized once, the weights'
+                                            groups shared among the threads in one launch
 """
 from __future__ import annotations
-
-from functools import partial
 
 import numpy as np
 
 from ...core.tensor import Op, Tensor, TensorFlag
 from ...core.types import GGMLType
+from . import ops
 from .ops import Binding, Bound, _alibi_slopes_cached, attention_product
 
 
-def fuse(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
-    """The call that runs nodes[i], nodes[i+1], ... at once, and how many nodes it runs; None where no
-    fusion applies (each node is bound on its own)."""
+def fuse(nodes: list[Tensor], i: int, b: Binding, taken: set[int]) -> tuple[Bound, list[int]] | None:
+    """The call that runs nodes[i] and others with it, and the indices of the nodes it runs (nodes[i]'s
+    first); None where no fusion applies (each node is bound on its own). taken: the indices past i
+    that an earlier call already runs."""
     fk, array = b.fk, b.array
     if fk is None or array is None or b.opts.exact:
         return None
+    if nodes[i].op == Op.MUL_MAT:
+        products = _shared_activation(nodes, i, b, taken)
+        if products is not None:
+            return products
+    run = _consecutive(nodes, i, b)
+    if run is None:
+        return None
+    call, n = run
+    assert not taken.intersection(range(i, i + n)), "a consecutive fusion over a node that moved up"
+    return call, list(range(i, i + n))
+
+
+_LOOKAHEAD = 16         # nodes past a product searched for others of its activation
+
+
+def _shared_activation(nodes: list[Tensor], i: int, b: Binding, taken: set[int]
+                       ) -> tuple[Bound, list[int]] | None:
+    """nodes[i], a packed product, with the later products of its activation that share its call
+    (ops.bind_packed_products) and may move up to it (see the module docstring); None where there is
+    no other."""
+    array = b.array
+    assert array is not None
+    t = nodes[i]
+    x = t.src[1]
+    first = ops.packed_product(t, array(t), _srcs(t, array), b.opts)
+    if first is None or first[2].shape[0] == 0:
+        return None
+    picked, most = [i], first[0].MULTI           # the packing module's (qpack, kpack) most per call
+    read_or_written: list[np.ndarray] = []          # by the nodes passed over
+    written: list[np.ndarray] = []
+    for j in range(i + 1, min(len(nodes), i + _LOOKAHEAD)):
+        if len(picked) == most:
+            break
+        if j in taken:
+            continue
+        u = nodes[j]
+        dst, srcs = array(u), _srcs(u, array)
+        if u.op == Op.MUL_MAT and u.src[1] is x:
+            p = ops.packed_product(u, dst, srcs, b.opts)
+            if (p is not None and p[0] is first[0] and first[1].shares_call(p[1])
+                    and not _overlap([dst], read_or_written) and not _overlap(written, [first[2]])):
+                picked.append(j)
+                continue
+        read_or_written += [dst, *(a for a in srcs if a is not None)]
+        written.append(dst)
+    if len(picked) == 1:
+        return None
+    call = ops.bind_packed_products([nodes[k] for k in picked], [array(nodes[k]) for k in picked],
+                                    [_srcs(nodes[k], array) for k in picked], b.opts)
+    return None if call is None else (call, picked)
+
+
+def _srcs(t: Tensor, array) -> list:
+    return [array(x) if x is not None else None for x in t.src]
+
+
+def _consecutive(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+    """The call that runs nodes[i], nodes[i+1], ... at once (the table above), and how many nodes it
+    runs; None where none applies."""
+    fk, array = b.fk, b.array
+    assert fk is not None and array is not None
     t = nodes[i]
     if t.op == Op.RMS_NORM:
         w = _norm_weight(nodes, i, b)
@@ -39,7 +109,7 @@ def fuse(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
         if w is not None and x is not None:
             a_x, dst = array(x), array(nodes[i + 1])
             if _same_or_apart(dst, a_x):
-                return partial(fk.rms_norm, a_x, np.float32(t.op_param(0)), array(w), True, dst), 2
+                return fk.bound(fk.rms_norm, a_x, np.float32(t.op_param(0)), array(w), True, dst), 2
     if t.op == Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op == Op.RMS_NORM:
         norm = nodes[i + 1]
         w = _norm_weight(nodes, i + 1, b)
@@ -48,8 +118,8 @@ def fuse(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
                 and all(x.type == GGMLType.F32 for x in (t, a, c)) and a.ne == c.ne == t.ne):
             a_a, a_c, dst = array(a), array(c), array(nodes[i + 2])
             if _same_or_apart(dst, a_a) and _same_or_apart(dst, a_c):
-                return partial(fk.add_rms_norm, a_a, a_c, array(t), np.float32(norm.op_param(0)), array(w),
-                               dst), 3
+                return fk.bound(fk.add_rms_norm, a_a, a_c, array(t), np.float32(norm.op_param(0)), array(w),
+                                dst), 3
     if t.op == Op.MUL_MAT:
         return _attention(nodes, i, b)
     return None

@@ -46,7 +46,7 @@ from . import kernel_cache  # noqa: F401  (the cache locator, registered before 
 from . import quants as Q
 from .blocks import BLOCKS, KPACK_TYPES
 from .kquant_ir import LAYOUT, group_intrinsic
-from .qpack import Kernels, bound_int8_call, default_kernels, packed_as, thread_scratch
+from .qpack import MULTI, Kernels, bound_int8_call, default_kernels, packed_as, slots, thread_scratch
 from .threads import get_threads, launch
 
 T = GGMLType
@@ -165,21 +165,41 @@ class PackedKWeight:
         self._check(x)
         if x.dtype != F32 or not x.flags.c_contiguous:
             raise ValueError(f"packed {self.type.name} weight: x must be f32 [N, {self.K}] C-contiguous")
-        N = x.shape[0]
-        if N == 0:
+        if x.shape[0] == 0:
             return lambda: True
-        mode, ng = self._mode(N, vec_n)
-        return bound_int8_call(self._entries, _work, N, self.K, (x,), (mode, ng, self.qs, out),
-                               N * self.M * self.K >= _PARALLEL_WORK, fallback)
+        return bind_products([self], x, [out], vec_n, fallback)
+
+    def shares_call(self, other: PackedKWeight) -> bool:
+        """Whether one call can multiply this weight and other by the same activation (bind_products):
+        the same type, kernels, numerics and row length."""
+        return other._entries is self._entries and other.repacked == self.repacked and other.K == self.K
 
     def _run(self, x: np.ndarray, out: np.ndarray, mode: int, ng: int, big: bool) -> bool:
         serial, parallel = self._entries
         Yb, Y4, dy, sp, bp = _work(x.shape[0], self.K)
-        args = (x, Yb, Y4, dy, sp, bp, mode, ng, self.qs, out)
+        args = (x, Yb, Y4, dy, sp, bp, mode, ng, slots([self.qs]), slots([out]), 1)
         if not big or get_threads() == 1:
             return bool(serial(*args))
         with launch() as nt:
             return bool(parallel(*args, nt))
+
+
+def bind_products(pws: list[PackedKWeight], x: np.ndarray, outs: list[np.ndarray], vec_n: int | None = None,
+                  fallback: Callable[[], object] | None = None) -> Callable[[], bool]:
+    """qpack.bind_products for K-quant weights (PackedKWeight.shares_call): their products by the same
+    activation x f32 [N >= 1, K] C-contiguous, into outs, as one bound call. vec_n as mul_mat's."""
+    if not 1 <= len(pws) <= MULTI or not all(pws[0].shares_call(p) for p in pws) or len(outs) != len(pws):
+        raise ValueError(f"bind_products: 1..{MULTI} weights of one type and layout, one output each")
+    N = x.shape[0]
+    if x.ndim != 2 or N == 0 or x.shape[1] != pws[0].K or x.dtype != F32 or not x.flags.c_contiguous:
+        raise ValueError(f"packed products: x must be f32 [N >= 1, {pws[0].K}] C-contiguous, got {x.shape}")
+    for p, o in zip(pws, outs):
+        if o.shape != (N, p.M) or o.dtype != F32 or not o.flags.c_contiguous:
+            raise ValueError(f"packed product: out must be f32 [{N}, {p.M}] C-contiguous, got {o.shape}")
+    mode, ng = pws[0]._mode(N, vec_n)
+    return bound_int8_call(pws[0]._entries, _work, N, pws[0].K, (x,),
+                           (mode, ng, slots([p.qs for p in pws]), slots(outs), len(pws)),
+                           N * sum(p.M for p in pws) * pws[0].K >= _PARALLEL_WORK, fallback)
 
 
 def _vnni_ok() -> bool:
@@ -264,17 +284,26 @@ def _prep(x, Yb, dy, sp, bp):
 # ------------------------------------------------------------------------------------------------
 # kernels: work units are (group, token slice) pairs, as qpack's int8 kernels split them
 @njit(cache=True, inline="always")
-def _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads, worker):
-    """_prep, then the product split across n_threads (worker: the type's _units); False (the caller's
-    fallback) on a non-finite x."""
+def _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, worker):
+    """_prep, then the products of the n_w weights that share the activation x (qs, out: tuples of
+    qpack.MULTI slots, the first n_w used) split across n_threads (worker: the type's _units), the
+    weights' units in turn; False (the caller's fallback) on a non-finite x."""
     if not _prep(x, Yb, dy, sp, bp):
         return False
-    G, N = qs.shape[0], x.shape[0]
+    G, N = 0, x.shape[0]
+    for w in range(n_w):
+        G += qs[w].shape[0]
     ts = 1 if G % n_threads == 0 else max(1, min((N + 1) // 2, n_threads))
     n_units = G * ts
     n_chunks = min(n_units, 4 * n_threads) if n_threads > 1 else 1
     for c in prange(n_chunks):
-        worker(mode, ng, qs, Y4, dy, sp, bp, out, c * n_units // n_chunks, (c + 1) * n_units // n_chunks, ts)
+        u0, u1 = c * n_units // n_chunks, (c + 1) * n_units // n_chunks
+        base = 0
+        for w in range(n_w):
+            n = qs[w].shape[0] * ts
+            if u0 < base + n and base < u1:
+                worker(mode, ng, qs[w], Y4, dy, sp, bp, out[w], max(u0, base) - base, min(u1, base + n) - base, ts)
+            base += n
     return True
 
 
@@ -374,63 +403,63 @@ def _w_q6k_a(mode, ng, qs, Y4, dy, sp, bp, out, u0, u1, ts):
 
 
 @njit(cache=True, nogil=True)
-def _q4k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, 1, _w_q4k_v)
+def _q4k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q4k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q4k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads, _w_q4k_v)
+def _q4k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q4k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q4k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, 1, _w_q4k_a)
+def _q4k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q4k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q4k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads, _w_q4k_a)
+def _q4k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q4k_a)
 
 
 @njit(cache=True, nogil=True)
-def _q5k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, 1, _w_q5k_v)
+def _q5k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q5k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q5k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads, _w_q5k_v)
+def _q5k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q5k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q5k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, 1, _w_q5k_a)
+def _q5k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q5k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q5k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads, _w_q5k_a)
+def _q5k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q5k_a)
 
 
 @njit(cache=True, nogil=True)
-def _q6k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, 1, _w_q6k_v)
+def _q6k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q6k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q6k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads, _w_q6k_v)
+def _q6k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q6k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q6k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, 1, _w_q6k_a)
+def _q6k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q6k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q6k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_threads, _w_q6k_a)
+def _q6k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
+    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q6k_a)
 
 
 _ENTRIES = {

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -306,35 +307,59 @@ def _packed_product(mod: ModuleType, t, dst, srcs, opts: ComputeOptions) -> bool
 _PACKABLE = QPACK_TYPES                 # qpack.PACKABLE (blocks.py: no numba import)
 
 
-def _bind_mul_mat_packed(t, dst, srcs, opts: ComputeOptions) -> Bound | None:
-    """_mul_mat_packed with its static checks, views and packed weight resolved once: the replayed call
-    is the packed product itself. None where the packed path cannot apply."""
-    a_t, b_t = t.src[0], t.src[1]
-    if a_t.type in _KPACKABLE:
-        return _bind_mul_mat_kpacked(t, dst, srcs, opts)
-    if (a_t.type not in _PACKABLE or a_t.view_src is not None or a_t.ne[2] != 1 or a_t.ne[3] != 1
-            or b_t.type != GGMLType.F32 or a_t.buffer.usage != BufferUsage.WEIGHTS
-            or not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous)):
-        return None
-    return _bind_packed_product(t, dst, srcs, _qpack(opts), opts)
-
-
 def _qpack(opts: ComputeOptions) -> ModuleType | None:
     """qpack, where opts take the compiled ggml-order path."""
     return None if opts.exact or opts.order != "ggml" else _compiled("qpack", opts)
 
 
-def _bind_packed_product(t, dst, srcs, mod: ModuleType | None, opts: ComputeOptions) -> Bound | None:
-    """The bound packed product of weight t.src[0], packed by mod.packed (once: the packed form stays in
-    t.extra) with opts' kernels: its bind() call, which takes the generic path where the product is
-    given back (a non-finite activation). None where mod is (no packed path)."""
+def _bind_mul_mat_packed(t, dst, srcs, opts: ComputeOptions) -> Bound | None:
+    """_mul_mat_packed with its static checks, views and packed weight resolved once: the replayed call
+    is the packed product itself. None where the packed path cannot apply."""
+    return bind_packed_products([t], [dst], [srcs], opts)
+
+
+def packed_product(t, dst, srcs, opts: ComputeOptions) -> tuple[ModuleType, Any, np.ndarray, np.ndarray] | None:
+    """(module, packed weight, x [N, K], out [N, M]) where MUL_MAT node t runs as a packed product of
+    qpack (Q4_0/Q4_1/Q5_x/Q8_0) or kpack (K-quants): a 2-D model weight, f32 activations, contiguous
+    arrays, opts taking the compiled ggml-order path. The weight is packed once (it stays in t.extra)
+    with opts' kernels. None where the packed path cannot apply."""
+    a_t, b_t = t.src[0], t.src[1]
+    if not (srcs[1].flags.c_contiguous and dst.flags.c_contiguous):
+        return None
+    if a_t.type in _KPACKABLE:
+        mod = _kpack(opts) if _kpack_applies(a_t, b_t) else None
+    elif (a_t.type in _PACKABLE and a_t.view_src is None and a_t.ne[2] == 1 and a_t.ne[3] == 1
+            and b_t.type == GGMLType.F32 and a_t.buffer.usage == BufferUsage.WEIGHTS):
+        mod = _qpack(opts)
+    else:
+        mod = None
     if mod is None:
         return None
-    a_t = t.src[0]
-    w, xm = srcs[0][0, 0], srcs[1].reshape(-1, srcs[1].shape[-1])
+    xm = srcs[1].reshape(-1, srcs[1].shape[-1])
     out = dst.reshape(xm.shape[0], dst.shape[-1])          # N may be 0: a ubatch without outputs
-    pw = mod.packed(a_t.type, w, a_t, opts.kernels)
-    return pw.bind(xm, out, fallback=partial(_mul_mat, t, dst, srcs, opts))
+    return mod, mod.packed(a_t.type, srcs[0][0, 0], a_t, opts.kernels), xm, out
+
+
+def bind_packed_products(ts: list, dsts: list, srcss: list, opts: ComputeOptions) -> Bound | None:
+    """The packed products of MUL_MAT nodes ts (packed_product) as one bound call: one node's pw.bind(),
+    or the module's bind_products for nodes with the same activation whose weights share a call
+    (fusion.py). Where the call gives the products back (a non-finite activation) every node takes the
+    generic path. None where the packed path cannot apply to them all."""
+    parts = []
+    for t, d, s in zip(ts, dsts, srcss):
+        p = packed_product(t, d, s, opts)
+        if p is None:
+            return None
+        parts.append(p)
+    fallbacks = [partial(_mul_mat, t, d, s, opts) for t, d, s in zip(ts, dsts, srcss)]
+    mod, pw, xm, out = parts[0]
+    if len(ts) == 1:
+        return pw.bind(xm, out, fallback=fallbacks[0])
+
+    def fallback() -> None:
+        for f in fallbacks:
+            f()
+    return mod.bind_products([p[1] for p in parts], xm, [p[3] for p in parts], fallback=fallback)
 
 
 # K-quant model weights: kpack.py (Q4_K, Q5_K, Q6_K packed once, int8 kernels; the same bits as qkernels)
@@ -363,14 +388,6 @@ def _mul_mat_kpacked(t, dst, srcs, opts) -> bool:
     a_t, b_t = t.src[0], t.src[1]
     kp = _kpack(opts) if _kpack_applies(a_t, b_t) else None
     return kp is not None and _packed_product(kp, t, dst, srcs, opts)
-
-
-def _bind_mul_mat_kpacked(t, dst, srcs, opts: ComputeOptions) -> Bound | None:
-    """_bind_mul_mat_packed for a K-quant weight."""
-    a_t, b_t = t.src[0], t.src[1]
-    if not (_kpack_applies(a_t, b_t) and srcs[1].flags.c_contiguous and dst.flags.c_contiguous):
-        return None
-    return _bind_packed_product(t, dst, srcs, _kpack(opts), opts)
 
 
 def _mul_mat_float(t, dst, srcs, opts, mask=None, skip: int = 0) -> bool:
@@ -637,7 +654,7 @@ def _bind_rms_norm(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound 
     fk = b.fk
     if fk is None or not _all_f32(t, 1):
         return None
-    return partial(fk.rms_norm, srcs[0], F32(t.op_param(0)), _ONE4, False, dst)
+    return fk.bound(fk.rms_norm, srcs[0], F32(t.op_param(0)), _ONE4, False, dst)
 
 
 def _bind_glu(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:

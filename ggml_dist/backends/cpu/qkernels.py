@@ -355,7 +355,7 @@ def _mm_f16(w, y, lut, out, mode):
 @njit(cache=True, fastmath=False)
 def _mm_f16_serial(w, y, lut, out, mode):
     """_mm_f16 on the calling thread (no parallel launch: small matrices)."""
-    _mm_f16_rows(w, y, lut, out, mode, 0, (w.shape[0] + _R - 1) // _R)
+    _mm_f16_rows(w, y, lut, out, mode, np.int64(0), (w.shape[0] + _R - 1) // _R)
 
 
 @njit(cache=True, fastmath=False)
@@ -591,7 +591,7 @@ def _mm_g(kind, w, yr, dy, sy, bsums, lut, sp, out, n_chunks):
 @njit(cache=True, fastmath=False)
 def _mm_g_serial(kind, w, yr, dy, sy, bsums, lut, sp, out):
     """_mm_g on the calling thread (no parallel launch: small matrices)."""
-    _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, 0, (w.shape[0] + _R - 1) // _R)
+    _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, np.int64(0), (w.shape[0] + _R - 1) // _R)
 
 
 @njit(cache=True, fastmath=False)

@@ -56,6 +56,7 @@ from numba import njit, prange
 from ...core.types import GGMLType, row_size
 from . import avx2, vnni
 from .blocks import BLOCKS, QPACK_TYPES
+from .entry import entry
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch
 
@@ -114,7 +115,8 @@ class PackedWeight:
         self.q8_1 = wtype in (T.Q4_1, T.Q5_1)            # activations as Q8_1, plus the sum of m*s
         self.raw: np.ndarray | None = None
         int8 = kernels is not Kernels.FLOAT
-        self._int8 = _INT8_ENTRIES[kernels] if int8 else None       # (serial, parallel) entry points
+        self._int8: tuple[Callable[..., bool], Callable[..., bool]] | None = \
+            _INT8_ENTRIES[kernels] if int8 else None                # (serial, parallel) entry points
         if wtype in _Q5 and not int8:
             self.raw = w
             self.qs = self.d = self.m = np.zeros((G, 1), np.uint16)
@@ -141,8 +143,13 @@ class PackedWeight:
                     fallback()
                 return ok
             return plain
-        return bound_int8_call(self._int8, _work, N, K, (x, self.q8_1), (self.kind, self.qs, self.d, self.m, out),
-                               N * self.M * K >= _PARALLEL_WORK, fallback)
+        return bind_products([self], x, [out], fallback)
+
+    def shares_call(self, other: PackedWeight) -> bool:
+        """Whether one int8 call can multiply this weight and other by the same activation
+        (bind_products): the same kernels, kind and row length."""
+        return (self._int8 is not None and other._int8 is self._int8 and other.kind == self.kind
+                and other.K == self.K)
 
     def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         """x f32 [N, K] -> f32 [N, M] (into `out` if given, C-contiguous), or None when x has a non-finite
@@ -160,7 +167,7 @@ class PackedWeight:
         parallel = get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
         if self._int8 is not None:      # quantize and multiply in one call
             serial_mm, parallel_mm = self._int8
-            int8_args = (x, self.q8_1, Y, Yb, Y4, Yz, dy, sy, ys, self.kind, self.qs, self.d, self.m, out)
+            int8_args = (x, self.q8_1, Y, Yb, Y4, Yz, dy, sy, ys, *_products_tail([self], [out]))
             if not parallel:
                 return out if serial_mm(*int8_args) else None
             with launch():
@@ -240,6 +247,41 @@ def _fifth_bit_plane(qh: np.ndarray) -> np.ndarray:
     return plane.reshape(G, nb, 4 * R)
 
 
+MULTI = 3       # most weights one int8 call multiplies by the same activation (a layer's Q, K and V)
+
+
+def slots(items: list) -> tuple:
+    """items padded to MULTI slots with its first (the kernels read the first n_w only)."""
+    return (*items, *(items[0],) * (MULTI - len(items)))
+
+
+def _products_tail(pws: list[PackedWeight], outs: list[np.ndarray]) -> tuple:
+    """The int8 entries' arguments after the activation scratch: kind, the weights' planes and outputs
+    in MULTI slots, and how many there are."""
+    return (pws[0].kind, slots([p.qs for p in pws]), slots([p.d for p in pws]), slots([p.m for p in pws]),
+            slots(outs), len(pws))
+
+
+def bind_products(pws: list[PackedWeight], x: np.ndarray, outs: list[np.ndarray],
+                  fallback: Callable[[], object] | None = None) -> Callable[[], bool]:
+    """The products of up to MULTI weights that share one int8 call (PackedWeight.shares_call) by the
+    same activation x f32 [N >= 1, K] C-contiguous, into outs (f32 [N, M_i] C-contiguous), as one bound
+    call (bound_int8_call): x quantized once, and the weights' groups shared among the threads in one
+    launch (a layer's Q, K and V, its FFN gate and up: fusion.py), each product's bits as its own
+    call's. False where the products are given back (a non-finite x), after fallback() if given."""
+    if not 1 <= len(pws) <= MULTI or not all(pws[0].shares_call(p) for p in pws) or len(outs) != len(pws):
+        raise ValueError(f"bind_products: 1..{MULTI} weights of one int8 layout and kind, one output each")
+    N, K = x.shape
+    if N == 0 or K != pws[0].K or x.dtype != F32 or not x.flags.c_contiguous:
+        raise ValueError(f"packed products: x must be f32 [N >= 1, {pws[0].K}] C-contiguous, got {x.shape}")
+    for p, o in zip(pws, outs):
+        if o.shape != (N, p.M) or o.dtype != F32 or not o.flags.c_contiguous:
+            raise ValueError(f"packed product: out must be f32 [{N}, {p.M}] C-contiguous, got {o.shape}")
+    assert pws[0]._int8 is not None
+    return bound_int8_call(pws[0]._int8, _work, N, K, (x, pws[0].q8_1), _products_tail(pws, outs),
+                           N * sum(p.M for p in pws) * K >= _PARALLEL_WORK, fallback)
+
+
 def bound_int8_call(entries: tuple[Callable, Callable], work: Callable[[int, int], tuple], N: int, K: int,
                     head: tuple, tail: tuple, big: bool, fallback: Callable[[], object] | None
                     ) -> Callable[[], bool]:
@@ -247,18 +289,24 @@ def bound_int8_call(entries: tuple[Callable, Callable], work: Callable[[int, int
     with (*head, *work(N, K), *tail), the scratch being the calling thread's (looked up again only
     when another thread calls); the parallel entry, given the thread count, where the product is big
     and the kernels have threads; fallback() where the kernel gives the product back (False: a
-    non-finite activation). One Python frame between the replay and the kernel."""
+    non-finite activation). One Python frame between the replay and the kernel, whose entry point
+    (entry.py) is resolved at its first call."""
     serial_mm, parallel_mm = entries
-    state: list = [None, ()]                            # the thread whose scratch args holds, args
+    state: list = [None, (), None, None]        # the thread whose scratch args holds, args, the entry points
 
     def run() -> bool:
         if state[0] != get_ident():
-            state[:] = [get_ident(), (*head, *work(N, K), *tail)]
+            state[:] = [get_ident(), (*head, *work(N, K), *tail), None, None]
+        args = state[1]
         if big and get_threads() > 1:
+            if state[3] is None:
+                state[3] = entry(parallel_mm, *args, 2)
             with launch() as nt:
-                ok = parallel_mm(*state[1], nt)
+                ok = state[3](*args, nt)
         else:
-            ok = serial_mm(*state[1])
+            if state[2] is None:
+                state[2] = entry(serial_mm, *args)
+            ok = state[2](*args)
         if not ok and fallback is not None:
             fallback()
         return ok
@@ -398,7 +446,7 @@ def _mm(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
 @njit(cache=True, nogil=True)
 def _mm_serial(kind, qs, d, m, Y, dy, sy, ys, out):
     """_mm on the calling thread (a parallel launch costs more than a small product)."""
-    _rows(kind, qs, d, m, Y, dy, sy, ys, out, 0, qs.shape[0])
+    _rows(kind, qs, d, m, Y, dy, sy, ys, out, np.int64(0), qs.shape[0])
 
 
 @njit(cache=True, nogil=True)
@@ -556,48 +604,58 @@ _LANE_BIAS_AVX2 = (8, 0, 8, 0, 16, 0)       # avx2.py keeps Q8_0 codes unbiased
 
 
 @njit(cache=True, inline="always")
-def _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads, group, bias):
-    """_prep, then the work split across n_threads; False (nothing computed) on a non-finite x.
-    Work units are (group, token slice) pairs. A product has few groups (192 rows: 3), so with one
-    slice per group the threads' shares would be unequal (2 groups against 1) whenever G is not a
-    multiple of n_threads; then the tokens are split too, in up to n_threads slices of whole pairs.
-    One chunk of consecutive units per thread: a group call prefetches the next group only within its
-    chunk, so chunks of about one group (4 per thread, as before) left every group of a decode step cold,
-    and 2 threads read a cold AVX2 weight no faster than 1."""
+def _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads, group, bias):
+    """_prep, then the products of the n_w weights that share the activation x (qs, d, m, out: tuples of
+    MULTI slots, the first n_w used; products_args) split across n_threads; False (nothing computed) on
+    a non-finite x. Work units are (group, token slice) pairs, the weights' groups in turn. A product
+    has few groups (192 rows: 3), so with one slice per group the threads' shares would be unequal
+    (2 groups against 1) whenever G is not a multiple of n_threads; then the tokens are split too, in
+    up to n_threads slices of whole pairs. One chunk of consecutive units per thread: a group call
+    prefetches the next group only within its chunk (and weight), so chunks of about one group (4 per
+    thread, as before) left every group of a decode step cold, and 2 threads read a cold AVX2 weight no
+    faster than 1."""
     if not _prep(x, q8_1, Y, Yb, dy, sy, ys, False):
         return False
     _lane_starts(Yb, Yz, bias[kind])
-    G, N = qs.shape[0], Y4.shape[0]
+    G, N = 0, Y4.shape[0]
+    for w in range(n_w):
+        G += qs[w].shape[0]
     ts = 1 if G % n_threads == 0 else max(1, min((N + 1) // 2, n_threads))
     n_units = G * ts
     n_chunks = min(n_units, n_threads)
     for c in prange(n_chunks):
         u0, u1 = c * n_units // n_chunks, (c + 1) * n_units // n_chunks
-        _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, group)
+        base = 0
+        for w in range(n_w):
+            n = qs[w].shape[0] * ts
+            if u0 < base + n and base < u1:
+                _rows_v(kind, qs[w], d[w], m[w], Y4, Yz, dy, sy, out[w], max(u0, base) - base,
+                        min(u1, base + n) - base, ts, group)
+            base += n
     return True
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_v(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads):
-    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads,
+def _prep_mm_v(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads):
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads,
                          _group_vnni, _LANE_BIAS_VNNI)
 
 
 @njit(cache=True, nogil=True)
-def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out):
-    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, 1,
+def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w):
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 1,
                          _group_vnni, _LANE_BIAS_VNNI)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_a(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads):
-    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_threads,
+def _prep_mm_a(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads):
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads,
                          _group_avx2, _LANE_BIAS_AVX2)
 
 
 @njit(cache=True, nogil=True)
-def _prep_mm_a_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out):
-    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, 1,
+def _prep_mm_a_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w):
+    return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 1,
                          _group_avx2, _LANE_BIAS_AVX2)
 
 
@@ -717,7 +775,7 @@ def _mm_t(kind, qs, d, m, Y, dy, sy, ys, out, n_chunks):
 
 @njit(cache=True, nogil=True)
 def _mm_t_serial(kind, qs, d, m, Y, dy, sy, ys, out):
-    _items_t(kind, qs, d, m, Y, dy, sy, ys, out, 0, -(-out.shape[0] // _TILE_TOKENS) * qs.shape[0])
+    _items_t(kind, qs, d, m, Y, dy, sy, ys, out, np.int64(0), -(-out.shape[0] // _TILE_TOKENS) * qs.shape[0])
 
 
 @njit(cache=True, nogil=True)

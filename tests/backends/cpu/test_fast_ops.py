@@ -423,8 +423,8 @@ def test_attention_chain_skips_masked_cells_exactly(ctx, monkeypatch, rng, n_tok
     else:
         from ggml_dist.backends.cpu import fusion
         monkeypatch.setattr(fusion, "_attention", lambda *a: None)
-        real = fk.mul_mat_threads
-        monkeypatch.setattr(fk, "mul_mat_threads", lambda *a: skips.append(a[6]) or real(*a))
+        real = fk.bind_mul_mat
+        monkeypatch.setattr(fk, "bind_mul_mat", lambda *a: skips.append(a[6]) or real(*a))
     assert_same_bits(_bound_run(g, out, inputs), want)
     assert sorted(skips) == (["chain"] if fused else [fk.SKIP_KQ, fk.SKIP_KQV])
 

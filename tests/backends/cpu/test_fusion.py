@@ -260,3 +260,102 @@ def test_a_norm_whose_result_overlaps_its_source_shifted_runs_call_by_call(ctx, 
     assert len(BoundGraph(g, OPTS).calls) == 2     # (the sum alone, then its norm fused with the MUL)
     out.data = 0
     assert len(BoundGraph(g, OPTS).calls) == 1
+
+
+# -- products of one activation ----------------------------------------------------------------------
+class _Weights:
+    """A host buffer marked as holding model weights (the packed path takes only those)."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        from ggml_dist.backends.base import BufferUsage
+        self.base, self.usage = data.reshape(-1), BufferUsage.WEIGHTS
+
+    def release_pages(self, offset: int, size: int) -> None:
+        pass
+
+
+def _products(ctx, rng, wtype, Ms, K=128, n_tok=3):
+    """Weights of wtype [K, M] for each M (their bytes placed in weight buffers) and their products by
+    one activation x [K, n_tok]; returns x, the products and the weights' values as inputs."""
+    from .test_quants import random_rows
+    x = ctx.new_tensor(F32, (K, n_tok))
+    ws, outs = [], []
+    for k, M in enumerate(Ms):
+        w = ctx.new_tensor(wtype, (K, M))
+        w.buffer, w.data = _Weights(random_rows(wtype, M, K, seed=k + 1)), 0
+        ws.append(w)
+        outs.append(ops.mul_mat(ctx, w, x))
+    return x, ws, outs
+
+
+def _run_products(g, x, ws, outs, xv, extra=None):
+    """g through the bound replay, every other tensor in its own buffer; the reference values of outs.
+    extra: other leafs' values."""
+    from ggml_dist.backends.base import tensor_array
+    from ggml_dist.backends.cpu.reference import _HOST, _all_tensors
+    from ggml_dist.core.tensor import nbytes
+    inputs = {x: xv, **(extra or {})}
+    want = ReferenceExecutor(ComputeOptions(numba=False)).compute(g, inputs)     # reads ws where they are
+    for t in _all_tensors(g):
+        if t.view_src is None and t not in ws:
+            t.buffer, t.data = _HOST.alloc_buffer(max(nbytes(t), 1)), 0
+    for t, v in inputs.items():
+        t.buffer.set_tensor(t, v)
+    compute_graph(g)
+    return [want[o] for o in outs], [tensor_array(o).copy() for o in outs]
+
+
+@pytest.mark.parametrize("wtype", [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K])
+def test_products_of_one_activation_run_as_one_call(ctx, rng, wtype):
+    """A layer's Q, K and V products (consecutive, as model.graph_context.build_qkv places them) are one
+    call with the separate products' bits, finite activations or not (then every node takes the generic
+    path)."""
+    K = 256 if wtype == GGMLType.Q4_K else 128
+    x, ws, outs = _products(ctx, rng, wtype, (64, 24, 24), K)
+    g = Graph()
+    for o in outs:
+        g.build_forward_expand(o)
+    for bad in (False, True):
+        xv = randn(rng, 3, K)
+        if bad:
+            xv[1, 3] = np.inf
+        want, got = _run_products(g, x, ws, outs, xv)
+        for a, b in zip(got, want):
+            assert_same_bits(a, b)
+    assert len(BoundGraph(g, OPTS).calls) == 1
+
+
+def test_a_later_product_moves_up_past_nodes_that_leave_its_memory_alone(ctx, rng):
+    """K's ROPE and cache store sit between a layer's products in llama.cpp's graph order: a product
+    moves up to the first past such nodes, unless one of them reads or writes where its result goes
+    (the allocator may have placed it over a tensor that dies in between)."""
+    x, ws, outs = _products(ctx, rng, GGMLType.Q4_1, (64, 32))
+    y = ctx.new_tensor(F32, (32, 2))
+    between = ops.scale(ctx, y, 3.0)
+    g = Graph()
+    for t in (outs[0], between, outs[1]):
+        g.build_forward_expand(t)
+    want, got = _run_products(g, x, ws, outs, randn(rng, 3, 128), {y: randn(rng, 2, 32)})
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)
+    assert len(BoundGraph(g, OPTS).calls) == 2                 # the products' call, then the SCALE
+    between.buffer, between.data = outs[1].buffer, outs[1].data  # the SCALE writes where K's result goes
+    assert len(BoundGraph(g, OPTS).calls) == 3
+    between.buffer, between.data = y.buffer, y.data             # ... or reads it, in place
+    y.buffer, y.data = outs[1].buffer, outs[1].data
+    assert len(BoundGraph(g, OPTS).calls) == 3
+
+
+def test_products_of_kinds_that_cannot_share_a_call_stay_apart(ctx, rng):
+    x, ws, outs = _products(ctx, rng, GGMLType.Q4_1, (64,))
+    w8 = ctx.new_tensor(GGMLType.Q8_0, (128, 32))
+    from .test_quants import random_rows
+    w8.buffer, w8.data = _Weights(random_rows(GGMLType.Q8_0, 32, 128, seed=9)), 0
+    o8 = ops.mul_mat(ctx, w8, x)
+    g = Graph()
+    g.build_forward_expand(outs[0])
+    g.build_forward_expand(o8)
+    want, got = _run_products(g, x, [*ws, w8], [*outs, o8], randn(rng, 3, 128))
+    for a, b in zip(got, want):
+        assert_same_bits(a, b)
+    assert len(BoundGraph(g, OPTS).calls) == 2

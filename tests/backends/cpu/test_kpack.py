@@ -228,3 +228,44 @@ def test_bound_product_is_mul_mat(t):
         assert call() and np.array_equal(out, pw.mul_mat(x))
         x[0, 5] = np.nan
         assert not call() and pw.mul_mat(x) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", TYPES)
+def test_products_of_one_activation_are_the_separate_products(t):
+    """kpack.bind_products: each weight's mul_mat bits, 1 and 2 threads, 1 to 3 weights (repacked Q4_K
+    and not), decode and prompt token counts; a non-finite x gives them back."""
+    K = 512
+    Ms = (136, 64, 72) if t == T.Q4_K else (136, 37, 64)        # Q4_K: all repacked (M % 8 == 0)
+    pws = [kpack.PackedKWeight(t, weights(t, M, K, seed=60 + M), kernels=KERNELS[-1]) for M in Ms]
+    before = kt.get_threads()
+    try:
+        for n_threads in sorted({1, min(2, kt.numba.config.NUMBA_NUM_THREADS)}):
+            kt.set_threads(n_threads)
+            for n_w in (1, 2, 3):
+                for N in (1, 5):
+                    x = activations(N, K, seed=70 + N)
+                    outs = [np.full((N, p.M), np.nan, F32) for p in pws[:n_w]]
+                    given_back = []
+                    call = kpack.bind_products(pws[:n_w], x, outs, fallback=lambda: given_back.append(1))
+                    assert call() and not given_back
+                    for p, o in zip(pws, outs):
+                        assert np.array_equal(o, p.mul_mat(x))
+                    x[-1, 9] = np.nan
+                    assert not call() and given_back == [1]
+    finally:
+        kt.set_threads(before)
+
+
+@needs_kernels
+def test_k_products_that_cannot_share_a_call_are_an_error():
+    K = 256
+    a = kpack.PackedKWeight(T.Q4_K, weights(T.Q4_K, 64, K, seed=1), kernels=KERNELS[-1])
+    b = kpack.PackedKWeight(T.Q6_K, weights(T.Q6_K, 64, K, seed=2), kernels=KERNELS[-1])
+    c = kpack.PackedKWeight(T.Q4_K, weights(T.Q4_K, 37, K, seed=3), kernels=KERNELS[-1])   # not repacked
+    x = activations(2, K, seed=4)
+    assert a.shares_call(a) and not a.shares_call(b) and not a.shares_call(c)
+    with pytest.raises(ValueError, match="one type and layout"):
+        kpack.bind_products([a, b], x, [np.empty((2, 64), F32)] * 2)
+    with pytest.raises(ValueError, match="x must be f32"):
+        kpack.bind_products([a], x[:, :128], [np.empty((2, 64), F32)])

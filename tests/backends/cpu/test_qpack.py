@@ -305,3 +305,53 @@ def test_q5_without_int8_kernels_keeps_the_file_rows(t, monkeypatch):
 def test_cpu_backend_packs_what_qpack_packs():
     from ggml_dist.backends.cpu import ops as cpu_ops
     assert cpu_ops._PACKABLE == qpack.PACKABLE
+
+
+INT8 = [k for k in KERNELS if k != "float"]
+
+
+@pytest.mark.skipif(not INT8, reason="no AVX2 or AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("kernels", INT8)
+@pytest.mark.parametrize("t", TYPES)
+def test_products_of_one_activation_are_the_separate_products(t, kernels):
+    """bind_products (a layer's Q, K, V in one call: x quantized once, the weights' groups shared among
+    the threads) writes each weight's mul_mat bits, at 1 and 2 threads, for 1, 2 and 3 weights of
+    different row counts; a non-finite x gives them back (False, the fallback called)."""
+    K = 256
+    Ms = (136, 64, 72) if t == T.Q4_0 else (136, 37, 64)        # Q4_0: all chains (M % 8 == 0), one kind
+    pws = [qpack.PackedWeight(t, random_rows(t, M, K, seed=40 + M), kernels=kernels) for M in Ms]
+    before = kt.get_threads()
+    try:
+        for n_threads in sorted({1, min(2, kt.numba.config.NUMBA_NUM_THREADS)}):
+            kt.set_threads(n_threads)
+            for n_w in (1, 2, 3):
+                for N in (1, 3, 8):
+                    x = activations(N, K, seed=50 + N)
+                    outs = [np.full((N, p.M), np.nan, F32) for p in pws[:n_w]]
+                    given_back = []
+                    call = qpack.bind_products(pws[:n_w], x, outs, fallback=lambda: given_back.append(1))
+                    assert call() and not given_back
+                    for p, o in zip(pws, outs):
+                        assert np.array_equal(o, p.mul_mat(x))
+                    x[-1, 7] = np.inf
+                    assert not call() and given_back == [1]
+    finally:
+        kt.set_threads(before)
+
+
+@pytest.mark.skipif(not INT8, reason="no AVX2 or AVX-512 VNNI on this CPU")
+def test_products_that_cannot_share_a_call_are_an_error():
+    K = 64
+    q4 = qpack.PackedWeight(T.Q4_1, random_rows(T.Q4_1, 64, K, seed=1), kernels=INT8[0])
+    q8 = qpack.PackedWeight(T.Q8_0, random_rows(T.Q8_0, 64, K, seed=2), kernels=INT8[0])
+    fl = qpack.PackedWeight(T.Q4_1, random_rows(T.Q4_1, 64, K, seed=3), kernels="float")
+    x = activations(2, K, seed=4)
+    assert q4.shares_call(q4) and not q4.shares_call(q8) and not q4.shares_call(fl)
+    with pytest.raises(ValueError, match="one int8 layout and kind"):
+        qpack.bind_products([q4, q8], x, [np.empty((2, 64), F32)] * 2)
+    with pytest.raises(ValueError, match="one int8 layout and kind"):
+        qpack.bind_products([q4] * (qpack.MULTI + 1), x, [np.empty((2, 64), F32)] * (qpack.MULTI + 1))
+    with pytest.raises(ValueError, match=r"out must be f32 \[2, 64\]"):
+        qpack.bind_products([q4, q4], x, [np.empty((2, 64), F32), np.empty((2, 32), F32)])
+    with pytest.raises(ValueError, match="x must be f32"):
+        qpack.bind_products([q4], x[:, :32], [np.empty((2, 64), F32)])

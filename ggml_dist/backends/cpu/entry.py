@@ -1,0 +1,70 @@
+"""A numba kernel's overload chosen once, when a graph is bound, for the arguments its replay passes.
+
+    entry(kernel, *args, any_layout=False)
+                            the compiled overload for args (from the kernel cache, else compiled now),
+                            as its entry point: a call of it types nothing and looks nothing up
+    bound(kernel, *args, any_layout=False)
+                            entry(...) with args bound: the zero-argument call a bound replay makes
+    Lazy(kernel, *args, any_layout=False)
+                            kernel(*args, *more) through the entry point of its first call's
+                            arguments (a parallel twin, given its thread count: a run at one thread
+                            never launches it, and so never compiles it)
+
+A dispatcher call types every argument and looks its overload up on every call (~0.05 us an array:
+0.6 us of an attention call's 14 arguments, against 1.3 us for the whole call of its entry point), and a
+replay calls the same kernel with the same arrays every step. Read-only arrays (mapped weights, shared
+constants) are typed writable (no kernel writes its sources), so they share the overload of writable ones.
+
+any_layout=True also types 4-d arrays as 'A' (any strides) whatever their strides. numba compiles an
+overload per layout of each array argument, and a tensor view is 'C' (contiguous) or 'A' by its shape
+(a one-token Q, a KV view over the whole cache): the attention chain compiled up to 9 times for the
+shapes of the test suite (~30 s each, parallel, on a 2-core machine). For kernels that index their
+tensors row by row through strides or fkernels._rows_view's flat view (the attention products, SET_ROWS),
+the code is the same; a row op's loop over a contiguous 'C' row vectorises where an 'A' one does not
+(SWIGLU ran 3x slower), so row ops keep their layouts.
+
+An entry point takes its arguments as the types it was compiled for, unchecked beyond numba's unboxing,
+so it is only ever called with the arrays it was chosen for (or ones of the same dtype and rank).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from numba import typeof, types
+from numba.core.typing.typeof import Purpose
+
+
+def arg_type(a: Any, any_layout: bool = False) -> types.Type:
+    """numba's type of argument a, every array writable, a 4-d one of layout 'A' with any_layout."""
+    t = typeof(a, Purpose.argument)
+    if isinstance(t, types.Array):
+        return t.copy(layout="A" if any_layout and t.ndim == 4 else t.layout, readonly=False)
+    return t
+
+
+def entry(kernel: Any, *args: Any, any_layout: bool = False) -> Callable[..., Any]:
+    """The entry point of kernel's overload for args (see the module docstring)."""
+    return kernel.compile(tuple(arg_type(a, any_layout) for a in args))
+
+
+def bound(kernel: Any, *args: Any, any_layout: bool = False) -> Callable[[], Any]:
+    """kernel(*args) as a zero-argument call of its entry point."""
+    return partial(entry(kernel, *args, any_layout=any_layout), *args)
+
+
+class Lazy:
+    """kernel(*args, *more), args bound, more given per call (a parallel kernel's thread count), through
+    the entry point of the first call's arguments (loaded or compiled then)."""
+
+    __slots__ = ("any_layout", "args", "fn", "kernel")
+
+    def __init__(self, kernel: Any, *args: Any, any_layout: bool = False) -> None:
+        self.kernel, self.args, self.any_layout = kernel, args, any_layout
+        self.fn: Callable[..., Any] | None = None
+
+    def __call__(self, *more: Any) -> Any:
+        if self.fn is None:
+            self.fn = entry(self.kernel, *self.args, *more, any_layout=self.any_layout)
+        return self.fn(*self.args, *more)

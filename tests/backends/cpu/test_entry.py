@@ -1,0 +1,76 @@
+"""entry.py: a kernel's overload resolved once for the arrays a bound replay passes, with one overload per
+dtype and rank where asked (any_layout) whatever the views' strides, and read-only arrays sharing the
+writable ones' overload."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+entry = pytest.importorskip("ggml_dist.backends.cpu.entry")
+numba = pytest.importorskip("numba")
+
+
+def _kernel():
+    """A fresh (uncached) kernel: dst[...] = 2 * src[...] + k, row by row through strides."""
+    @numba.njit(nogil=True)
+    def twice(src, dst, k):
+        for i3 in range(src.shape[0]):
+            for i2 in range(src.shape[1]):
+                for i1 in range(src.shape[2]):
+                    for i0 in range(src.shape[3]):
+                        dst[i3, i2, i1, i0] = 2 * src[i3, i2, i1, i0] + k
+    return twice
+
+
+def test_bound_is_the_kernel_call():
+    k = _kernel()
+    src = np.arange(24, dtype=np.float32).reshape(1, 2, 3, 4)
+    dst = np.zeros_like(src)
+    call = entry.bound(k, src, dst, 1)
+    call()
+    np.testing.assert_array_equal(dst, 2 * src + 1)
+    src += 1                                        # the bound arrays are read when the call runs
+    call()
+    np.testing.assert_array_equal(dst, 2 * src + 1)
+
+
+def test_any_layout_compiles_one_overload_for_every_view():
+    k = _kernel()
+    base = np.arange(2 * 3 * 4 * 6, dtype=np.float32).reshape(2, 3, 4, 6)
+    views = [base, base[:, :, :, :4], base.transpose(0, 2, 1, 3), base[:1]]  # C, A, A, C
+    assert {v.flags.c_contiguous for v in views} == {True, False}
+    for v in views:
+        dst = np.zeros(v.shape, np.float32)
+        entry.bound(k, v, dst, 0, any_layout=True)()
+        np.testing.assert_array_equal(dst, 2 * v)
+    assert len(k.signatures) == 1 and k.signatures[0][0].layout == "A"
+    dst = np.zeros(base.shape, np.float32)
+    entry.bound(k, base, dst, 0)()                  # without any_layout: the view's own layout
+    assert len(k.signatures) == 2
+
+
+def test_a_read_only_array_shares_the_writable_overload():
+    k = _kernel()
+    src = np.ones((1, 1, 2, 8), np.float32)
+    ro = src.copy()
+    ro.setflags(write=False)
+    for a in (src, ro):
+        dst = np.zeros_like(src)
+        entry.bound(k, a, dst, 3)()
+        np.testing.assert_array_equal(dst, 5)
+    assert len(k.signatures) == 1
+
+
+def test_lazy_resolves_at_its_first_call():
+    @numba.njit(nogil=True)
+    def fill(dst, v, n):
+        for i in range(min(n, dst.size)):
+            dst[i] = v
+    dst = np.zeros(6, np.float32)
+    call = entry.Lazy(fill, dst, np.float32(2))
+    assert fill.signatures == []                    # nothing compiled until a call needs it
+    call(4)
+    np.testing.assert_array_equal(dst, [2, 2, 2, 2, 0, 0])
+    call(6)
+    np.testing.assert_array_equal(dst, 2)
+    assert len(fill.signatures) == 1
