@@ -105,10 +105,24 @@ def test_only_the_last_stage_result_reaches_the_driver(chain):
     assert c.get([last])[0][0] == 3
 
 
+def _until_dead(actor, timeout: float = 30.0) -> None:
+    import time
+    from ray.exceptions import RayActorError
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.calls.remote(), timeout=timeout)
+        except RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def test_a_dead_actor_is_a_lost_stage(chain):
     c, actors = chain
     assert c.get([_step(c, [1, 1, 1])])[0][0] == 3
     ray.kill(actors[1])
+    _until_dead(actors[1])                  # ray.kill returns before the actor is gone
     h = _step(c, [1, 1, 1])
     with pytest.raises(StageLostError):
         c.get([h])
