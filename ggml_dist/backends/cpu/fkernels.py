@@ -1162,6 +1162,34 @@ def bind_set_rows(b, c, dst) -> Callable[[], None]:
                       (_set_rows_par, b, c, dst), any_layout=True)
 
 
+def rope_is_serial(x) -> bool:
+    """Whether bind_rope's call never splits x's rows across threads (a decode step's)."""
+    return not (_n_rows(x) > 1 and _n_rows(x) * x.shape[3] >= _ROW_PARALLEL_WORK)
+
+
+def set_rows_is_serial(b) -> bool:
+    """Whether bind_set_rows's call never splits b's rows across threads (a decode step's)."""
+    return _n_rows(b) < _SET_ROWS_PARALLEL
+
+
+def bind_cache_rows(rope_k: tuple, store_k: tuple, store_v: tuple, rope_q: tuple | None) -> Callable[[], None]:
+    """ROPE(K), SET_ROWS(K), SET_ROWS(V) [, ROPE(Q)], a layer's new cache rows, as one call on the calling
+    thread: rope_k, rope_q the arguments of bind_rope, store_k, store_v those of bind_set_rows, each op
+    serial (rope_is_serial, set_rows_is_serial). The ops run in their order, as their own calls would."""
+    has_q = rope_q is not None
+    return bound(_cache_rows, *rope_k, *store_k, *store_v, *(rope_q if rope_q is not None else rope_k), has_q,
+                 any_layout=True)
+
+
+@njit(cache=True, nogil=True)
+def _cache_rows(x, cos, sin, n_dims, neox, dst, bk, ck, dk, bv, cv, dv, xq, cq, sq, nq, neoxq, dq, has_q):
+    _rope_rows(x, cos, sin, n_dims, neox, dst, 0, x.shape[0] * x.shape[1] * x.shape[2])
+    _set_rows_part(bk, ck, dk, 0, 1)
+    _set_rows_part(bv, cv, dv, 0, 1)
+    if has_q:
+        _rope_rows(xq, cq, sq, nq, neoxq, dq, 0, xq.shape[0] * xq.shape[1] * xq.shape[2])
+
+
 def _encode(v, like):
     """A float32 value in dst's element type (typed by overload on `like`, a dst element)."""
 

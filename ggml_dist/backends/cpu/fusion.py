@@ -14,6 +14,8 @@ Every fused call gives the bits of the kernels it replaces.
                                             stream reads it again), the norm is not
     MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one call
       [, CONT(PERMUTE(KQV))]                (two parallel loops and the copy) instead of four
+    ROPE(K), SET_ROWS(K), SET_ROWS(V)       fkernels.bind_cache_rows: a layer's new cache rows, each op
+      [, ROPE(Q)]                           as its own call (every result written), where none splits
 
 Products of packed weights by the same activation need not be consecutive (a layer's K, V and Q
 products have their ROPE and SET_ROWS between them): the later ones move up to the first, which is
@@ -32,6 +34,7 @@ from ...core.tensor import Op, Tensor, TensorFlag
 from ...core.types import GGMLType
 from . import ops
 from .ops import Binding, Bound, _alibi_slopes_cached, attention_product
+from .rope import rope_args
 
 
 def fuse(nodes: list[Tensor], i: int, b: Binding, taken: set[int]) -> tuple[Bound, list[int]] | None:
@@ -122,7 +125,32 @@ def _consecutive(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
                                 dst), 3
     if t.op == Op.MUL_MAT:
         return _attention(nodes, i, b)
+    if t.op == Op.ROPE:
+        return _cache_rows(nodes, i, b)
     return None
+
+
+def _cache_rows(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+    """ROPE, SET_ROWS, SET_ROWS [, ROPE] from nodes[i] (a layer's K rope, its K and V cache writes, then
+    the Q rope where it follows) as one call, where each would be one serial call of its own: the
+    ops run in the graph's order, so what each reads and writes is what it would alone."""
+    fk, array = b.fk, b.array
+    assert fk is not None and array is not None
+    if i + 2 >= len(nodes) or nodes[i + 1].op != Op.SET_ROWS or nodes[i + 2].op != Op.SET_ROWS:
+        return None
+
+    def rope(t: Tensor) -> tuple | None:
+        args = rope_args(t, array(t), _srcs(t, array), fk, b.prologue, b.shared)
+        return args if args is not None and fk.rope_is_serial(args[0]) else None
+
+    def store(t: Tensor) -> tuple | None:
+        args = ops.set_rows_args(t, array(t), _srcs(t, array), b)
+        return args if args is not None and fk.set_rows_is_serial(args[0]) else None
+    rope_k, store_k, store_v = rope(nodes[i]), store(nodes[i + 1]), store(nodes[i + 2])
+    if rope_k is None or store_k is None or store_v is None:
+        return None
+    rope_q = rope(nodes[i + 3]) if i + 3 < len(nodes) and nodes[i + 3].op == Op.ROPE else None
+    return fk.bind_cache_rows(rope_k, store_k, store_v, rope_q), 3 if rope_q is None else 4
 
 
 def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:

@@ -687,12 +687,18 @@ def _bind_soft_max(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound 
 
 
 def _bind_set_rows(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
+    fk, args = b.fk, set_rows_args(t, dst, srcs, b)
+    return None if fk is None or args is None else fk.bind_set_rows(*args)
+
+
+def set_rows_args(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> tuple | None:
+    """The arguments (rows, indices, dst) of the fk set_rows kernels for a node (an F16 dst as its bits),
+    or None where that path does not apply."""
     b_t = t.src[0]
     assert b_t is not None
-    fk = b.fk
-    if fk is None or b_t.type != GGMLType.F32 or t.type not in (GGMLType.F32, GGMLType.F16):
+    if b.fk is None or b_t.type != GGMLType.F32 or t.type not in (GGMLType.F32, GGMLType.F16):
         return None
-    return fk.bind_set_rows(srcs[0], srcs[1], dst.view(np.uint16) if t.type == GGMLType.F16 else dst)
+    return srcs[0], srcs[1], dst.view(np.uint16) if t.type == GGMLType.F16 else dst
 
 
 def _bind_rope(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:

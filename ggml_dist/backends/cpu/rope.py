@@ -166,10 +166,17 @@ def rope_forward(t: Tensor, dst: np.ndarray, srcs: list, fk=None) -> None:
 
 def bind_rope(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, shared: dict
               ) -> Callable[[], None] | None:
-    """rope_forward's fk path with its parameters and views resolved once; None where that path does
-    not apply. The cos/sin of the step's positions are made once per replay, by a prologue call that
-    every ROPE node with the same positions and parameters shares (shared: key -> the arrays it fills;
-    prologue: the calls a replay makes first)."""
+    """rope_forward's fk path with its parameters and views resolved once (rope_args); None where that
+    path does not apply."""
+    args = rope_args(t, dst, srcs, fk, prologue, shared)
+    return None if args is None else fk.bind_rope(*args)
+
+
+def rope_args(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, shared: dict) -> tuple | None:
+    """The arguments (x, cos, sin, n_dims, neox, dst) of the fk rope kernels for a node, or None where
+    that path does not apply. The cos/sin of the step's positions are made once per replay, by a
+    prologue call that every ROPE node with the same positions and parameters shares (shared: key ->
+    the arrays it fills; prologue: the calls a replay makes first)."""
     if srcs[0].dtype != F32 or dst.dtype != F32:
         return None
     params = _rope_params(tuple(t.op_params))
@@ -186,4 +193,4 @@ def bind_rope(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, s
             cos[...], sin[...] = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr,
                                             ff, fk)
         prologue.append(fill)
-    return fk.bind_rope(x, cs[0], cs[1], n_dims, bool(mode & ROPE_TYPE_NEOX), dst)
+    return x, cs[0], cs[1], n_dims, bool(mode & ROPE_TYPE_NEOX), dst

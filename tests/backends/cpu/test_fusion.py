@@ -359,3 +359,55 @@ def test_products_of_kinds_that_cannot_share_a_call_stay_apart(ctx, rng):
     for a, b in zip(got, want):
         assert_same_bits(a, b)
     assert len(BoundGraph(g, OPTS).calls) == 2
+
+
+def _cache_rows(ctx, rng, n_tok, n_head, n_head_kv, d, cache_type, with_q):
+    """A layer's new cache rows as the graph builder makes them: ROPE(K), SET_ROWS of it into the K
+    cache, SET_ROWS of V into the V cache (transposed: one element a row, at j * cells + cell), and the
+    Q rope after them; (graph, results, inputs)."""
+    cells, w = max(16, n_tok), d * n_head_kv
+    k, v = ctx.new_tensor(F32, (d, n_head_kv, n_tok)), ctx.new_tensor(F32, (1, w * n_tok))
+    q, pos = ctx.new_tensor(F32, (d, n_head, n_tok)), ctx.new_tensor(GGMLType.I32, (n_tok,))
+    k_cache, v_cache = ctx.new_tensor(cache_type, (w, cells)), ctx.new_tensor(cache_type, (1, w * cells))
+    k_idx, v_idx = ctx.new_tensor(GGMLType.I64, (n_tok,)), ctx.new_tensor(GGMLType.I64, (w * n_tok,))
+    k_roped = ops.rope_ext(ctx, k, pos, None, d, ops.ROPE_TYPE_NEOX, 4096, freq_base=10000.0)
+    k_rows = ops.set_rows(ctx, k_cache, ops.reshape(ctx, k_roped, w, n_tok), k_idx)
+    v_rows = ops.set_rows(ctx, v_cache, v, v_idx)
+    q_roped = ops.rope_ext(ctx, q, pos, None, d, ops.ROPE_TYPE_NEOX, 4096, freq_base=10000.0)
+    g = Graph()
+    for t in (k_rows, v_rows, q_roped) if with_q else (k_rows, v_rows):
+        g.build_forward_expand(t)
+    slots = rng.permutation(cells)[:n_tok]
+    cache = np.float16 if cache_type == GGMLType.F16 else np.float32
+    inputs = {k: randn(rng, n_tok, n_head_kv, d) * 3, v: randn(rng, w * n_tok, 1), q: randn(rng, n_tok, n_head, d),
+              pos: np.arange(40, 40 + n_tok, dtype=np.int32), k_idx: slots.astype(np.int64),
+              v_idx: (np.arange(w)[:, None] * cells + slots[None, :]).astype(np.int64).reshape(-1),
+              k_cache: randn(rng, cells, w).astype(cache), v_cache: randn(rng, w * cells, 1).astype(cache)}
+    if not with_q:
+        del inputs[q]
+    return g, [k_roped, k_rows, v_rows, *([q_roped] if with_q else [])], inputs
+
+
+@pytest.mark.parametrize("cache_type", [GGMLType.F16, F32])
+@pytest.mark.parametrize("with_q", [True, False])
+@pytest.mark.parametrize("n_tok,n_head,n_head_kv,d", [(1, 9, 3, 64), (3, 4, 2, 32)])
+def test_a_layer_s_cache_rows_run_as_one_call_with_the_same_bits(ctx, rng, cache_type, with_q, n_tok, n_head,
+                                                                   n_head_kv, d):
+    from ggml_dist.backends.base import tensor_array
+    g, results, inputs = _cache_rows(ctx, rng, n_tok, n_head, n_head_kv, d, cache_type, with_q)
+    assert [t.op.name for t in g.nodes if t.op.name in ("ROPE", "SET_ROWS")] == \
+        ["ROPE", "SET_ROWS", "SET_ROWS", *(["ROPE"] if with_q else [])]
+    want, _ = _run(g, results[-1], inputs)
+    for t in results:                                   # every result written, the caches' too
+        assert_same_bits(tensor_array(t).copy(), want[t])
+    assert len(BoundGraph(g, OPTS).calls) == 1
+
+
+def test_cache_rows_of_a_prompt_run_call_by_call(ctx, rng):
+    """A prompt's rope splits across threads: its ops stay separate calls (each splits on its own)."""
+    from ggml_dist.backends.base import tensor_array
+    g, results, inputs = _cache_rows(ctx, rng, 64, 4, 4, 64, GGMLType.F16, True)
+    want, _ = _run(g, results[-1], inputs)
+    for t in results:
+        assert_same_bits(tensor_array(t).copy(), want[t])
+    assert len(BoundGraph(g, OPTS).calls) == 4
