@@ -45,6 +45,7 @@ from ...core.types import GGMLType
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
 from .blocks import BLOCKS, KPACK_TYPES
+from .entry import F32P, I8P, I32P, U8P, array2, pointer_block
 from .kquant_ir import LAYOUT, group_intrinsic
 from .qpack import MULTI, Kernels, bound_int8_call, default_kernels, packed_as, slots, thread_scratch
 from .threads import get_threads, launch
@@ -132,7 +133,7 @@ class PackedKWeight:
         self.kernels: Kernels = kernels
         self.qs = _pack(wtype, w)
         self.repacked = wtype == T.Q4_K and M % 8 == 0
-        self._entries = _ENTRIES[kernels][wtype]                   # (serial, parallel)
+        self._entries: tuple[Callable[..., bool], Callable[..., bool]] = _ENTRIES[kernels][wtype]  # (serial, parallel)
 
     def _mode(self, N: int, vec_n: int | None) -> tuple[int, int]:
         """(mode, ng): ng = the rows that take the repacked gemm order."""
@@ -177,7 +178,7 @@ class PackedKWeight:
     def _run(self, x: np.ndarray, out: np.ndarray, mode: int, ng: int, big: bool) -> bool:
         serial, parallel = self._entries
         Yb, Y4, dy, sp, bp = _work(x.shape[0], self.K)
-        args = (x, Yb, Y4, dy, sp, bp, mode, ng, slots([self.qs]), slots([out]), 1)
+        args: tuple = int8_args((x, Yb, Y4, dy, sp, bp, mode, ng, slots([self.qs]), slots([out]), 1))
         if not big or get_threads() == 1:
             return bool(serial(*args))
         with launch() as nt:
@@ -199,7 +200,14 @@ def bind_products(pws: list[PackedKWeight], x: np.ndarray, outs: list[np.ndarray
     mode, ng = pws[0]._mode(N, vec_n)
     return bound_int8_call(pws[0]._entries, _work, N, pws[0].K, (x,),
                            (mode, ng, slots([p.qs for p in pws]), slots(outs), len(pws)),
-                           N * sum(p.M for p in pws) * pws[0].K >= _PARALLEL_WORK, fallback)
+                           N * sum(p.M for p in pws) * pws[0].K >= _PARALLEL_WORK, fallback, int8_args)
+
+
+def int8_args(args: tuple) -> tuple:
+    """The entries' arguments for (x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w): the arrays as one
+    pointer_block (entry.py; the caller keeps them alive), mode, ng, n_w."""
+    x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w = args
+    return pointer_block((x, Yb, Y4, dy, sp, bp, *qs, *out)), mode, ng, n_w
 
 
 def _vnni_ok() -> bool:
@@ -284,10 +292,15 @@ def _prep(x, Yb, dy, sp, bp):
 # ------------------------------------------------------------------------------------------------
 # kernels: work units are (group, token slice) pairs, as qpack's int8 kernels split them
 @njit(cache=True, inline="always")
-def _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, worker):
+def _prep_mm(block, mode, ng, n_w, n_threads, worker):
     """_prep, then the products of the n_w weights that share the activation x (qs, out: tuples of
-    qpack.MULTI slots, the first n_w used) split across n_threads (worker: the type's _units), the
-    weights' units in turn; False (the caller's fallback) on a non-finite x."""
+    qpack.MULTI slots, the first n_w used; the arrays in a pointer_block, int8_args) split across
+    n_threads (worker: the type's _units), the weights' units in turn; False (the caller's fallback)
+    on a non-finite x."""
+    x, Yb, Y4, dy = array2(F32P, block, 0), array2(I8P, block, 1), array2(I32P, block, 2), array2(F32P, block, 3)
+    sp, bp = array2(I32P, block, 4), array2(I32P, block, 5)
+    qs = (array2(U8P, block, 6), array2(U8P, block, 7), array2(U8P, block, 8))
+    out = (array2(F32P, block, 9), array2(F32P, block, 10), array2(F32P, block, 11))
     if not _prep(x, Yb, dy, sp, bp):
         return False
     G, N = 0, x.shape[0]
@@ -403,63 +416,63 @@ def _w_q6k_a(mode, ng, qs, Y4, dy, sp, bp, out, u0, u1, ts):
 
 
 @njit(cache=True, nogil=True)
-def _q4k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q4k_v)
+def _q4k_v_serial(block, mode, ng, n_w):
+    return _prep_mm(block, mode, ng, n_w, 1, _w_q4k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q4k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q4k_v)
+def _q4k_v(block, mode, ng, n_w, n_threads):
+    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q4k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q4k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q4k_a)
+def _q4k_a_serial(block, mode, ng, n_w):
+    return _prep_mm(block, mode, ng, n_w, 1, _w_q4k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q4k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q4k_a)
+def _q4k_a(block, mode, ng, n_w, n_threads):
+    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q4k_a)
 
 
 @njit(cache=True, nogil=True)
-def _q5k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q5k_v)
+def _q5k_v_serial(block, mode, ng, n_w):
+    return _prep_mm(block, mode, ng, n_w, 1, _w_q5k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q5k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q5k_v)
+def _q5k_v(block, mode, ng, n_w, n_threads):
+    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q5k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q5k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q5k_a)
+def _q5k_a_serial(block, mode, ng, n_w):
+    return _prep_mm(block, mode, ng, n_w, 1, _w_q5k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q5k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q5k_a)
+def _q5k_a(block, mode, ng, n_w, n_threads):
+    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q5k_a)
 
 
 @njit(cache=True, nogil=True)
-def _q6k_v_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q6k_v)
+def _q6k_v_serial(block, mode, ng, n_w):
+    return _prep_mm(block, mode, ng, n_w, 1, _w_q6k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q6k_v(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q6k_v)
+def _q6k_v(block, mode, ng, n_w, n_threads):
+    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q6k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q6k_a_serial(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, 1, _w_q6k_a)
+def _q6k_a_serial(block, mode, ng, n_w):
+    return _prep_mm(block, mode, ng, n_w, 1, _w_q6k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q6k_a(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads):
-    return _prep_mm(x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w, n_threads, _w_q6k_a)
+def _q6k_a(block, mode, ng, n_w, n_threads):
+    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q6k_a)
 
 
 _ENTRIES = {

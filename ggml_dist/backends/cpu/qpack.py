@@ -56,7 +56,7 @@ from numba import njit, prange
 from ...core.types import GGMLType, row_size
 from . import avx2, vnni
 from .blocks import BLOCKS, QPACK_TYPES
-from .entry import entry
+from .entry import F32P, I8P, I32P, U8P, U16P, array2, entry, pointer_block
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch
 
@@ -167,11 +167,11 @@ class PackedWeight:
         parallel = get_threads() > 1 and N * self.M * K >= _PARALLEL_WORK
         if self._int8 is not None:      # quantize and multiply in one call
             serial_mm, parallel_mm = self._int8
-            int8_args = (x, self.q8_1, Y, Yb, Y4, Yz, dy, sy, ys, *_products_tail([self], [out]))
+            args = int8_args((x, self.q8_1, Y, Yb, Y4, Yz, dy, sy, ys, *_products_tail([self], [out])))
             if not parallel:
-                return out if serial_mm(*int8_args) else None
+                return out if serial_mm(*args) else None
             with launch():
-                return out if parallel_mm(*int8_args, get_threads()) else None
+                return out if parallel_mm(*args, get_threads()) else None
         if not _prep(x, self.q8_1, Y, Yb, dy, sy, ys):
             return None
         args = (self.kind, self.qs, self.d, self.m, Y, dy, sy, ys, out)
@@ -279,24 +279,33 @@ def bind_products(pws: list[PackedWeight], x: np.ndarray, outs: list[np.ndarray]
             raise ValueError(f"packed product: out must be f32 [{N}, {p.M}] C-contiguous, got {o.shape}")
     assert pws[0]._int8 is not None
     return bound_int8_call(pws[0]._int8, _work, N, K, (x, pws[0].q8_1), _products_tail(pws, outs),
-                           N * sum(p.M for p in pws) * K >= _PARALLEL_WORK, fallback)
+                           N * sum(p.M for p in pws) * K >= _PARALLEL_WORK, fallback, int8_args)
+
+
+def int8_args(args: tuple) -> tuple:
+    """The int8 entries' arguments for (x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w):
+    the arrays as one pointer_block (entry.py; the caller keeps them alive), q8_1, kind, n_w."""
+    x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w = args
+    return pointer_block((x, Y, Yb, Y4, Yz, dy, sy, ys, *qs, *d, *m, *out)), q8_1, kind, n_w
 
 
 def bound_int8_call(entries: tuple[Callable, Callable], work: Callable[[int, int], tuple], N: int, K: int,
-                    head: tuple, tail: tuple, big: bool, fallback: Callable[[], object] | None
-                    ) -> Callable[[], bool]:
+                    head: tuple, tail: tuple, big: bool, fallback: Callable[[], object] | None,
+                    pack: Callable[[tuple], tuple] = tuple) -> Callable[[], bool]:
     """The replayed call of an int8 packed product (qpack's, kpack's): entries (serial, parallel) called
-    with (*head, *work(N, K), *tail), the scratch being the calling thread's (looked up again only
-    when another thread calls); the parallel entry, given the thread count, where the product is big
-    and the kernels have threads; fallback() where the kernel gives the product back (False: a
-    non-finite activation). One Python frame between the replay and the kernel, whose entry point
-    (entry.py) is resolved at its first call."""
+    with pack((*head, *work(N, K), *tail)), the scratch being the calling thread's (looked up again only
+    when another thread calls, and kept alive with it: pack may turn arrays into their addresses); the
+    parallel entry, given the thread count, where the product is big and the kernels have threads;
+    fallback() where the kernel gives the product back (False: a non-finite activation). One Python
+    frame between the replay and the kernel, whose entry point (entry.py) is resolved at its first call."""
     serial_mm, parallel_mm = entries
-    state: list = [None, (), None, None]        # the thread whose scratch args holds, args, the entry points
+    state: list = [None, (), None, None, ()]    # the thread whose scratch args holds, args, the entry
+    #                                             points, the arrays args was packed from
 
     def run() -> bool:
         if state[0] != get_ident():
-            state[:] = [get_ident(), (*head, *work(N, K), *tail), None, None]
+            arrays = (*head, *work(N, K), *tail)
+            state[:] = [get_ident(), pack(arrays), None, None, arrays]
         args = state[1]
         if big and get_threads() > 1:
             if state[3] is None:
@@ -635,26 +644,42 @@ def _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 
     return True
 
 
+# The entries take their arrays as one pointer_block (entry.py; int8_args): x, Y, Yb, Y4, Yz, dy, sy, ys,
+# then the MULTI slots of qs, d, m and out.
+@njit(cache=True, inline="always")
+def _int8_arrays(block):
+    return (array2(F32P, block, 0), array2(F32P, block, 1), array2(I8P, block, 2), array2(I32P, block, 3),
+            array2(I32P, block, 4), array2(F32P, block, 5), array2(F32P, block, 6), array2(F32P, block, 7),
+            (array2(U8P, block, 8), array2(U8P, block, 9), array2(U8P, block, 10)),
+            (array2(U16P, block, 11), array2(U16P, block, 12), array2(U16P, block, 13)),
+            (array2(U16P, block, 14), array2(U16P, block, 15), array2(U16P, block, 16)),
+            (array2(F32P, block, 17), array2(F32P, block, 18), array2(F32P, block, 19)))
+
+
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_v(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads):
+def _prep_mm_v(block, q8_1, kind, n_w, n_threads):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads,
                          _group_vnni, _LANE_BIAS_VNNI)
 
 
 @njit(cache=True, nogil=True)
-def _prep_mm_v_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w):
+def _prep_mm_v_serial(block, q8_1, kind, n_w):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 1,
                          _group_vnni, _LANE_BIAS_VNNI)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_a(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads):
+def _prep_mm_a(block, q8_1, kind, n_w, n_threads):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads,
                          _group_avx2, _LANE_BIAS_AVX2)
 
 
 @njit(cache=True, nogil=True)
-def _prep_mm_a_serial(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w):
+def _prep_mm_a_serial(block, q8_1, kind, n_w):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 1,
                          _group_avx2, _LANE_BIAS_AVX2)
 

@@ -1,6 +1,6 @@
 """entry.py: a kernel's overload resolved once for the arrays a bound replay passes, with one overload per
 dtype and rank where asked (any_layout) whatever the views' strides, and read-only arrays sharing the
-writable ones' overload."""
+writable ones' overload; a pointer block gives a kernel the caller's arrays."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,3 +74,29 @@ def test_lazy_resolves_at_its_first_call():
     call(6)
     np.testing.assert_array_equal(dst, 2)
     assert len(fill.signatures) == 1
+
+
+def test_a_pointer_block_gives_the_arrays_back_in_a_kernel():
+    from numba import njit
+
+    from ggml_dist.backends.cpu.entry import F32P, I8P, I32P, U8P, U16P, array2, pointer_block
+
+    @njit
+    def touch(block):
+        f, i8, u8, u16, i32 = (array2(F32P, block, 0), array2(I8P, block, 1), array2(U8P, block, 2),
+                               array2(U16P, block, 3), array2(I32P, block, 4))
+        f[1, 2] += 1                                   # written where the caller's array is
+        return f.shape[0], f.shape[1], i8[0, 1], u8[1, 0], u16[0, 0], i32[2, 1]
+
+    f = np.arange(12, dtype=np.float32).reshape(3, 4)
+    arrays = (f, np.array([[1, -2]], np.int8), np.array([[7], [250]], np.uint8), np.array([[65535]], np.uint16),
+              np.arange(6, dtype=np.int32).reshape(3, 2))
+    assert touch(pointer_block(arrays)) == (3, 4, -2, 250, 65535, 5)
+    assert f[1, 2] == 7
+
+
+@pytest.mark.parametrize("bad", [np.zeros((4, 4), np.float32)[:, ::2], np.zeros(4, np.float32)])
+def test_a_pointer_block_takes_only_2d_contiguous_arrays(bad):
+    from ggml_dist.backends.cpu.entry import pointer_block
+    with pytest.raises(ValueError, match="not 2-D C-contiguous"):
+        pointer_block((np.zeros((2, 2), np.float32), bad))
