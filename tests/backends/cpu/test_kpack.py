@@ -16,6 +16,7 @@ from ggml_dist.core.context import Context
 from ggml_dist.core.graph import Graph
 from ggml_dist.core.types import GGMLType as T
 
+from .test_qpack import assert_products_are_separate
 from .test_quants import random_rows
 
 kpack = pytest.importorskip("ggml_dist.backends.cpu.kpack")
@@ -238,23 +239,7 @@ def test_products_of_one_activation_are_the_separate_products(t):
     K = 512
     Ms = (136, 64, 72) if t == T.Q4_K else (136, 37, 64)        # Q4_K: all repacked (M % 8 == 0)
     pws = [kpack.PackedKWeight(t, weights(t, M, K, seed=60 + M), kernels=KERNELS[-1]) for M in Ms]
-    before = kt.get_threads()
-    try:
-        for n_threads in sorted({1, min(2, kt.numba.config.NUMBA_NUM_THREADS)}):
-            kt.set_threads(n_threads)
-            for n_w in (1, 2, 3):
-                for N in (1, 5):
-                    x = activations(N, K, seed=70 + N)
-                    outs = [np.full((N, p.M), np.nan, F32) for p in pws[:n_w]]
-                    given_back = []
-                    call = kpack.bind_products(pws[:n_w], x, outs, fallback=lambda: given_back.append(1))
-                    assert call() and not given_back
-                    for p, o in zip(pws, outs):
-                        assert np.array_equal(o, p.mul_mat(x))
-                    x[-1, 9] = np.nan
-                    assert not call() and given_back == [1]
-    finally:
-        kt.set_threads(before)
+    assert_products_are_separate(kpack.bind_products, pws, (1, 5), lambda N: activations(N, K, seed=70 + N))
 
 
 @needs_kernels

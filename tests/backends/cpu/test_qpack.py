@@ -320,16 +320,22 @@ def test_products_of_one_activation_are_the_separate_products(t, kernels):
     K = 256
     Ms = (136, 64, 72) if t == T.Q4_0 else (136, 37, 64)        # Q4_0: all chains (M % 8 == 0), one kind
     pws = [qpack.PackedWeight(t, random_rows(t, M, K, seed=40 + M), kernels=kernels) for M in Ms]
+    assert_products_are_separate(qpack.bind_products, pws, (1, 3, 8), lambda N: activations(N, K, seed=50 + N))
+
+
+def assert_products_are_separate(bind_products, pws, Ns, activations):
+    """bind_products(pws[:n_w], x, outs, fallback) for 1..3 weights, N tokens of activations(N), at 1
+    and 2 threads: each out is its weight's mul_mat, and a non-finite x gives them back."""
     before = kt.get_threads()
     try:
         for n_threads in sorted({1, min(2, kt.numba.config.NUMBA_NUM_THREADS)}):
             kt.set_threads(n_threads)
             for n_w in (1, 2, 3):
-                for N in (1, 3, 8):
-                    x = activations(N, K, seed=50 + N)
+                for N in Ns:
+                    x = activations(N)
                     outs = [np.full((N, p.M), np.nan, F32) for p in pws[:n_w]]
                     given_back = []
-                    call = qpack.bind_products(pws[:n_w], x, outs, fallback=lambda: given_back.append(1))
+                    call = bind_products(pws[:n_w], x, outs, fallback=lambda: given_back.append(1))
                     assert call() and not given_back
                     for p, o in zip(pws, outs):
                         assert np.array_equal(o, p.mul_mat(x))
