@@ -28,6 +28,12 @@ so it is only ever called with the arrays it was chosen for (or ones of the same
 
     pointer_block(arrays)   2-D C-contiguous arrays as one int64 array of (address, rows, columns)
     array2(ptr, block, i)   (in a kernel) array i of the block again, ptr its dtype's (F32P, I8P, ...)
+    view_block(arrays, dtypes)
+                            4-d arrays of any strides as one int64 array of (address, shape, strides)
+    array4(view, block, i)  (in a kernel) view i of the block again, an 'A' array; view its dtype's
+                            (F32V4, U16V4, I64V4)
+    keep_alive(call, arrays)
+                            call, holding the arrays whose addresses its block holds
 
 Unboxing an array is cheap when its objects are in cache (~0.05 us) and not in a decode step, where the
 weights streamed since the last step have evicted them: a call of 20 arrays costs ~10 us more than one
@@ -42,8 +48,10 @@ from typing import Any
 
 import numpy as np
 from numba import carray, njit, typeof, types
+from numba.core import cgutils
 from numba.core.typing.typeof import Purpose
 from numba.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
 
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 
@@ -112,3 +120,51 @@ F32P, I8P, U8P, U16P, I32P = (_pointer(t) for t in (types.float32, types.int8, t
 def array2(ptr, block, i):
     """Array i of a pointer_block, as a 2-D C array of ptr's dtype."""
     return carray(ptr(block[3 * i]), (block[3 * i + 1], block[3 * i + 2]))
+
+
+def view_block(arrays: tuple | list, dtypes: tuple | list) -> np.ndarray:
+    """The 4-d arrays (any strides) of the given dtypes (the views the kernel makes of them) as int64
+    [9 * n]: address, the 4 extents, the 4 byte strides."""
+    block = np.empty(9 * len(arrays), np.int64)
+    for i, (a, dt) in enumerate(zip(arrays, dtypes, strict=True)):
+        if a.ndim != 4 or a.dtype != dt:
+            raise ValueError(f"view_block: array {i} is not 4-d {np.dtype(dt)} ({a.shape}, {a.dtype})")
+        block[9 * i:9 * i + 9] = (a.ctypes.data, *a.shape, *a.strides)
+    return block
+
+
+def keep_alive(call: Callable[..., Any], arrays: tuple | list) -> Callable[..., Any]:
+    """call (a functools.partial), holding arrays: a block holds their addresses, not them."""
+    setattr(call, "keep_alive", tuple(arrays))      # noqa: B010 - a partial's attribute, not a declared one
+    return call
+
+
+def _view4(dtype: types.Type) -> Any:
+    """An intrinsic: (address, shape, byte strides) as a 4-d 'A' array of dtype over that memory (no
+    owner: the caller keeps the memory alive)."""
+    aty = types.Array(dtype, 4, "A")
+
+    @intrinsic
+    def view(typingctx: Any, addr: Any, shape: Any, strides: Any) -> Any:
+        sig = aty(types.int64, types.UniTuple(types.int64, 4), types.UniTuple(types.int64, 4))
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ary = make_array(aty)(context, builder)
+            data = builder.inttoptr(args[0], context.get_data_type(dtype).as_pointer())
+            itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(dtype)))
+            populate_array(ary, data=data, shape=cgutils.unpack_tuple(builder, args[1], 4),
+                           strides=cgutils.unpack_tuple(builder, args[2], 4), itemsize=itemsize, meminfo=None)
+            return ary._getvalue()
+        return sig, codegen
+    return view
+
+
+F32V4, U16V4, I64V4 = _view4(types.float32), _view4(types.uint16), _view4(types.int64)
+
+
+@njit(cache=True, inline="always")
+def array4(view, block, i):
+    """View i of a view_block, as a 4-d 'A' array of view's dtype."""
+    o = 9 * i
+    return view(block[o], (block[o + 1], block[o + 2], block[o + 3], block[o + 4]),
+                (block[o + 5], block[o + 6], block[o + 7], block[o + 8]))

@@ -41,7 +41,7 @@ from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
-from .entry import Lazy, bound
+from .entry import F32V4, I64V4, U16V4, Lazy, array4, bound, keep_alive, view_block
 from .numerics import _C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4, _C_SHIFT
 from .threads import get_threads, launch
 
@@ -330,16 +330,29 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
     destination seen in KQV's index order (or None). The caller checks that kq and sm overlap neither
     each other (but sm on kq exactly: an in-place soft_max) nor q, mask or K, and kqv neither sm nor V
     (the allocator may put KQV over Q, dead once KQ has read it), and cont not kqv: a thread's writes
-    must not land where another thread still reads."""
+    must not land where another thread still reads. The 4-d arrays travel as one view_block (entry.py):
+    F16 bits of K and V, F32 others (a mask of another type: None, the chain's ops then bound one by one)."""
     has_cont = cont is not None
     cont = kqv if cont is None else cont
-    args = (kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, _NO_MASK)
-    return bind_split(q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK,
-                      (_attention_serial, *args), (_attention_par, *args), any_layout=True)
+    views = (kw, q, kq, mask, sm, vw, kqv, cont, _NO_MASK)          # one view_block (entry.py): _views
+    dtypes = (np.uint16, F32, F32, F32, F32, np.uint16, F32, F32, F32)
+    if any(v.dtype != t for v, t in zip(views, dtypes)):
+        return None
+    args = (view_block(views, dtypes), tiny_kq, scale, slopes, tiny_kqv, has_cont)
+    return keep_alive(bind_split(q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK,
+                                 (_attention_serial, *args), (_attention_par, *args)), views)
+
+
+@njit(cache=True, inline="always")
+def _views(block):
+    return (array4(U16V4, block, 0), array4(F32V4, block, 1), array4(F32V4, block, 2), array4(F32V4, block, 3),
+            array4(F32V4, block, 4), array4(U16V4, block, 5), array4(F32V4, block, 6), array4(F32V4, block, 7),
+            array4(F32V4, block, 8))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _attention_serial(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, nomask):
+def _attention_serial(block, tiny_kq, scale, slopes, tiny_kqv, has_cont):
+    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     n = q.shape[0] * q.shape[1]
     _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, 0, n)
     _mm_h_rows(vw, sm, kqv, tiny_kqv, _I64(0), n, nomask, _I64(SKIP_KQV))
@@ -348,8 +361,8 @@ def _attention_serial(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv,
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _attention_par(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, has_cont, nomask,
-                   n_chunks):
+def _attention_par(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, n_chunks):
+    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     r2 = q.shape[1] // kw.shape[1]
     if q.shape[0] * q.shape[1] // r2 < n_chunks:
         r2 = 1
@@ -1172,17 +1185,40 @@ def set_rows_is_serial(b) -> bool:
     return _n_rows(b) < _SET_ROWS_PARALLEL
 
 
-def bind_cache_rows(rope_k: tuple, store_k: tuple, store_v: tuple, rope_q: tuple | None) -> Callable[[], None]:
+def bind_cache_rows(rope_k: tuple, store_k: tuple, store_v: tuple, rope_q: tuple | None
+                    ) -> Callable[[], None] | None:
     """ROPE(K), SET_ROWS(K), SET_ROWS(V) [, ROPE(Q)], a layer's new cache rows, as one call on the calling
     thread: rope_k, rope_q the arguments of bind_rope, store_k, store_v those of bind_set_rows, each op
-    serial (rope_is_serial, set_rows_is_serial). The ops run in their order, as their own calls would."""
-    has_q = rope_q is not None
-    return bound(_cache_rows, *rope_k, *store_k, *store_v, *(rope_q if rope_q is not None else rope_k), has_q,
-                 any_layout=True)
+    serial (rope_is_serial, set_rows_is_serial). The ops run in their order, as their own calls would.
+    The 4-d arrays travel as one view_block (entry.py): I64 indices and K and V caches of one type (F16
+    bits or F32) only, else None (each op then is a call of its own)."""
+    x, cos, sin, n_dims, neox, dst = rope_k
+    (bk, ck, dk), (bv, cv, dv) = store_k, store_v
+    xq, cq, sq, nq, neoxq, dq = rope_k if rope_q is None else rope_q
+    if ck.dtype != np.int64 or cv.dtype != np.int64 or dk.dtype != dv.dtype or dk.dtype not in (np.uint16, F32):
+        return None
+    views = (x, dst, bk, ck, dk, bv, cv, dv, xq, dq)
+    block = view_block(views, (F32, F32, F32, np.int64, dk.dtype, F32, np.int64, dv.dtype, F32, F32))
+    kernel = _cache_rows_f16 if dk.dtype == np.uint16 else _cache_rows_f32
+    return keep_alive(bound(kernel, block, cos, sin, n_dims, neox, cq, sq, nq, neoxq, rope_q is not None), views)
 
 
 @njit(cache=True, nogil=True)
-def _cache_rows(x, cos, sin, n_dims, neox, dst, bk, ck, dk, bv, cv, dv, xq, cq, sq, nq, neoxq, dq, has_q):
+def _cache_rows_f16(block, cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q):
+    _cache_rows(block, cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q,
+                array4(U16V4, block, 4), array4(U16V4, block, 7))
+
+
+@njit(cache=True, nogil=True)
+def _cache_rows_f32(block, cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q):
+    _cache_rows(block, cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q,
+                array4(F32V4, block, 4), array4(F32V4, block, 7))
+
+
+@njit(cache=True, inline="always")
+def _cache_rows(block, cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q, dk, dv):
+    x, dst, bk, ck = array4(F32V4, block, 0), array4(F32V4, block, 1), array4(F32V4, block, 2), array4(I64V4, block, 3)
+    bv, cv, xq, dq = array4(F32V4, block, 5), array4(I64V4, block, 6), array4(F32V4, block, 8), array4(F32V4, block, 9)
     _rope_rows(x, cos, sin, n_dims, neox, dst, 0, x.shape[0] * x.shape[1] * x.shape[2])
     _set_rows_part(bk, ck, dk, 0, 1)
     _set_rows_part(bv, cv, dv, 0, 1)

@@ -150,7 +150,8 @@ def _cache_rows(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | 
     if rope_k is None or store_k is None or store_v is None:
         return None
     rope_q = rope(nodes[i + 3]) if i + 3 < len(nodes) and nodes[i + 3].op == Op.ROPE else None
-    return fk.bind_cache_rows(rope_k, store_k, store_v, rope_q), 3 if rope_q is None else 4
+    call = fk.bind_cache_rows(rope_k, store_k, store_v, rope_q)
+    return None if call is None else (call, 3 if rope_q is None else 4)
 
 
 def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
@@ -188,7 +189,7 @@ def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | N
     fk = b.fk
     assert fk is not None
     call = fk.bind_attention(pk[0], pk[1], a_kq, mask, pk[2], scale, slopes, a_sm, pv[0], pv[2], a_kqv, cont)
-    return call, n
+    return None if call is None else (call, n)
 
 
 def _same_or_apart(dst: np.ndarray, src: np.ndarray) -> bool:

@@ -100,3 +100,38 @@ def test_a_pointer_block_takes_only_2d_contiguous_arrays(bad):
     from ggml_dist.backends.cpu.entry import pointer_block
     with pytest.raises(ValueError, match="not 2-D C-contiguous"):
         pointer_block((np.zeros((2, 2), np.float32), bad))
+
+
+def test_a_view_block_gives_strided_views_back_in_a_kernel():
+    from numba import njit
+
+    from ggml_dist.backends.cpu.entry import F32V4, I64V4, U16V4, array4, view_block
+
+    @njit
+    def total(block):
+        f, h, i = array4(F32V4, block, 0), array4(U16V4, block, 1), array4(I64V4, block, 2)
+        f[0, 1, 2, 0] = -1.0                           # written through the view, into the caller's array
+        s = 0.0
+        for i3 in range(f.shape[0]):
+            for i2 in range(f.shape[1]):
+                for i1 in range(f.shape[2]):
+                    for i0 in range(f.shape[3]):
+                        s += f[i3, i2, i1, i0]
+        return s, f.shape, h[0, 0, 1, 1], i[0, 1, 0, 0]
+
+    base = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
+    f = base.transpose(1, 0, 3, 2)[:, :, ::2]           # strided every way: [3, 2, 3, 4]
+    h = np.arange(4, dtype=np.uint16).reshape(1, 1, 2, 2)
+    i = np.array([5, -7], np.int64).reshape(1, 2, 1, 1)
+    expect = f.sum(dtype=np.float64) - f[0, 1, 2, 0] - 1.0
+    s, shape, h11, i1 = total(view_block((f, h, i), (np.float32, np.uint16, np.int64)))
+    assert (s, shape, h11, i1) == (expect, f.shape, 3, -7)
+    assert f[0, 1, 2, 0] == -1.0
+
+
+def test_a_view_block_checks_rank_and_dtype():
+    from ggml_dist.backends.cpu.entry import view_block
+    with pytest.raises(ValueError, match="not 4-d float32"):
+        view_block((np.zeros((1, 1, 2, 2), np.float64),), (np.float32,))
+    with pytest.raises(ValueError, match="not 4-d"):
+        view_block((np.zeros((2, 2), np.float32),), (np.float32,))

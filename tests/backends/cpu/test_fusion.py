@@ -361,7 +361,7 @@ def test_products_of_kinds_that_cannot_share_a_call_stay_apart(ctx, rng):
     assert len(BoundGraph(g, OPTS).calls) == 2
 
 
-def _cache_rows(ctx, rng, n_tok, n_head, n_head_kv, d, cache_type, with_q):
+def _cache_rows(ctx, rng, n_tok, n_head, n_head_kv, d, cache_type, with_q, itype=GGMLType.I64):
     """A layer's new cache rows as the graph builder makes them: ROPE(K), SET_ROWS of it into the K
     cache, SET_ROWS of V into the V cache (transposed: one element a row, at j * cells + cell), and the
     Q rope after them; (graph, results, inputs)."""
@@ -369,7 +369,7 @@ def _cache_rows(ctx, rng, n_tok, n_head, n_head_kv, d, cache_type, with_q):
     k, v = ctx.new_tensor(F32, (d, n_head_kv, n_tok)), ctx.new_tensor(F32, (1, w * n_tok))
     q, pos = ctx.new_tensor(F32, (d, n_head, n_tok)), ctx.new_tensor(GGMLType.I32, (n_tok,))
     k_cache, v_cache = ctx.new_tensor(cache_type, (w, cells)), ctx.new_tensor(cache_type, (1, w * cells))
-    k_idx, v_idx = ctx.new_tensor(GGMLType.I64, (n_tok,)), ctx.new_tensor(GGMLType.I64, (w * n_tok,))
+    k_idx, v_idx = ctx.new_tensor(itype, (n_tok,)), ctx.new_tensor(itype, (w * n_tok,))
     k_roped = ops.rope_ext(ctx, k, pos, None, d, ops.ROPE_TYPE_NEOX, 4096, freq_base=10000.0)
     k_rows = ops.set_rows(ctx, k_cache, ops.reshape(ctx, k_roped, w, n_tok), k_idx)
     v_rows = ops.set_rows(ctx, v_cache, v, v_idx)
@@ -379,9 +379,10 @@ def _cache_rows(ctx, rng, n_tok, n_head, n_head_kv, d, cache_type, with_q):
         g.build_forward_expand(t)
     slots = rng.permutation(cells)[:n_tok]
     cache = np.float16 if cache_type == GGMLType.F16 else np.float32
+    index = np.int64 if itype == GGMLType.I64 else np.int32
     inputs = {k: randn(rng, n_tok, n_head_kv, d) * 3, v: randn(rng, w * n_tok, 1), q: randn(rng, n_tok, n_head, d),
-              pos: np.arange(40, 40 + n_tok, dtype=np.int32), k_idx: slots.astype(np.int64),
-              v_idx: (np.arange(w)[:, None] * cells + slots[None, :]).astype(np.int64).reshape(-1),
+              pos: np.arange(40, 40 + n_tok, dtype=np.int32), k_idx: slots.astype(index),
+              v_idx: (np.arange(w)[:, None] * cells + slots[None, :]).astype(index).reshape(-1),
               k_cache: randn(rng, cells, w).astype(cache), v_cache: randn(rng, w * cells, 1).astype(cache)}
     if not with_q:
         del inputs[q]
@@ -407,6 +408,16 @@ def test_cache_rows_of_a_prompt_run_call_by_call(ctx, rng):
     """A prompt's rope splits across threads: its ops stay separate calls (each splits on its own)."""
     from ggml_dist.backends.base import tensor_array
     g, results, inputs = _cache_rows(ctx, rng, 64, 4, 4, 64, GGMLType.F16, True)
+    want, _ = _run(g, results[-1], inputs)
+    for t in results:
+        assert_same_bits(tensor_array(t).copy(), want[t])
+    assert len(BoundGraph(g, OPTS).calls) == 4
+
+
+def test_cache_rows_with_i32_indices_run_call_by_call(ctx, rng):
+    """The fused call takes I64 indices (the graph builder's); I32 ones keep each op a call of its own."""
+    from ggml_dist.backends.base import tensor_array
+    g, results, inputs = _cache_rows(ctx, rng, 1, 4, 2, 32, GGMLType.F16, True, itype=GGMLType.I32)
     want, _ = _run(g, results[-1], inputs)
     for t in results:
         assert_same_bits(tensor_array(t).copy(), want[t])
