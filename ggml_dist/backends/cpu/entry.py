@@ -38,7 +38,8 @@ so it is only ever called with the arrays it was chosen for (or ones of the same
 Unboxing an array is cheap when its objects are in cache (~0.05 us) and not in a decode step, where the
 weights streamed since the last step have evicted them: a call of 20 arrays costs ~10 us more than one
 of a single array there (measured after a 16 MB sweep). The int8 products take their arrays as one
-block: the caller keeps the arrays alive as long as their block is used.
+pointer block, the attention chain and the cache-row call their views as one view block: the caller
+keeps the arrays alive as long as their block is used (keep_alive, or the bound call's own references).
 """
 from __future__ import annotations
 
