@@ -25,13 +25,18 @@ ggml's, per superblock with D = f32(dy*d), DM = f32(dy*dmin) (ggml-numerics.md Â
 * chain: acc = fma(f32(isum), D, acc), accm = fma(f32(minsum), DM, accm); result acc - accm.
 * gemm: the same, four steps per superblock (one per 64 values, sub-blocks 2c and 2c+1), in order.
 * tiled: r = f32(d * f32(isum)); r = fma(-dmin, f32(minsum), r) (Q4_K, Q5_K); acc = fma(r, dy, acc).
-Passes: VNNI runs a group's 4 row vectors in one pass over the superblocks, AVX2 its 8 in two passes of 4
-(a run-time loop, so the body is emitted once); each pass prefetches its share of the record PREFETCH
-superblocks ahead (the next group's, past a group's last), spread over the superblock's loads.
+Passes: VNNI runs a group's 4 row vectors in one pass, AVX2 its 8 in eight passes of one (a run-time loop
+inside the loop over the superblocks, so the body is emitted once, the accumulators of all passes live in
+memory, and each record is read in order, once: the hardware prefetchers follow it. Passes outside, over
+the group's superblocks each, read every record eight times in strided pieces, and a cold weight came
+in at 3-4 GB/s). Each pass prefetches its share of the record PREFETCH superblocks ahead (the next
+group's, past a group's last), spread over the superblock's loads.
 kpack's cached kernels are stamped with every backends module (kernel_cache.py): an edit here
 recompiles them.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from llvmlite import ir
 from numba import types
@@ -315,6 +320,16 @@ def _ha(b, a):
                   b.fadd(b.fadd(a[1], a[5]), b.fadd(a[3], a[7])))
 
 
+@contextmanager
+def _passes(b, n_pass):
+    """A run-time loop over the passes, yielding the pass index (i64); none for a single pass."""
+    if n_pass == 1:
+        yield _c64(0)
+        return
+    with cgutils.for_range(b, _c64(n_pass)) as loop:
+        yield loop.index
+
+
 def _codegen(wt, mode, T, isa, V):
     n = 16 if isa == "vnni" else 8
     size = LAYOUT[wt]["size"]
@@ -332,17 +347,29 @@ def _codegen(wt, mode, T, isa, V):
         nb = b.extract_value(e.array(3).shape, 1)
         vs = list(range(V))
         zero = ir.Constant(e.FLOATS, None)
-        with cgutils.for_range(b, _c64(n_pass)) as pas:    # passes over the superblocks, V vectors each
-            r0 = b.mul(pas.index, _c64(V * n))
-            pf_shift = b.mul(pas.index, _c64(64 * share))
-            acc = {(t, v): [cgutils.alloca_once_value(b, zero) for _ in range(n_acc)] for t in range(T) for v in vs}
-            accm = {(t, v): [cgutils.alloca_once_value(b, zero) for _ in range(n_accm)]
-                    for t in range(T) for v in vs} if n_accm else {}
-            blk_ir = _Block(e, wt, mode, isa, T, vs)
-            with cgutils.for_range(b, nb) as loop:
-                base = b.gep(q, [b.mul(loop.index, _c64(size))])
+        # the accumulators of every pass (V row vectors each), in memory where there are several passes:
+        # they run inside the loop over the superblocks, so each record is read in order, once
+        mem = {(t, v): ([cgutils.alloca_once(b, e.FLOATS, size=n_pass) for _ in range(n_acc)],
+                        [cgutils.alloca_once(b, e.FLOATS, size=n_pass) for _ in range(n_accm)])
+               for t in range(T) for v in vs}
+
+        def at(pas):
+            """The pass's accumulators ({(t, v): [pointers]} of the lanes, of the mins) and first row."""
+            acc = {k: [b.gep(p, [pas]) for p in ps[0]] for k, ps in mem.items()}
+            accm = {k: [b.gep(p, [pas]) for p in ps[1]] for k, ps in mem.items()} if n_accm else {}
+            return acc, accm, b.mul(pas, _c64(V * n))
+        with _passes(b, n_pass) as pas:
+            for p in (p for ptrs in at(pas)[:2] for ps in ptrs.values() for p in ps):
+                b.store(zero, p)
+        blk_ir = _Block(e, wt, mode, isa, T, vs)
+        with cgutils.for_range(b, nb) as loop:
+            base = b.gep(q, [b.mul(loop.index, _c64(size))])
+            with _passes(b, n_pass) as pas:
+                acc, accm, r0 = at(pas)
                 blk_ir.prefetch_lines = [PREFETCH * size + 64 * j for j in range(share)]
-                blk_ir.emit(base, loop.index, r0, pf_shift, y, dy, sp, bp, acc, accm)
+                blk_ir.emit(base, loop.index, r0, b.mul(pas, _c64(64 * share)), y, dy, sp, bp, acc, accm)
+        with _passes(b, n_pass) as pas:
+            acc, accm, r0 = at(pas)
             for t in range(T):
                 for v in vs:
                     lanes = [b.load(p) for p in acc[t, v]]
@@ -365,7 +392,7 @@ def group_intrinsic(wt, mode, T, isa, V=None):
     """The numba intrinsic of one group's rows (packed type wt: "q4_k", "q5_k", "q6_k") against tokens
     n0 .. n0+T-1 in `mode` (MODES), V row vectors per pass over the superblocks (default: all)."""
     n = 16 if isa == "vnni" else 8
-    V = V or (R // n if isa == "vnni" else 4)
+    V = V or (R // n if isa == "vnni" else 1)
 
     def group(typingctx, q, y4, n0, dy, sp, bp, res):
         u8, f32 = types.Array(types.uint8, 1, "C"), types.Array(types.float32, 1, "C")
