@@ -150,10 +150,12 @@ def _group_codegen(kind, T, V, block, n):
     """Rows of group q (bytes), scales d and mins m (f16 bits) against tokens n0 .. n0+T-1 of Y4 (codes,
     4 per int32), yz (lane starting values), dy and sy (block scales, Q8_1 sums) into res[t*R + r]. Row
     vectors v0 .. v0+V-1 (n rows each) run in one pass over the blocks, block(...) adding each block
-    into their accumulators, allocas that LLVM keeps in registers. With pf set, each pass also prefetches
-    its share of the lines of the next group (pq, pd, pm) block by block, so that group's bytes arrive
-    from L3 while this one computes (the hardware prefetchers do not follow a pass's strided reads
-    across groups)."""
+    into their accumulators, allocas that LLVM keeps in registers. With pf set, the passes also prefetch
+    the next group (pq, pd, pm) in the order of its bytes, an equal share per (pass, block), so that
+    group arrives while this one computes: the hardware prefetchers do not follow a pass's strided
+    reads across groups, and they do follow an ascending stream of prefetches (prefetching block by
+    block, each pass its lines of every block, read a cold 178 MB Q8_0 weight at 10 GB/s with two
+    threads on an AVX2-only host, in order 13-15)."""
     n_acc = 1 if kind == "chain" else 8
     n_pass = R // n // V
     lines = BLOCK_BYTES[kind] // 64                                # cache lines per block of a group
@@ -176,9 +178,10 @@ def _group_codegen(kind, T, V, block, n):
             with cgutils.for_range(b, nb) as loop:
                 blk = loop.index
                 with b.if_then(pf, likely=False):
-                    share = range(k * lines // n_pass, (k + 1) * lines // n_pass)
-                    for j in share:
-                        e.prefetch(pq, b.add(b.mul(blk, _c64(BLOCK_BYTES[kind])), _c64(64 * j)))
+                    unit = b.add(b.mul(_c64(k), nb), blk)         # lines unit*lines/n_pass ..
+                    for j in range(-(-lines // n_pass)):
+                        line = b.add(b.udiv(b.mul(unit, _c64(lines)), _c64(n_pass)), _c64(j))
+                        e.prefetch(pq, b.mul(line, _c64(64)))
                     if k == 0:                                     # the block's 2 * R bytes of d and m
                         for p in ((pd, pm) if kind in HAS_M else (pd,)):
                             for j in range(2 * R // 64):
