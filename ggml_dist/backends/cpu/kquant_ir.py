@@ -27,9 +27,9 @@ ggml's, per superblock with D = f32(dy*d), DM = f32(dy*dmin) (ggml-numerics.md Â
 * tiled: r = f32(d * f32(isum)); r = fma(-dmin, f32(minsum), r) (Q4_K, Q5_K); acc = fma(r, dy, acc).
 Passes: VNNI runs a group's 4 row vectors in one pass, AVX2 its 8 in eight passes of one (a run-time loop
 inside the loop over the superblocks, so the body is emitted once, the accumulators of all passes live in
-memory, and each record is read in order, once: the hardware prefetchers follow it. Passes outside, over
-the group's superblocks each, read every record eight times in strided pieces, and a cold weight came
-in at 3-4 GB/s). Each pass prefetches its share of the record PREFETCH superblocks ahead (the next
+memory, and each record is read in order, once: the hardware prefetchers follow it. Two passes of four
+outside that loop, each over all the group's superblocks, read every record twice in strided halves,
+and a cold weight came in at 3-4 GB/s). Each pass prefetches its share of the record PREFETCH superblocks ahead (the next
 group's, past a group's last), spread over the superblock's loads.
 kpack's cached kernels are stamped with every backends module (kernel_cache.py): an edit here
 recompiles them.
@@ -390,7 +390,7 @@ def _codegen(wt, mode, T, isa, V):
 
 def group_intrinsic(wt, mode, T, isa, V=None):
     """The numba intrinsic of one group's rows (packed type wt: "q4_k", "q5_k", "q6_k") against tokens
-    n0 .. n0+T-1 in `mode` (MODES), V row vectors per pass over the superblocks (default: all)."""
+    n0 .. n0+T-1 in `mode` (MODES), V row vectors per pass (default: all with VNNI, one with AVX2)."""
     n = 16 if isa == "vnni" else 8
     V = V or (R // n if isa == "vnni" else 1)
 
