@@ -29,8 +29,8 @@ Passes: VNNI runs a group's 4 row vectors in one pass, AVX2 its 8 in eight passe
 inside the loop over the superblocks, so the body is emitted once, the accumulators of all passes live in
 memory, and each record is read in order, once: the hardware prefetchers follow it. Two passes of four
 outside that loop, each over all the group's superblocks, read every record twice in strided halves,
-and a cold weight came in at 3-4 GB/s). Each pass prefetches its share of the record PREFETCH superblocks ahead (the next
-group's, past a group's last), spread over the superblock's loads.
+and a cold weight came in at 3-4 GB/s). Each pass prefetches its share of the record PREFETCH
+superblocks ahead (the next group's, past a group's last), spread over the superblock's loads.
 kpack's cached kernels are stamped with every backends module (kernel_cache.py): an edit here
 recompiles them.
 """
