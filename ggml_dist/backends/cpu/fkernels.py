@@ -566,6 +566,9 @@ def _h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     live = np.empty(M, np.int64)
     full = np.empty(_HEADS * M, F32)
     wf, w3, w2, w1 = _rows_view(w)
+    xf, x3, x2, x1 = _rows_view(x)
+    df, d3, d2, d1 = _rows_view(dst)
+    mf, m3, m2, m1 = _rows_view(mask)
     u = u0
     while u < u1:
         i3, i2 = u // B2, u % B2
@@ -576,20 +579,22 @@ def _h_rows(w, x, dst, tiny, u0, u1, mask, skip):
         o = (i3 // r3) * w3 + (i2 // r2) * w2
         for n in range(N):
             for j in range(g):
-                xr = x[i3, i2 + j, n]
+                xr = xf[i3 * x3 + (i2 + j) * x2 + n * x1:][:K]
                 for k in range(K):
                     Y[j * K + k] = _round_half(xr[k])
             s0, s1 = 0, ks // nl                                # the lane steps to run
             if skip == SKIP_KQV:                                # all-zero steps at either end skipped
                 s0, s1 = _live_steps(Y, 1, K, s1, 8) if tiny else _live_steps(Y, g, K, s1, 32)
-            mrow = mask[i3 % mask.shape[0], i2 % mask.shape[1], n % mask.shape[2]]
+            mo = (i3 % mask.shape[0]) * m3 + (i2 % mask.shape[1]) * m2 + (n % mask.shape[2]) * m1
+            mrow = mf[mo:mo + mask.shape[3]]
             out = res
             if tiny:
                 _rows_tiny(wf, o, w1, Y, s0, s1, mrow, skip, res, M)
             else:
                 out = _rows_vec(wf, o, w1, Y, s0, s1, mrow, skip, res, lanes, live, full, M, K, ks, g)
             for j in range(g):
-                dst[i3, i2 + j, n] = out[j * M:(j + 1) * M]
+                do = i3 * d3 + (i2 + j) * d2 + n * d1
+                df[do:do + M] = out[j * M:(j + 1) * M]
         u += g
 
 
@@ -865,7 +870,8 @@ def soft_max(x, scale, mask, slopes, has_mask, dst):
     such cells change neither the max nor the sum (+0 chunks), and their p is +0. So rows whose mask
     hides most cells (a server's interleaved sequences) take _soft_max_sparse, and the others run only
     up to their last whole 8-cell chunk holding an unmasked cell (_live_cells: a KV stream's cells past
-    its sequence's end, up to n_kv's padding to 256). Same bits. Every pass but the sum vectorises."""
+    its sequence's end, up to n_kv's padding to 256). Same bits. Every pass but the sum vectorises: rows
+    are read as slices of flat views (_rows_view), so x, mask and dst need contiguous rows (ops checks)."""
     _rows_threads(_soft_max_serial, _soft_max_par, x.shape[0] * x.shape[1] * x.shape[2], x.shape[3],
                   x, scale, mask, slopes, has_mask, dst)
 
@@ -886,15 +892,19 @@ def _soft_max_par(x, scale, mask, slopes, has_mask, dst, n_chunks):
 def _soft_max_rows(x, scale, mask, slopes, has_mask, dst, r0, r1):
     """Rows r0 .. r1-1 of x (row r = (i3 * ne2 + i2) * ne1 + i1)."""
     _ne3, ne2, ne1, ne0 = x.shape
-    m3, m2 = mask.shape[0], mask.shape[1]
+    xf, x3, x2, x1 = _rows_view(x)
+    df, d3, d2, d1 = _rows_view(dst)
+    mf, m3, m2, m1 = _rows_view(mask)
     w = np.empty(ne0, F32)
     wc = np.empty(ne0, F32)
     idx = np.empty(ne0, np.int64)
     for r in range(r0, r1):
         i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
         sl = slopes[i2]
-        xr, dr = x[i3, i2, i1], dst[i3, i2, i1]
-        mr = mask[i3 % m3, i2 % m2, i1 % mask.shape[2]]            # (a dummy without a mask)
+        xr = xf[i3 * x3 + i2 * x2 + i1 * x1:][:ne0]
+        dr = df[i3 * d3 + i2 * d2 + i1 * d1:][:ne0]
+        mo = (i3 % mask.shape[0]) * m3 + (i2 % mask.shape[1]) * m2 + (i1 % mask.shape[2]) * m1
+        mr = mf[mo:][:mask.shape[3]]                            # (a dummy without a mask)
         n = ne0
         if has_mask and sl > 0:
             n, k = _live_cells(xr, mr)

@@ -179,6 +179,8 @@ def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | N
                 and array(c).flags.c_contiguous):
             n, cont = 4, _in_source_order(array(c), perm)
     mask = array(sm.src[1])
+    if not ops._has_unit_rows(a_kq, a_sm, a_kqv, mask):        # (the kernels read rows as slices)
+        return None
     in_place = (a_sm.ctypes.data, a_sm.shape, a_sm.strides) == (a_kq.ctypes.data, a_kq.shape, a_kq.strides)
     first = [a_kq] if in_place else [a_kq, a_sm]            # the first loop's results, then what it reads
     if (_overlap(first, [pk[0], pk[1], mask]) or _overlap([a_kqv], [a_sm, pv[0]])

@@ -410,10 +410,13 @@ def _mul_mat_float(t, dst, srcs, opts, mask=None, skip: int = 0) -> bool:
 
 def _unit_rows(a: np.ndarray) -> np.ndarray:
     """a, or a contiguous copy if its rows are not contiguous (fkernels.mul_mat reads rows as slices)."""
-    st = a.strides
-    if st[-1] == a.itemsize and min(st) >= 0:
-        return a
-    return np.ascontiguousarray(a)
+    return a if _has_unit_rows(a) else np.ascontiguousarray(a)
+
+
+def _has_unit_rows(*arrays: np.ndarray) -> bool:
+    """Every array's rows are contiguous and no stride is negative: what fkernels' kernels that read
+    rows as slices of a flat view (fkernels._rows_view) take."""
+    return all(a.strides[-1] == a.itemsize and min(a.strides) >= 0 for a in arrays)
 
 
 def _get_rows(t, dst, srcs, opts):
@@ -496,7 +499,8 @@ def _soft_max(t, dst, srcs, opts):
     assert a_t is not None
     has_mask = len(t.src) > 1 and t.src[1] is not None
     fk = _fk(opts)
-    if fk and _all_f32(t, 2 if has_mask else 1) and a_t.ne[0] % 8 == 0:
+    if fk and _all_f32(t, 2 if has_mask else 1) and a_t.ne[0] % 8 == 0 and \
+            _has_unit_rows(srcs[0], dst, *srcs[1:2 if has_mask else 1]):
         slopes = _alibi_slopes_cached(a_t.ne[2], max_bias)
         fk.soft_max(srcs[0], scale, srcs[1] if has_mask else _ONE4, slopes, has_mask, dst)
         return
@@ -632,6 +636,8 @@ def _bind_attention(t, dst, srcs, b: Binding) -> Bound | None:
     fk, array = b.fk, b.array
     assert fk is not None and array is not None
     mask = array(b.consumers[t][0].src[1]) if skip == 1 else None      # KQ: the soft_max's mask
+    if not _has_unit_rows(dst, *([] if mask is None else [mask])):
+        return None
     return fk.bind_mul_mat(w, x, dst, tiny, True, mask, skip)
 
 
@@ -680,7 +686,8 @@ def _bind_soft_max(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound 
     assert a_t is not None
     has_mask = len(t.src) > 1 and t.src[1] is not None
     fk = b.fk
-    if fk is None or not _all_f32(t, 2 if has_mask else 1) or a_t.ne[0] % 8:
+    if fk is None or not _all_f32(t, 2 if has_mask else 1) or a_t.ne[0] % 8 or \
+            not _has_unit_rows(srcs[0], dst, *srcs[1:2 if has_mask else 1]):
         return None
     scale, slopes = F32(t.op_param(0, 1.0)), _alibi_slopes_cached(a_t.ne[2], float(t.op_param(1, 0.0)))
     return fk.bind_soft_max(srcs[0], scale, srcs[1] if has_mask else _ONE4, slopes, has_mask, dst)
