@@ -164,10 +164,12 @@ def _group(kind, T, V):
     return group_intrinsic(kind, T, V, _block, N, "avx2")
 
 
-# qpack's signature and names, as vnni.py's: two tokens per call (*_x2) or one (*_x1)
+# qpack's signature and names, as vnni.py's: two tokens per call (*_x2) or one (*_x1). The chain (repacked
+# Q4_0) keeps one accumulator per row vector, so one token runs all 8 in one pass: each block read once, in
+# order (hot, the same time as two passes of 4; decode-shaped cold products 5-10% faster on the AVX2 host)
 q4_0_x2, q4_0_x1 = _group("q4_0", 2, 1), _group("q4_0", 1, 2)
 q4_1_x2, q4_1_x1 = _group("q4_1", 2, 1), _group("q4_1", 1, 2)
-chain_x2, chain_x1 = _group("chain", 2, 2), _group("chain", 1, 4)
+chain_x2, chain_x1 = _group("chain", 2, 2), _group("chain", 1, 8)
 q8_0_x2, q8_0_x1 = _group("q8_0", 2, 1), _group("q8_0", 1, 2)
 q5_0_x2, q5_0_x1 = _group("q5_0", 2, 1), _group("q5_0", 1, 2)
 q5_1_x2, q5_1_x1 = _group("q5_1", 2, 1), _group("q5_1", 1, 2)
