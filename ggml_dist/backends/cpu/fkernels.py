@@ -320,7 +320,7 @@ def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
         _mm(w, x, dst, tiny, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
 
 
-def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont):
+def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, one_loop=False):
     """The attention chain KQ = K.Q (cells the mask hides skipped) -> SOFT_MAX(KQ * scale + mask) ->
     KQV = V.softmax [-> CONT of KQV permuted] as one call, for arrays fixed from now on: per slice
     (query head), _mm_h_rows, _soft_max_rows and _mm_h_rows again, so the same bits as the three
@@ -330,8 +330,11 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
     destination seen in KQV's index order (or None). The caller checks that kq and sm overlap neither
     each other (but sm on kq exactly: an in-place soft_max) nor q, mask or K, and kqv neither sm nor V
     (the allocator may put KQV over Q, dead once KQ has read it), and cont not kqv: a thread's writes
-    must not land where another thread still reads. The 4-d arrays travel as one view_block (entry.py):
-    F16 bits of K and V, F32 others (a mask of another type: None, the chain's ops then bound one by one)."""
+    must not land where another thread still reads. one_loop: the caller has checked that no thread's
+    writes land where another thread reads at any time (KQV over nothing but its own heads' Q, the
+    scores over nothing V), so each thread runs its heads' KQ, soft_max and KQV in one loop: one
+    launch, not two (~5 us each). The 4-d arrays travel as one view_block (entry.py): F16 bits of K
+    and V, F32 others (a mask of another type: None, the chain's ops then bound one by one)."""
     has_cont = cont is not None
     cont = kqv if cont is None else cont
     views = (kw, q, kq, mask, sm, vw, kqv, cont, _NO_MASK)          # one view_block (entry.py): _views
@@ -340,7 +343,8 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
         return None
     args = (view_block(views, dtypes), tiny_kq, scale, slopes, tiny_kqv, has_cont)
     return keep_alive(bind_split(q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK,
-                                 (_attention_serial, *args), (_attention_par, *args)), views)
+                                 (_attention_serial, *args),
+                                 (_attention_par1 if one_loop else _attention_par, *args)), views)
 
 
 @njit(cache=True, inline="always")
@@ -360,14 +364,34 @@ def _attention_serial(block, tiny_kq, scale, slopes, tiny_kqv, has_cont):
         _copy4(kqv, cont)
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _attention_par(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, n_chunks):
-    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
+@njit(cache=True, inline="always")
+def _head_runs(q, kw, n_chunks):
+    """(r2, n, n_chunks): the attention's slices in n units of r2 (whole KV heads, as _mm_h_rows_par
+    splits them), over at most n_chunks threads."""
     r2 = q.shape[1] // kw.shape[1]
     if q.shape[0] * q.shape[1] // r2 < n_chunks:
         r2 = 1
-    n = q.shape[0] * q.shape[1] // r2                           # units of r2 slices (_mm_h_rows_par's)
-    n_chunks = min(n, n_chunks)
+    n = q.shape[0] * q.shape[1] // r2
+    return r2, n, min(n, n_chunks)
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _attention_par1(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, n_chunks):
+    """_attention_par in one parallel loop (bind_attention's one_loop)."""
+    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
+    r2, n, n_chunks = _head_runs(q, kw, n_chunks)
+    for c in prange(n_chunks):
+        u0, u1 = r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks)
+        _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, u0, u1)
+        _mm_h_rows(vw, sm, kqv, tiny_kqv, u0, u1, nomask, _I64(SKIP_KQV))
+    if has_cont:
+        _copy4(kqv, cont)
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _attention_par(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, n_chunks):
+    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
+    r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
         _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks))
     for c in prange(n_chunks):

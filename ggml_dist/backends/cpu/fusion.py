@@ -190,8 +190,18 @@ def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | N
     slopes = _alibi_slopes_cached(kq.ne[2], float(sm.op_param(1, 0.0)))
     fk = b.fk
     assert fk is not None
-    call = fk.bind_attention(pk[0], pk[1], a_kq, mask, pk[2], scale, slopes, a_sm, pv[0], pv[2], a_kqv, cont)
+    one_loop = (not _overlap(first, [pv[0]]) and not _overlap([a_kqv], [pk[0], mask, a_kq])
+                and (_same_rows(a_kqv, pk[1]) or not _overlap([a_kqv], [pk[1]])))
+    call = fk.bind_attention(pk[0], pk[1], a_kq, mask, pk[2], scale, slopes, a_sm, pv[0], pv[2], a_kqv, cont,
+                             one_loop)
     return None if call is None else (call, n)
+
+
+def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
+    """a and b are the same memory indexed alike (the same start, shape, and strides along every axis
+    longer than 1): each slice of a lies over the same slice of b, which only its own thread reads."""
+    return (a.ctypes.data == b.ctypes.data and a.shape == b.shape
+            and all(sa == sb for sa, sb, e in zip(a.strides, b.strides, a.shape) if e > 1))
 
 
 def _same_or_apart(dst: np.ndarray, src: np.ndarray) -> bool:

@@ -226,6 +226,43 @@ def test_kqv_over_the_dead_queries_is_fused(ctx, rng, n_threads):
     assert_same_bits(tensor_array(out).copy(), want[out])
 
 
+@pytest.mark.parametrize("place,one_loop", [("apart", True), ("over q", True), ("over q, a head on", False)])
+def test_the_threads_take_one_loop_only_where_none_writes_what_another_reads(ctx, rng, monkeypatch, place,
+                                                                               one_loop):
+    """KQV apart from everything the threads read, or over Q exactly (each thread's heads over its own
+    heads' queries, read before it writes them): each thread runs KQ, soft_max and KQV in one parallel
+    loop (one launch). KQV over Q a head on (a thread's first KQV head lies over the queries of the
+    thread before's last head): two loops, all of KQ first. The bits are the reference's either way."""
+    from ggml_dist.backends.base import tensor_array
+    from ggml_dist.backends.cpu import fkernels as fk
+    from ggml_dist.backends.cpu import threads
+    from ggml_dist.backends.cpu.reference import _HOST
+    leafs, (kq, sm, kqv), out = _attention(ctx, 1, 9, 3, cont=False)
+    g = Graph()
+    g.build_forward_expand(out)
+    inputs = _attention_inputs(rng, leafs, 1)
+    want, _ = _run(g, out, inputs)
+    q = leafs[2]
+    if place != "apart":
+        buf = _HOST.alloc_buffer(q.nbytes + 4 * 64)                 # room for a head past Q's end
+        q.buffer, q.data = buf, 0
+        kq.src[1].buffer, kq.src[1].data = buf, 0                      # Q's permuted view moves with it
+        kqv.buffer, kqv.data = buf, 0 if place == "over q" else 4 * 64
+    for t, v in inputs.items():
+        t.buffer.set_tensor(t, v)
+    seen = []
+    real = fk.bind_attention
+    monkeypatch.setattr(fk, "bind_attention", lambda *a: seen.append(a[-1]) or real(*a))
+    assert len(BoundGraph(g, OPTS).calls) == 1 and seen == [one_loop]
+    before = threads.get_threads()
+    threads.set_threads(2)
+    try:
+        compute_graph(g, OPTS)
+    finally:
+        threads.set_threads(before)
+    assert_same_bits(tensor_array(out).copy(), want[out])
+
+
 def test_a_cont_over_the_dead_scores_is_fused(ctx, rng):
     """The CONT's destination over KQ's memory (as the allocator places it in a llama layer: the scores
     are dead once KQV has read them): the copy runs after every thread's heads, so it fuses."""
