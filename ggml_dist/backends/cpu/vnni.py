@@ -146,7 +146,7 @@ def _ha(b, a):
                   b.fadd(b.fadd(a[1], a[5]), b.fadd(a[3], a[7])))
 
 
-def _group_codegen(kind, T, V, block, n):
+def _group_codegen(kind, T, V, block, n, prefetch=True):
     """Rows of group q (bytes), scales d and mins m (f16 bits) against tokens n0 .. n0+T-1 of Y4 (codes,
     4 per int32), yz (lane starting values), dy and sy (block scales, Q8_1 sums) into res[t*R + r]. Row
     vectors v0 .. v0+V-1 (n rows each) run in one pass over the blocks, block(...) adding each block
@@ -155,7 +155,8 @@ def _group_codegen(kind, T, V, block, n):
     group arrives while this one computes: the hardware prefetchers do not follow a pass's strided
     reads across groups, and they do follow an ascending stream of prefetches (prefetching block by
     block, each pass its lines of every block, read a cold 178 MB Q8_0 weight at 10 GB/s with two
-    threads on an AVX2-only host, in order 13-15)."""
+    threads on an AVX2-only host, in order 13-15). prefetch=False emits none (pf is then ignored): where
+    one pass reads each block whole, in order, the hardware prefetchers follow it alone."""
     n_acc = 1 if kind == "chain" else 8
     n_pass = R // n // V
     lines = BLOCK_BYTES[kind] // 64                                # cache lines per block of a group
@@ -177,7 +178,7 @@ def _group_codegen(kind, T, V, block, n):
                   for t in range(T) for v in vs}
             with cgutils.for_range(b, nb) as loop:
                 blk = loop.index
-                with b.if_then(pf, likely=False):
+                with b.if_then(pf if prefetch else ir.Constant(ir.IntType(1), 0), likely=False):
                     unit = b.add(b.mul(_c64(k), nb), blk)         # lines unit*lines/n_pass ..
                     for j in range(-(-lines // n_pass)):
                         line = b.add(b.udiv(b.mul(unit, _c64(lines)), _c64(n_pass)), _c64(j))
@@ -256,9 +257,10 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                 b.store(b.fadd(b.load(sm[t, v]), b.fmul(mv, e.splat(sy[t], blk, e.FLOATS))), sm[t, v])
 
 
-def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni"):
+def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni", prefetch=True):
     """The numba intrinsic of one group's rows against T tokens, V row vectors of n rows per pass, each
-    block emitted by block(e, kind, blk, vs, ...) (default: this module's vpdpbusd _block)."""
+    block emitted by block(e, kind, blk, vs, ...) (default: this module's vpdpbusd _block); prefetch:
+    see _group_codegen."""
     block = block or _block
 
     def group(typingctx, q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf):
@@ -267,7 +269,7 @@ def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni"):
         ok = (q == pq == u8 and d == m == pd == pm == u16 and res == f32 and y4 == yz == i32x2
               and dy == sy == f32x2 and isinstance(n0, types.Integer) and isinstance(pf, types.Boolean))
         sig = types.void(q, d, m, y4, yz, types.intp, dy, sy, res, pq, pd, pm, types.boolean)
-        return (sig, _group_codegen(kind, T, V, block, n)) if ok else None
+        return (sig, _group_codegen(kind, T, V, block, n, prefetch)) if ok else None
     group.__name__ = name = f"{isa}_{kind}_x{T}"
     group.__doc__ = (f"{name}(q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf): one group's {R} rows "
                      f"against tokens n0 .. n0+{T - 1}, prefetching the next group's (pq, pd, pm) if pf "
