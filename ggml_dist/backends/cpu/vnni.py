@@ -277,10 +277,13 @@ def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni", prefetch=True):
     return intrinsic(group)
 
 
-# two tokens per call; a lone token with two (Q4) or four (Q8_0) row vectors per pass
+# two tokens per call; a lone token with two (Q4) or four (Q8_0) row vectors per pass. The chain (repacked
+# Q4_0, one accumulator per row vector) runs a lone token's four in one pass that reads each block whole, in
+# order, and prefetches nothing, as avx2.py's: 1.1B Q4_0 decode step (2 threads, Zen 4) ~29.4 -> ~26.2 ms,
+# medians of 6 alternating runs. Q8_0's single pass without its prefetch was no faster (cold 178 MB).
 q4_0_x2, q4_0_x1 = group_intrinsic("q4_0", 2, 1), group_intrinsic("q4_0", 1, 2)
 q4_1_x2, q4_1_x1 = group_intrinsic("q4_1", 2, 1), group_intrinsic("q4_1", 1, 2)
-chain_x2, chain_x1 = group_intrinsic("chain", 2, 1), group_intrinsic("chain", 1, 2)
+chain_x2, chain_x1 = group_intrinsic("chain", 2, 1), group_intrinsic("chain", 1, 4, prefetch=False)
 q8_0_x2, q8_0_x1 = group_intrinsic("q8_0", 2, 1), group_intrinsic("q8_0", 1, 4)
 q5_0_x2, q5_0_x1 = group_intrinsic("q5_0", 2, 1), group_intrinsic("q5_0", 1, 2)
 q5_1_x2, q5_1_x1 = group_intrinsic("q5_1", 2, 1), group_intrinsic("q5_1", 1, 2)
