@@ -15,10 +15,11 @@ from .ubatch import Batch
 
 
 def compile_kernels(path: str | Path) -> None:
-    """Decode a prompt of 16 tokens and then 2 single tokens of the model at 1 thread and at all of them
-    with the compiled kernels: every kernel and specialization such a run takes lands in the cache."""
+    """Decode a prompt of 32 tokens and then 2 single tokens of the model at 1 thread and at all of them
+    with the compiled kernels: every kernel and specialization such a run takes lands in the cache (32
+    rows are enough for the row ops' thread split, fkernels._ROW_PARALLEL_WORK, from 512 columns)."""
     model = LlamaModel.load(path)
-    prompt = [int(t) % model.hp.n_vocab for t in range(1, 17)]
+    prompt = [int(t) % model.hp.n_vocab for t in range(1, 33)]
     for n in sorted({1, kernel_threads.get_threads()}):
         kernel_threads.set_threads(n)
         ctx = LlamaContext(model, ContextParams(n_ctx=64, n_batch=32, n_ubatch=32))

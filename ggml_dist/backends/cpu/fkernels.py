@@ -843,27 +843,51 @@ def _tail(wt, yj, res, ks, K):
 def rms_norm(x, eps, wgt, fused, dst):
     """ggml_compute_forward_rms_norm_f32 per row: sum of double(f32(x*x)) in order; mean = f32(sum/n);
     scale = f32(1/sqrt(f32(mean + eps))); y = f32(x*scale). fused: then y = f32(y * wgt[...]) (the MUL
-    by the norm weight, wgt broadcast over dst by index modulo its extent; ggml's fusion, same bits)."""
-    ne3, ne2, ne1, _ne0 = x.shape
-    for i3 in range(ne3):
-        for i2 in range(ne2):
-            for i1 in range(ne1):
-                _rms_row(x, eps, wgt, fused, dst, i3, i2, i1)
+    by the norm weight, wgt broadcast over dst by index modulo its extent; ggml's fusion, same bits).
+    The sequential double sum does not vectorise: a prompt's rows are split among the threads
+    (bind_rms_norm), as ggml's are."""
+    _rms_norm_rows(x, eps, wgt, fused, dst, 0, x.shape[0] * x.shape[1] * x.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _rms_norm_par(x, eps, wgt, fused, dst, n_chunks):
+    n = x.shape[0] * x.shape[1] * x.shape[2]
+    for c in prange(n_chunks):
+        _rms_norm_rows(x, eps, wgt, fused, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+@njit(cache=True, inline="always")
+def _rms_norm_rows(x, eps, wgt, fused, dst, r0, r1):
+    _ne3, ne2, ne1, _ne0 = x.shape
+    for r in range(r0, r1):
+        _rms_row(x, eps, wgt, fused, dst, r // (ne2 * ne1), r // ne1 % ne2, r % ne1)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def add_rms_norm(a, b, s, eps, wgt, dst):
     """ADD, RMS_NORM and the MUL by the norm weight as one call (a layer's residual add and the next
     norm): s = f32(a + b) (the sum's own tensor, which the residual stream reads again), then dst =
-    rms_norm(s) fused with wgt, row by row. The same bits as the three kernels; s may alias a or b."""
-    ne3, ne2, ne1, ne0 = s.shape
-    for i3 in range(ne3):
-        for i2 in range(ne2):
-            for i1 in range(ne1):
-                ar, br, sr = a[i3, i2, i1], b[i3, i2, i1], s[i3, i2, i1]
-                for i in range(ne0):
-                    sr[i] = ar[i] + br[i]
-                _rms_row(s, eps, wgt, True, dst, i3, i2, i1)
+    rms_norm(s) fused with wgt, row by row. The same bits as the three kernels; s may alias a or b (a
+    row reads only its own row, so rows split among threads too: bind_add_rms_norm)."""
+    _add_rms_norm_rows(a, b, s, eps, wgt, dst, 0, s.shape[0] * s.shape[1] * s.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _add_rms_norm_par(a, b, s, eps, wgt, dst, n_chunks):
+    n = s.shape[0] * s.shape[1] * s.shape[2]
+    for c in prange(n_chunks):
+        _add_rms_norm_rows(a, b, s, eps, wgt, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
+@njit(cache=True, inline="always")
+def _add_rms_norm_rows(a, b, s, eps, wgt, dst, r0, r1):
+    _ne3, ne2, ne1, ne0 = s.shape
+    for r in range(r0, r1):
+        i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
+        ar, br, sr = a[i3, i2, i1], b[i3, i2, i1], s[i3, i2, i1]
+        for i in range(ne0):
+            sr[i] = ar[i] + br[i]
+        _rms_row(s, eps, wgt, True, dst, i3, i2, i1)
 
 
 @njit(cache=True, inline="always")
@@ -1191,6 +1215,16 @@ def bind_soft_max(x, scale, mask, slopes, has_mask, dst) -> Callable[[], None]:
     """soft_max, bound (bind_rows)."""
     return bind_rows(_soft_max_serial, _soft_max_par, _n_rows(x), x.shape[3], x, scale, mask, slopes,
                      has_mask, dst)
+
+
+def bind_rms_norm(x, eps, wgt, fused, dst) -> Callable[[], None]:
+    """rms_norm, bound (bind_rows)."""
+    return bind_rows(rms_norm, _rms_norm_par, _n_rows(x), x.shape[3], x, eps, wgt, fused, dst)
+
+
+def bind_add_rms_norm(a, b, s, eps, wgt, dst) -> Callable[[], None]:
+    """add_rms_norm, bound (bind_rows)."""
+    return bind_rows(add_rms_norm, _add_rms_norm_par, _n_rows(s), s.shape[3], a, b, s, eps, wgt, dst)
 
 
 def bind_swiglu(g, u, dst) -> Callable[[], None]:

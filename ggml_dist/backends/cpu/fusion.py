@@ -112,7 +112,7 @@ def _consecutive(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
         if w is not None and x is not None:
             a_x, dst = array(x), array(nodes[i + 1])
             if _same_or_apart(dst, a_x):
-                return fk.bound(fk.rms_norm, a_x, np.float32(t.op_param(0)), array(w), True, dst), 2
+                return fk.bind_rms_norm(a_x, np.float32(t.op_param(0)), array(w), True, dst), 2
     if t.op == Op.ADD and i + 1 < len(nodes) and nodes[i + 1].op == Op.RMS_NORM:
         norm = nodes[i + 1]
         w = _norm_weight(nodes, i + 1, b)
@@ -121,8 +121,7 @@ def _consecutive(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
                 and all(x.type == GGMLType.F32 for x in (t, a, c)) and a.ne == c.ne == t.ne):
             a_a, a_c, dst = array(a), array(c), array(nodes[i + 2])
             if _same_or_apart(dst, a_a) and _same_or_apart(dst, a_c):
-                return fk.bound(fk.add_rms_norm, a_a, a_c, array(t), np.float32(norm.op_param(0)), array(w),
-                                dst), 3
+                return fk.bind_add_rms_norm(a_a, a_c, array(t), np.float32(norm.op_param(0)), array(w), dst), 3
     if t.op == Op.MUL_MAT:
         return _attention(nodes, i, b)
     if t.op == Op.ROPE:

@@ -660,7 +660,7 @@ def _bind_rms_norm(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound 
     fk = b.fk
     if fk is None or not _all_f32(t, 1):
         return None
-    return fk.bound(fk.rms_norm, srcs[0], F32(t.op_param(0)), _ONE4, False, dst)
+    return fk.bind_rms_norm(srcs[0], F32(t.op_param(0)), _ONE4, False, dst)
 
 
 def _bind_glu(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:

@@ -446,7 +446,7 @@ def test_fast_path_is_taken():
 # -- row ops split across threads ------------------------------------------------------------------------
 @pytest.mark.parametrize("n_chunks", [2, 3, 7])
 def test_row_ops_split_across_threads_same_bits(rng, n_chunks):
-    """soft_max, swiglu and rope split by rows (fkernels._rows_threads): every split gives the one-thread
+    """soft_max, swiglu, rope and the norms split by rows (fkernels._rows_threads): every split gives the one-thread
     bits, with rows of one KV stream's mask, in-place soft_max included."""
     x = randn(rng, 8, 9, 1, 256, scale=4.0)
     mask = np.full((8, 1, 1, 256), -np.inf, np.float32)
@@ -471,6 +471,20 @@ def test_row_ops_split_across_threads_same_bits(rng, n_chunks):
     fk._rope_serial(q, cos, sin, 64, True, one)
     fk._rope_par(q, cos, sin, 64, True, par, n_chunks)
     assert_same_bits(one, par)
+    x, r, w = randn(rng, 1, 3, 5, 640, scale=3.0), randn(rng, 1, 3, 5, 640), randn(rng, 1, 1, 1, 640)
+    for fused in (False, True):
+        one, par = np.empty_like(x), np.empty_like(x)
+        fk.rms_norm(x, np.float32(1e-6), w, fused, one)
+        fk._rms_norm_par(x, np.float32(1e-6), w, fused, par, n_chunks)
+        assert_same_bits(one, par)
+    s_one, s_par, one, par = (np.empty_like(x) for _ in range(4))
+    fk.add_rms_norm(x, r, s_one, np.float32(1e-6), w, one)
+    fk._add_rms_norm_par(x, r, s_par, np.float32(1e-6), w, par, n_chunks)
+    assert_same_bits(one, par)
+    assert_same_bits(s_one, s_par)
+    fk._add_rms_norm_par(x, r, x, np.float32(1e-6), w, par, n_chunks)       # the sum over its input
+    assert_same_bits(one, par)
+    assert_same_bits(s_one, x)
 
 
 # -- the bound replay's binders (cpu_ops._BINDERS) ---------------------------------------------------
