@@ -156,6 +156,27 @@ def test_run_model_without_llamacpp(tiny_model, monkeypatch):
     json.loads(json.dumps(out))
 
 
+def test_rounds_alternate_and_take_medians(monkeypatch, tiny_model):
+    """--rounds: ours and llama.cpp alternate; tok/s are medians, a ratio the median of the rounds'."""
+    calls = []
+    figures = {"ours": iter([(100, 10), (300, 30), (200, 20)]), "llamacpp": iter([(100, 5), (100, 40), (100, 10)])}
+
+    def child(which, *args):
+        calls.append(which)
+        p, d = next(figures[which])
+        info = {"ours": {"kernels": "avx2"}} if which == "ours" else \
+            {"llamacpp": {"flash_attn": {"resolved": "enabled"}}}
+        return {"prompt_tok_s": p, "decode_tok_s": d, "peak_rss_mb": 1.0, "weight_bytes": 10**9, **info}
+
+    monkeypatch.setattr(decode, "_child", child)
+    m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0, rounds=3)
+    assert calls == ["ours", "llamacpp"] * 3
+    assert m["rounds"] == 3 and m["decode_tok_s"] == 20 and m["llamacpp_decode_tok_s"] == 10
+    assert m["decode_ratios"] == [2.0, 0.75, 2.0] and m["decode_ratio"] == 2.0
+    assert m["prompt_ratios"] == [1.0, 3.0, 2.0] and m["prompt_ratio"] == 2.0
+    assert m["decode_gb_s"] == 20.0
+
+
 @pytest.mark.parametrize("setting", ["default", "on", "off"])
 def test_llamacpp_flash_attention_setting(tiny_model, setting):
     llama_cpp = pytest.importorskip("llama_cpp")

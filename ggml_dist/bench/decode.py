@@ -2,10 +2,12 @@
 peak RSS, the decode bandwidth achieved (weight bytes x tok/s) and a plain numpy copy bandwidth.
 
     ggml-dist bench decode [--model smollm2-135m] [--tinyllama] [--threads 2] [--prompt-len 128]
-                           [--gen 64] [--llamacpp-flash-attn {default,on,off}] --json
+                           [--gen 64] [--llamacpp-flash-attn {default,on,off}] [--rounds 1] --json
 
 Each measurement runs in its own subprocess, so peak RSS is the engine's own; llama.cpp is measured
-through llama-cpp-python (the dev extra) and skipped with a note when it is not installed.
+through llama-cpp-python (the dev extra) and skipped with a note when it is not installed. --rounds N
+alternates the two N times and reports medians and the median of the rounds' ratios (on a shared VM
+the speed of both drifts by tens of percent between runs).
 
 So that a ratio says what it compares, the JSON names the SIMD of both sides: the host's CPU and its
 x86 flags ("host"), the kernel path ours ran ("ours": VNNI, AVX2 or the float kernels) and the flags the
@@ -338,30 +340,41 @@ def _child(which: str, path: str, prompt_len: int, gen: int, threads: int,
 
 
 def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, copy: float,
-              flash_attn: str = "default") -> dict[str, Any]:
-    ours = _child("ours", path, prompt_len, gen, threads)
-    ref = _child("llamacpp", path, prompt_len, gen, threads, flash_attn)
-    out: dict[str, Any] = {"name": name, "threads": threads, "prompt_len": prompt_len, "gen": gen}
-    if "error" in ours:
-        out["error"] = ours["error"]
+              flash_attn: str = "default", rounds: int = 1) -> dict[str, Any]:
+    """Ours and llama.cpp, each in a fresh process, alternating `rounds` times. The tok/s are the
+    medians of the rounds, a ratio the median of the rounds' own ratios (on a noisy host the speed
+    drifts between runs: a ratio of neighbouring runs compares like with like); the rounds' ratios are
+    listed too."""
+    runs = [(_child("ours", path, prompt_len, gen, threads),
+             _child("llamacpp", path, prompt_len, gen, threads, flash_attn)) for _ in range(rounds)]
+    out: dict[str, Any] = {"name": name, "threads": threads, "prompt_len": prompt_len, "gen": gen,
+                           "rounds": rounds}
+    failed = next((o for o, _ in runs if "error" in o), None)
+    if failed is not None:
+        out["error"] = failed["error"]
         return out
-    out.update({"prompt_tok_s": round(ours["prompt_tok_s"], 2), "decode_tok_s": round(ours["decode_tok_s"], 2),
-                "peak_rss_mb": round(ours["peak_rss_mb"], 1),
-                "decode_gb_s": round(ours["weight_bytes"] * ours["decode_tok_s"] / 1e9, 3),
+    ours = [o for o, _ in runs]
+    med = {k: float(np.median([o[k] for o in ours])) for k in ("prompt_tok_s", "decode_tok_s")}
+    out.update({"prompt_tok_s": round(med["prompt_tok_s"], 2), "decode_tok_s": round(med["decode_tok_s"], 2),
+                "peak_rss_mb": round(max(o["peak_rss_mb"] for o in ours), 1),
+                "decode_gb_s": round(ours[0]["weight_bytes"] * med["decode_tok_s"] / 1e9, 3),
                 "copy_gb_s": round(copy, 2), "file_mb": round(os.path.getsize(path) / 2**20, 1),
-                "kernels": ours["ours"]["kernels"], "_ours": ours["ours"]})
-    if "error" in ref:
-        out["llamacpp_note"] = f"llama.cpp not measured: {ref['error']}"
+                "kernels": ours[0]["ours"]["kernels"], "_ours": ours[0]["ours"]})
+    ref_failed = next((r for _, r in runs if "error" in r), None)
+    if ref_failed is not None:
+        out["llamacpp_note"] = f"llama.cpp not measured: {ref_failed['error']}"
         out.update({"llamacpp_prompt_tok_s": None, "llamacpp_decode_tok_s": None,
                     "decode_ratio": None, "prompt_ratio": None, "llamacpp_flash_attn": None})
-    else:
-        out.update({"llamacpp_prompt_tok_s": round(ref["prompt_tok_s"], 2),
-                    "llamacpp_decode_tok_s": round(ref["decode_tok_s"], 2),
-                    "decode_ratio": round(ours["decode_tok_s"] / ref["decode_tok_s"], 3),
-                    "prompt_ratio": round(ours["prompt_tok_s"] / ref["prompt_tok_s"], 3),
-                    "llamacpp_peak_rss_mb": round(ref["peak_rss_mb"], 1),
-                    "llamacpp_flash_attn": ref["llamacpp"]["flash_attn"]["resolved"],
-                    "_llamacpp": ref["llamacpp"]})
+        return out
+    refs = [r for _, r in runs]
+    for k in ("prompt", "decode"):
+        ratios = [o[f"{k}_tok_s"] / r[f"{k}_tok_s"] for o, r in runs]
+        out[f"llamacpp_{k}_tok_s"] = round(float(np.median([r[f"{k}_tok_s"] for r in refs])), 2)
+        out[f"{k}_ratio"] = round(float(np.median(ratios)), 3)
+        out[f"{k}_ratios"] = [round(x, 3) for x in ratios]
+    out.update({"llamacpp_peak_rss_mb": round(max(r["peak_rss_mb"] for r in refs), 1),
+                "llamacpp_flash_attn": refs[0]["llamacpp"]["flash_attn"]["resolved"],
+                "_llamacpp": refs[0]["llamacpp"]})
     return out
 
 
@@ -397,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="llama.cpp's flash attention: its own default (llama_context_default_params(); "
                          "'auto' in current llama.cpp: on for CPU layers), or forced on/off; ours has no "
                          "fused flash-attention op either way")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="ours and llama.cpp alternate this many times (fresh processes): medians, and the "
+                         "median of the rounds' ratios")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -413,7 +429,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.tinyllama:
         from ..model.synthetic import TINYLLAMA_Q4_0, cached_synthetic
         models.append(("tinyllama-1.1b-q4_0-synthetic", str(cached_synthetic(TINYLLAMA_Q4_0))))
-    measured = [run_model(n, p, a.prompt_len, a.gen, a.threads, copy, a.llamacpp_flash_attn) for n, p in models]
+    if a.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    measured = [run_model(n, p, a.prompt_len, a.gen, a.threads, copy, a.llamacpp_flash_attn, a.rounds)
+                for n, p in models]
     print(json.dumps(summarize(measured, host_info(), a.llamacpp_flash_attn)))
     return 0
 
