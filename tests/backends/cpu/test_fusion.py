@@ -133,6 +133,33 @@ def test_a_replay_repeats_the_fused_bits(ctx, rng):
     assert_same_bits(tensor_array(out).copy(), want[out])
 
 
+def test_a_replay_follows_a_tensor_placed_elsewhere(ctx, rng):
+    """The bound graph is replayed while no tensor was placed (placement_epoch unchanged), and also after
+    a placement elsewhere that leaves its tensors where they were; a tensor of its own placed in another
+    buffer makes it bind again, so the result lands in the new place."""
+    from ggml_dist.backends.base import tensor_array
+    from ggml_dist.backends.cpu.backend import _BOUND
+    from ggml_dist.backends.cpu.reference import _HOST
+    from ggml_dist.core.tensor import nbytes, placement_epoch
+    x, r, w, s, norm, out = _norm_layer(ctx, 3, 48, True)
+    g = Graph()
+    g.build_forward_expand(out)
+    want, _ = _run(g, out, {x: randn(rng, 3, 48), r: randn(rng, 3, 48), w: randn(rng, 48)})
+    bound = _BOUND[id(g)]
+    epoch = placement_epoch()
+    compute_graph(g)
+    assert _BOUND[id(g)] is bound and placement_epoch() == epoch
+    other = ctx.new_tensor(F32, (4,))
+    other.buffer, other.data = _HOST.alloc_buffer(16), 0     # placed: not one of the graph's
+    assert placement_epoch() != epoch
+    compute_graph(g)
+    assert _BOUND[id(g)] is bound
+    out.buffer, out.data = _HOST.alloc_buffer(nbytes(out)), 0
+    compute_graph(g)
+    assert _BOUND[id(g)] is not bound
+    assert_same_bits(tensor_array(out).copy(), want[out])
+
+
 def _attention(ctx, n_tok, n_head, n_head_kv, cont=True):
     """A llama layer's attention on KV-cache views (test_fast_ops' shapes): K rows of the cache, V^T
     rows of kv_size cells, Q permuted, n_kv cells of which the first 37 are used."""
