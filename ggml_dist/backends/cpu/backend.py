@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from operator import attrgetter
+from threading import get_ident
 
 import numpy as np
 
@@ -32,8 +33,10 @@ from ..base import (
     array_at,
     tensor_array,
 )
+from .entry import Flat, flat
 from .fusion import fuse
 from .ops import KERNELS, QUANT_SRC_OPS, Binding, ComputeOptions, bind, resolve
+from .threads import get_threads, launch
 
 TENSOR_ALIGNMENT = 32               # ggml's CPU buffer alignment
 
@@ -188,7 +191,9 @@ class BoundGraph:
     products of one activation) become one call. A replay only checks that no tensor was re-bound since
     (the allocator replays the same addresses for a reused graph), runs the prologue (per-step values
     several calls share) and walks the list: no graph walk, no view construction, no option lookups
-    per op."""
+    per op. After one replay by a thread at a thread count, the next ones by it at that count are flat
+    (entry.flat): each call's entry point called with its arguments, under one launch() for them all,
+    without the bound calls' own frames (a SmolLM2 decode step makes 273 calls)."""
 
     def __init__(self, graph: Graph, opts: ComputeOptions) -> None:
         self.graph, self.opts = graph, opts
@@ -219,6 +224,8 @@ class BoundGraph:
             self.calls.append(fused[0])
             taken.update(fused[1])
         self.prologue = b.prologue
+        self._flat: list[Flat] = []
+        self._flat_for: tuple[int, int] | None = None   # the (thread, thread count) _flat was made by
         self._tensors = list(tensors)
         self._buffers, self._datas = list(map(_BUFFER, self._tensors)), list(map(_DATA, self._tensors))
 
@@ -237,8 +244,17 @@ class BoundGraph:
     def run(self) -> None:
         for call in self.prologue:
             call()
+        key = (get_ident(), get_threads())
+        if key == self._flat_for:
+            with launch():
+                for f, args, fallback in self._flat:
+                    if f(*args) is False and fallback is not None:
+                        fallback()
+            return
         for call in self.calls:
             call()
+        self._flat = [flat(call, key[1]) or (call, (), None) for call in self.calls]
+        self._flat_for = key
 
 
 _BUFFER, _DATA = attrgetter("buffer"), attrgetter("data")

@@ -9,6 +9,11 @@
                             kernel(*args, *more) through the entry point of its first call's
                             arguments (a parallel twin, given its thread count: a run at one thread
                             never launches it, and so never compiles it)
+    Split(serial, parallel, most)
+                            a bound op that may split across threads: the serial Lazy at one thread,
+                            else the parallel one under launch()
+    flat(call, n_threads)   a bound call as (entry point, arguments, fallback) once its entry points are
+                            resolved: what a replay calls without the bound call's own Python frames
 
 A dispatcher call types every argument and looks its overload up on every call (~0.05 us an array:
 0.6 us of an attention call's 14 arguments, against 1.3 us for the whole call of its entry point), and a
@@ -55,6 +60,7 @@ from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
+from .threads import get_threads, launch
 
 
 def arg_type(a: Any, any_layout: bool = False) -> types.Type:
@@ -89,6 +95,50 @@ class Lazy:
         if self.fn is None:
             self.fn = entry(self.kernel, *self.args, *more, any_layout=self.any_layout)
         return self.fn(*self.args, *more)
+
+
+class Split:
+    """A bound op that may split across threads: serial() at one thread, else parallel(n) under launch(),
+    n the kernels' thread count (threads.py), at most `most`; serial and parallel are Lazy."""
+
+    __slots__ = ("keep_alive", "most", "parallel", "serial")
+
+    def __init__(self, serial: Lazy, parallel: Lazy, most: int = 1 << 30) -> None:
+        self.serial, self.parallel, self.most = serial, parallel, most
+        self.keep_alive: tuple = ()
+
+    def __call__(self) -> None:
+        nt = min(get_threads(), self.most)
+        if nt == 1:
+            self.serial()
+            return
+        with launch():
+            self.parallel(nt)
+
+    def flat(self, n_threads: int) -> Flat | None:
+        nt = min(n_threads, self.most)
+        lazy = self.serial if nt == 1 else self.parallel
+        if lazy.fn is None:
+            return None
+        return lazy.fn, lazy.args if nt == 1 else (*lazy.args, nt), None
+
+
+Flat = tuple[Callable[..., Any], tuple, Callable[[], object] | None]
+
+
+def flat(call: Callable[[], Any], n_threads: int) -> Flat | None:
+    """A bound call (a replay's step) as (f, args, fallback): called under launch() (threads.py) by the
+    thread that made the call before, at n_threads threads, f(*args) does what call() does, except
+    that where it returns False the call would then have run fallback() (an int8 product given back: a
+    non-finite activation). A partial is its function and arguments; a call with a `flat` method
+    (Split, qpack's int8 call) says itself, None while an entry point is not resolved yet (its first
+    call compiles or loads it) or where the thread's scratch is another's; other calls are None."""
+    method = getattr(call, "flat", None)
+    if method is not None:
+        return method(n_threads)
+    if isinstance(call, partial) and not call.keywords:
+        return call.func, call.args, None
+    return None
 
 
 def pointer_block(arrays: tuple | list) -> np.ndarray:
@@ -135,7 +185,7 @@ def view_block(arrays: tuple | list, dtypes: tuple | list) -> np.ndarray:
 
 
 def keep_alive(call: Callable[..., Any], arrays: tuple | list) -> Callable[..., Any]:
-    """call (a functools.partial), holding arrays: a block holds their addresses, not them."""
+    """call (a functools.partial or a Split), holding arrays: a block holds their addresses, not them."""
     setattr(call, "keep_alive", tuple(arrays))      # noqa: B010 - a partial's attribute, not a declared one
     return call
 

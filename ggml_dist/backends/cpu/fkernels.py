@@ -41,7 +41,7 @@ from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
-from .entry import F32V4, I64V4, U16V4, Lazy, array4, bound, keep_alive, view_block
+from .entry import F32V4, I64V4, U16V4, Lazy, Split, array4, bound, keep_alive, view_block
 from .numerics import _C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4, _C_SHIFT
 from .threads import get_threads, launch
 
@@ -283,22 +283,11 @@ def bind_split(splits: bool, serial: tuple, parallel: tuple, most: int = 1 << 30
                any_layout: bool = False) -> Callable[[], None]:
     """A bound op (entry.py) that may split across threads: serial = (kernel, *args) called as it is,
     parallel = (kernel, *args) given a thread count last. Where the op is too small ever to split, the
-    serial kernel's entry itself; else split(), each entry resolved at its first call (a serial twin that
-    a run at 2 threads never calls is never compiled)."""
+    serial kernel's entry itself; else an entry.Split, each entry resolved at its first call (a serial twin
+    that a run at 2 threads never calls is never compiled)."""
     if not splits:
         return bound(*serial, any_layout=any_layout)
-    return partial(split, Lazy(*serial, any_layout=any_layout), Lazy(*parallel, any_layout=any_layout), most)
-
-
-def split(serial: Callable[[], None], parallel: Callable[[int], None], most: int = 1 << 30) -> None:
-    """serial() at one thread, else parallel(n) under launch(), n the kernels' thread count
-    (threads.py), at most `most`."""
-    nt = min(get_threads(), most)
-    if nt == 1:
-        serial()
-        return
-    with launch():
-        parallel(nt)
+    return Split(Lazy(*serial, any_layout=any_layout), Lazy(*parallel, any_layout=any_layout), most)
 
 
 def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):

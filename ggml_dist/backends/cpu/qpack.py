@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
+from functools import partial
 from threading import get_ident
 from typing import Protocol, TypeVar
 
@@ -56,7 +57,7 @@ from numba import njit, prange
 from ...core.types import GGMLType, row_size
 from . import avx2, vnni
 from .blocks import BLOCKS, QPACK_TYPES
-from .entry import F32P, I8P, I32P, U8P, U16P, array2, entry, pointer_block
+from .entry import F32P, I8P, I32P, U8P, U16P, Flat, array2, entry, pointer_block
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch
 
@@ -291,35 +292,58 @@ def int8_args(args: tuple) -> tuple:
 
 def bound_int8_call(entries: tuple[Callable, Callable], work: Callable[[int, int], tuple], N: int, K: int,
                     head: tuple, tail: tuple, big: bool, fallback: Callable[[], object] | None,
-                    pack: Callable[[tuple], tuple] = tuple) -> Callable[[], bool]:
+                    pack: Callable[[tuple], tuple] = tuple) -> Int8Call:
     """The replayed call of an int8 packed product (qpack's, kpack's): entries (serial, parallel) called
     with pack((*head, *work(N, K), *tail)), the scratch being the calling thread's (looked up again only
     when another thread calls, and kept alive with it: pack may turn arrays into their addresses); the
     parallel entry, given the thread count, where the product is big and the kernels have threads;
     fallback() where the kernel gives the product back (False: a non-finite activation). One Python
-    frame between the replay and the kernel, whose entry point (entry.py) is resolved at its first call."""
-    serial_mm, parallel_mm = entries
-    state: list = [None, (), None, None, ()]    # the thread whose scratch args holds, args, the entry
-    #                                             points, the arrays args was packed from
+    frame between the replay and the kernel, whose entry point (entry.py) is resolved at its first call;
+    none once the replay calls it flat (entry.flat)."""
+    return Int8Call(entries, partial(work, N, K), head, tail, big, fallback, pack)
 
-    def run() -> bool:
-        if state[0] != get_ident():
-            arrays = (*head, *work(N, K), *tail)
-            state[:] = [get_ident(), pack(arrays), None, None, arrays]
-        args = state[1]
-        if big and get_threads() > 1:
-            if state[3] is None:
-                state[3] = entry(parallel_mm, *args, 2)
+
+class Int8Call:
+    """bound_int8_call's call."""
+
+    __slots__ = ("args", "arrays", "big", "entries", "fallback", "head", "ident", "pack", "parallel", "serial",
+                 "tail", "work")
+
+    def __init__(self, entries: tuple[Callable, Callable], work: Callable[[], tuple], head: tuple, tail: tuple,
+                 big: bool, fallback: Callable[[], object] | None, pack: Callable[[tuple], tuple]) -> None:
+        self.entries, self.work, self.head, self.tail, self.pack = entries, work, head, tail, pack
+        self.big, self.fallback = big, fallback
+        self.ident: int | None = None               # the thread whose scratch args holds
+        self.args: tuple = ()
+        self.arrays: tuple = ()                     # what args was packed from
+        self.serial: Callable[..., bool] | None = None      # the entry points, resolved at first call
+        self.parallel: Callable[..., bool] | None = None
+
+    def __call__(self) -> bool:
+        if self.ident != get_ident():
+            self.arrays = (*self.head, *self.work(), *self.tail)
+            self.ident, self.args = get_ident(), self.pack(self.arrays)
+        args = self.args
+        if self.big and get_threads() > 1:
+            if self.parallel is None:
+                self.parallel = entry(self.entries[1], *args, 2)
             with launch() as nt:
-                ok = state[3](*args, nt)
+                ok = self.parallel(*args, nt)
         else:
-            if state[2] is None:
-                state[2] = entry(serial_mm, *args)
-            ok = state[2](*args)
-        if not ok and fallback is not None:
-            fallback()
+            if self.serial is None:
+                self.serial = entry(self.entries[0], *args)
+            ok = self.serial(*args)
+        if not ok and self.fallback is not None:
+            self.fallback()
         return ok
-    return run
+
+    def flat(self, n_threads: int) -> Flat | None:
+        """entry.flat's form, for the thread that called last."""
+        if self.ident != get_ident():
+            return None
+        if self.big and n_threads > 1:
+            return None if self.parallel is None else (self.parallel, (*self.args, n_threads), self.fallback)
+        return None if self.serial is None else (self.serial, self.args, self.fallback)
 
 
 _WORK = threading.local()

@@ -7,7 +7,9 @@
 
 numba's thread count is per calling thread, so `launch` applies it to the thread that launches (skipped
 when that thread already has it: the call costs ~3 us and a decode step makes ~150 launches), and holds
-one lock: numba's "workqueue" layer aborts on concurrent launches from two Python threads.
+one lock: numba's "workqueue" layer aborts on concurrent launches from two Python threads. The lock is
+reentrant: a bound graph's flat replay (cpu.BoundGraph) holds it around all its calls, and a call in it
+may launch again.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def _default_threads() -> int:
 
 
 _n_threads = _default_threads()
-_lock = threading.Lock()
+_lock = threading.RLock()
 _applied = threading.local()
 
 
