@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 import numpy as np
 
@@ -132,7 +133,7 @@ def _choose_before_free(rec: UbatchRecord) -> None:
 
 
 def _increasing(idx: np.ndarray) -> bool:
-    return bool(np.all(idx[1:] > idx[:-1]))
+    return all(a < b for a, b in pairwise(idx.tolist()))
 
 
 class PendingLogits:

@@ -13,6 +13,7 @@ then addressed by its absolute index stream * kv_size + cell, in the bookkeeping
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..core.tensor import Tensor
 from ..core.types import GGMLType, row_size
 
 N_KV_PAD = 256          # n_kv granularity: keeps graph shapes stable for 256 decode steps
+SEQ_BITS = 64           # the sequence ids a cell's bit set can hold
 
 
 def kv_cells(n_ctx: int, n_seq_max: int = 1, unified: bool = True) -> tuple[int, int]:
@@ -43,7 +45,13 @@ def pad(x: int, n: int) -> int:
 
 class KVCells:
     """Positions and sequence sets of the cache's cells (llama_kv_cells), for n_stream streams of `size`
-    cells each (absolute cell = stream * size + cell); one stream is the unified cache."""
+    cells each (absolute cell = stream * size + cell); one stream is the unified cache.
+
+    The arrays `pos` (-1: empty) and `seq` (bit s: the cell holds sequence s; an empty cell holds none)
+    are the state. Like llama_kv_cells (its `used` set and `seq_pos` maps), every method that changes them
+    also keeps two summaries of them, so that a decode step reads them without scanning the cells:
+    per stream its used cells, and per sequence the positions of its cells (one entry per cell), both
+    ascending lists. apply updates them cell by cell; the bulk edits recount what they touched."""
 
     def __init__(self, size: int, n_seq_max: int, n_stream: int = 1) -> None:
         if not 1 <= n_seq_max <= 64:
@@ -56,6 +64,8 @@ class KVCells:
         self.pos = np.full(size * n_stream, -1, dtype=np.int32)
         self.seq = np.zeros(size * n_stream, dtype=np.uint64)   # bit s set: the cell holds sequence s
         self.heads = [0] * n_stream
+        self.used_cells: list[list[int]] = [[] for _ in range(n_stream)]     # per stream, cell in stream
+        self.seq_pos: list[list[int]] = [[] for _ in range(SEQ_BITS)]        # per sequence, with repeats
 
     @property
     def head(self) -> int:
@@ -70,18 +80,18 @@ class KVCells:
 
     @property
     def used(self) -> int:
-        return int((self.pos >= 0).sum())
+        return sum(len(u) for u in self.used_cells)
 
     def used_in(self, stream: int) -> int:
-        return int((self.pos[self._cells(stream)] >= 0).sum())
+        return len(self.used_cells[stream])
 
     @property
     def used_max_p1(self) -> int:
         return self.used_max_p1_in(0)
 
     def used_max_p1_in(self, stream: int) -> int:
-        nz = np.nonzero(self.pos[self._cells(stream)] >= 0)[0]
-        return int(nz[-1]) + 1 if len(nz) else 0
+        u = self.used_cells[stream]
+        return u[-1] + 1 if u else 0
 
     def n_kv(self, streams: Iterable[int] = (0,)) -> int:
         """get_n_kv: the graph-visible length, padded to 256 and capped at the stream size; the max over
@@ -89,17 +99,24 @@ class KVCells:
         return max(min(self.size, max(N_KV_PAD, pad(self.used_max_p1_in(s), N_KV_PAD))) for s in streams)
 
     def seq_pos_max(self, seq_id: int) -> int:
-        pos = self._seq_positions(seq_id)
-        return int(pos.max()) if len(pos) else -1
+        ps = self.seq_pos[seq_id]
+        return ps[-1] if ps else -1
 
     def seq_pos_min(self, seq_id: int) -> int:
-        pos = self._seq_positions(seq_id)
-        return int(pos.min()) if len(pos) else -1
+        ps = self.seq_pos[seq_id]
+        return ps[0] if ps else -1
 
+    # -- the summaries, recounted from the arrays -------------------------------------------------------
     def _seq_positions(self, seq_id: int) -> np.ndarray:
         """The positions of the cells holding seq_id, looked up in its own stream only."""
         c = self._cells(self.stream_of(seq_id))
         return self.pos[c][(self.seq[c] & np.uint64(1 << seq_id)) != 0]
+
+    def _recount_seq(self, seq_id: int) -> None:
+        self.seq_pos[seq_id] = sorted(self._seq_positions(seq_id).tolist())
+
+    def _recount_used(self, stream: int) -> None:
+        self.used_cells[stream] = np.flatnonzero(self.pos[self._cells(stream)] >= 0).tolist()
 
     def _seq_mask(self, seq_id: int) -> np.ndarray:
         return (self.seq & np.uint64(1 << seq_id)) != 0
@@ -107,21 +124,28 @@ class KVCells:
     # -- slots ---------------------------------------------------------------------------------------
     def find_slot(self, n_tokens: int, stream: int = 0) -> np.ndarray:
         """Absolute cells for n_tokens new tokens of one stream: empty cells scanned cyclically from the
-        stream's head (restarting from 0 when the head is beyond used + 2 * n_tokens)."""
+        stream's head (restarting from 0 when the head is beyond used + 2 * n_tokens), found as the gaps
+        between its used cells."""
         if n_tokens > self.size:
             raise ContextFullError(f"a ubatch of {n_tokens} tokens exceeds the context of {self.size}"
                                    + (" cells per sequence" if self.n_stream > 1 else ""))
-        pos = self.pos[self._cells(stream)]
-        used = int((pos >= 0).sum())
-        head = self.heads[stream] if self.heads[stream] <= used + 2 * n_tokens else 0
-        order = np.concatenate([np.arange(head, self.size), np.arange(0, head)])
-        free = order[pos[order] < 0][:n_tokens]
+        used = self.used_cells[stream]
+        head = self.heads[stream] if self.heads[stream] <= len(used) + 2 * n_tokens else 0
+        c0 = stream * self.size
+        free: list[int] = []
+        for lo, hi in ((head, self.size), (0, head)):
+            # the free cells of lo .. hi-1 are the gaps between the used ones
+            c, i = lo, bisect_left(used, lo)
+            while c < hi and len(free) < n_tokens:
+                nxt = min(used[i] if i < len(used) else hi, hi)     # the next used cell, or the end
+                free.extend(range(c0 + c, c0 + min(nxt, c + n_tokens - len(free))))
+                c, i = nxt + 1, i + 1
         if len(free) < n_tokens:
             where = f"sequence {stream}'s stream" if self.n_stream > 1 else "the context"
             raise ContextFullError(
-                f"context full: {n_tokens} cells needed, {self.size - used} free of {self.size} in {where}; "
-                f"start a new sequence, remove old tokens, or use a larger --ctx")
-        return (free + stream * self.size).astype(np.int64)
+                f"context full: {n_tokens} cells needed, {self.size - len(used)} free of {self.size} in "
+                f"{where}; start a new sequence, remove old tokens, or use a larger --ctx")
+        return np.array(free, dtype=np.int64)
 
     def find_slot_ubatch(self, seq_ids: list[frozenset[int]], n_seqs: int) -> np.ndarray:
         """find_slot for a whole ubatch: unified, one search; with streams, the ubatch is n_seqs groups of
@@ -134,14 +158,29 @@ class KVCells:
                                for i in range(n_seqs)])
 
     def apply(self, slot: np.ndarray, pos: np.ndarray, seq_ids: list[frozenset[int]]) -> None:
-        """apply_ubatch: commit positions and sequences into the chosen cells; each stream's head moves
-        past the last cell written to it."""
-        for cell, p, s in zip(slot, pos, seq_ids):
+        """apply_ubatch: commit positions and sequences into the chosen cells (a cell still held is
+        emptied first); each stream's head moves past the last cell written to it."""
+        for cell, p, s in zip(np.asarray(slot).tolist(), np.asarray(pos).tolist(), seq_ids):
+            st, c = divmod(cell, self.size)
+            if self.pos[cell] >= 0:
+                self._empty_cell(cell)
             self.pos[cell] = p
-            self.seq[cell] = np.uint64(sum(1 << q for q in s))
-        for cell in slot:
-            st, c = divmod(int(cell), self.size)
+            self.seq[cell] = sum(1 << q for q in s)
+            insort(self.used_cells[st], c)
+            for q in s:
+                insort(self.seq_pos[q], p)
             self.heads[st] = c + 1 if c + 1 < self.size else 0
+
+    def _empty_cell(self, cell: int) -> None:
+        """A held cell becomes empty (its position leaves each of its sequences)."""
+        p, bits = int(self.pos[cell]), int(self.seq[cell])
+        for q in range(bits.bit_length()):
+            if bits >> q & 1:
+                ps = self.seq_pos[q]
+                del ps[bisect_left(ps, p)]
+        u = self.used_cells[cell // self.size]
+        del u[bisect_left(u, cell % self.size)]
+        self.pos[cell], self.seq[cell] = -1, 0
 
     # -- sequence edits --------------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
@@ -154,9 +193,16 @@ class KVCells:
             self.seq[in_range] &= ~np.uint64(1 << seq_id)
         emptied = in_range & (self.seq == 0)
         self.pos[emptied] = -1
+        streams: set[int] = set()
         for cell in np.nonzero(emptied)[0]:
             st, c = divmod(int(cell), self.size)
             self.heads[st] = min(self.heads[st], c)
+            streams.add(st)
+        for st in streams:
+            self._recount_used(st)
+        for q in range(SEQ_BITS) if seq_id < 0 else (seq_id,):
+            ps = self.seq_pos[q]
+            del ps[bisect_left(ps, p0):bisect_left(ps, p1)]
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """dst joins src's cells with p0 <= pos < p1. Across streams (llama_kv_cache::seq_cp), the
@@ -169,14 +215,20 @@ class KVCells:
                                  f"streams, and a copy between streams takes the whole sequence "
                                  f"(p0=0, p1=-1), as llama.cpp's")
             src_cells, dst_cells = self._cells(ss), self._cells(sd)
+            held = int(np.bitwise_or.reduce(self.seq[dst_cells]))    # the sequences dst's stream loses
             has = (self.seq[src_cells] & np.uint64(1 << src)) != 0
             self.pos[dst_cells] = np.where(has, self.pos[src_cells], -1)
             self.seq[dst_cells] = np.where(has, np.uint64(1 << dst), np.uint64(0))
             self.heads[sd] = self.heads[ss]
+            self._recount_used(sd)
+            for q in range((held | 1 << dst).bit_length()):
+                if (held | 1 << dst) >> q & 1:
+                    self._recount_seq(q)
             return
         p1 = np.iinfo(np.int32).max if p1 < 0 else p1
         m = self._seq_mask(src) & (self.pos >= p0) & (self.pos < p1)
         self.seq[m] |= np.uint64(1 << dst)
+        self._recount_seq(dst)
 
     def seq_swap(self, a: int, b: int) -> None:
         """Sequences a and b, each alone in its own KV stream, trade streams, cell for cell with their
@@ -196,6 +248,8 @@ class KVCells:
         self.seq[ca] = np.where(pb >= 0, np.uint64(1 << a), np.uint64(0))
         self.seq[cb] = np.where(pa >= 0, np.uint64(1 << b), np.uint64(0))
         self.heads[sa], self.heads[sb] = self.heads[sb], self.heads[sa]
+        self.used_cells[sa], self.used_cells[sb] = self.used_cells[sb], self.used_cells[sa]
+        self.seq_pos[a], self.seq_pos[b] = self.seq_pos[b], self.seq_pos[a]
 
     def seq_keep(self, seq_id: int) -> None:
         keep = self._seq_mask(seq_id)
@@ -203,11 +257,16 @@ class KVCells:
         self.seq[keep] = np.uint64(1 << seq_id)
         self.pos[~keep] = -1
         self.heads = [0] * self.n_stream
+        for st in range(self.n_stream):
+            self._recount_used(st)
+        self.seq_pos = [ps if q == seq_id else [] for q, ps in enumerate(self.seq_pos)]
 
     def clear(self) -> None:
         self.pos[:] = -1
         self.seq[:] = 0
         self.heads = [0] * self.n_stream
+        self.used_cells = [[] for _ in range(self.n_stream)]
+        self.seq_pos = [[] for _ in range(SEQ_BITS)]
 
     # -- graph inputs ----------------------------------------------------------------------------------
     def kq_mask(self, n_kv: int, pos: np.ndarray, seq_ids: list[frozenset[int]],
@@ -216,19 +275,18 @@ class KVCells:
         group of tokens per stream): 0 where the cell of the token's stream holds the token's sequence at a
         position <= the token's, -inf elsewhere (empty cells and padding included). n_swa > 0: also -inf
         where the token's position minus the cell's is >= n_swa (is_masked_swa, LLAMA_SWA_TYPE_STANDARD)."""
-        mask = np.full((len(pos), n_kv), -np.inf, dtype=np.float32)
-        seq_of = np.array([min(s) for s in seq_ids])
-        for q in np.unique(seq_of):                     # all the rows of one sequence at once
-            rows = np.flatnonzero(seq_of == q)
-            c0 = self.stream_of(int(q)) * self.size
-            cpos, cseq = self.pos[c0:c0 + n_kv], self.seq[c0:c0 + n_kv]
-            held = (cpos >= 0) & ((cseq & np.uint64(1 << int(q))) != 0)
-            p1 = np.asarray(pos)[rows, None]
-            ok = held[None, :] & (cpos[None, :] <= p1)
-            if n_swa:
-                ok &= (p1 - cpos[None, :]) < n_swa
-            mask[rows] = np.where(ok, 0.0, -np.inf)
-        return mask if self.n_stream == 1 else mask.reshape(n_seqs, -1, n_kv)
+        groups = 1 if self.n_stream == 1 else n_seqs
+        g = len(pos) // groups
+        streams = [self.stream_of(min(seq_ids[k * g])) for k in range(groups)]
+        cpos = self.pos.reshape(self.n_stream, self.size)[streams, None, :n_kv]     # [groups, 1, n_kv]
+        cseq = self.seq.reshape(self.n_stream, self.size)[streams, None, :n_kv]
+        p = np.asarray(pos).reshape(groups, g, 1)
+        bit = np.array([1 << min(s) for s in seq_ids], dtype=np.uint64).reshape(groups, g, 1)
+        ok = ((cseq & bit) != 0) & (cpos <= p)          # an empty cell holds no sequence
+        if n_swa:
+            ok &= (p - cpos) < n_swa
+        mask = np.where(ok, np.float32(0), np.float32(-np.inf))
+        return mask.reshape(-1, n_kv) if self.n_stream == 1 else mask
 
 
 class KVCache:
@@ -253,6 +311,7 @@ class KVCache:
             v = self.ctx.new_tensor(type_v, (self.kv_size, n_embd_v_gqa, ns))
             self.k_l[il], self.v_l[il] = k.set_name(f"cache_k_l{il}"), v.set_name(f"cache_v_l{il}")
         self.buffers: list[Buffer] = []
+        self.v_dim_rows = np.arange(n_embd_v_gqa, dtype=np.int64) * self.kv_size   # row j * kv_size: dim j
 
     @property
     def unified(self) -> bool:
@@ -354,6 +413,6 @@ class KVCache:
     def v_idxs(self, slot: np.ndarray) -> np.ndarray:
         """Element e = j + n_embd_v_gqa * i (token i, dim j) goes to row (stream * n_embd_v_gqa + j) *
         kv_size + cell of its absolute cell slot[i] = stream * kv_size + cell."""
-        st, cell = np.divmod(slot.astype(np.int64), self.kv_size)
-        j = np.arange(self.n_embd_v_gqa, dtype=np.int64)
-        return ((st[:, None] * self.n_embd_v_gqa + j[None, :]) * self.kv_size + cell[:, None]).reshape(-1)
+        kv, n_embd = self.kv_size, self.n_embd_v_gqa
+        dim0 = [(c // kv * n_embd) * kv + c % kv for c in np.asarray(slot).tolist()]      # the row of j = 0
+        return np.add.outer(np.array(dim0, dtype=np.int64), self.v_dim_rows).reshape(-1)

@@ -31,7 +31,8 @@ class Batch:
         """One sequence, consecutive positions; only the last token outputs unless all_outputs."""
         tok = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = len(tok)
-        out = np.ones(n, bool) if all_outputs else np.arange(n) == n - 1
+        out = np.zeros(n, bool)
+        out[0 if all_outputs else n - 1:] = True
         return cls(tok, np.arange(pos0, pos0 + n, dtype=np.int32), [frozenset({seq_id})] * n, out)
 
     @property
@@ -44,10 +45,9 @@ class Batch:
             raise BatchError("empty batch: nothing to decode")
         if not (len(self.pos) == len(self.seq_ids) == len(self.output) == n):
             raise BatchError("batch arrays differ in length")
-        bad = np.nonzero((self.tokens < 0) | (self.tokens >= n_vocab))[0]
-        if len(bad):
-            raise BatchError(f"token id {int(self.tokens[bad[0]])} at batch index {int(bad[0])} is "
-                             f"outside the vocabulary (0..{n_vocab - 1})")
+        for i, t in enumerate(self.tokens.tolist()):
+            if not 0 <= t < n_vocab:
+                raise BatchError(f"token id {t} at batch index {i} is outside the vocabulary (0..{n_vocab - 1})")
         for i, s in enumerate(self.seq_ids):
             if not s or min(s) < 0 or max(s) >= n_seq_max:
                 raise BatchError(f"token {i}: sequence ids {sorted(s)} outside 0..{n_seq_max - 1}")
@@ -57,8 +57,9 @@ class Batch:
         last position of each sequence, -1 if it holds none): a sequence continues at its last position
         + 1, its positions in the batch have no gaps and do not decrease, a token shared by sequences
         keeps them in the same sets, and sequences shared this way have not diverged in the cache."""
+        pos = self.pos.tolist()
         seq_pos: dict[int, set[int]] = {}
-        for p, ss in zip(self.pos.tolist(), self.seq_ids):
+        for p, ss in zip(pos, self.seq_ids):
             for q in ss:
                 seq_pos.setdefault(q, set()).add(p)
         for q, ps in seq_pos.items():
@@ -71,7 +72,7 @@ class Batch:
                 raise BatchError(f"sequence {q}: positions {lo}..{hi} in the batch are not continuous")
         cur_set: dict[int, frozenset[int]] = {}
         cur_pos: dict[int, int] = {}
-        for p, ss in zip(self.pos.tolist(), self.seq_ids):
+        for p, ss in zip(pos, self.seq_ids):
             for q in ss:
                 cur_set[q] = cur_set.get(q, ss) & ss
                 if not cur_set[q]:
@@ -109,12 +110,12 @@ class Ubatch:
 
     @property
     def n_outputs(self) -> int:
-        return int(self.output.sum())
+        return int(np.count_nonzero(self.output))
 
     @property
     def out_ids(self) -> np.ndarray:
         """Rows of the ubatch whose logits are kept, in ubatch order."""
-        return np.nonzero(self.output)[0].astype(np.int32)
+        return self.output.nonzero()[0].astype(np.int32)
 
 
 class BatchSplitter:
@@ -122,16 +123,21 @@ class BatchSplitter:
 
     def __init__(self, batch: Batch) -> None:
         self.batch = batch
-        self.used = np.zeros(batch.n_tokens, bool)
+        self.used = [False] * batch.n_tokens
 
     @property
     def n_used(self) -> int:
-        return int(self.used.sum())
+        return sum(self.used)
+
+    def _free(self) -> list[int]:
+        """The batch indices of the tokens not yet in a ubatch."""
+        return [i for i, u in enumerate(self.used) if not u]
 
     def _make(self, idx: list[int], equal_seqs: bool, n_seqs: int | None = None) -> Ubatch:
         b = self.batch
-        self.used[idx] = True
-        ia = np.asarray(idx, dtype=np.int64)
+        for i in idx:
+            self.used[i] = True
+        ia = np.array(idx, dtype=np.int64)
         seqs = [b.seq_ids[i] for i in idx]
         unq = sorted(set().union(*seqs)) if seqs else []
         return Ubatch(b.tokens[ia], b.pos[ia], seqs, b.output[ia], ia, equal_seqs,
@@ -139,22 +145,22 @@ class BatchSplitter:
 
     def split_simple(self, n_ubatch: int) -> Ubatch | None:
         """The next n_ubatch unused tokens in batch order (equal_seqs false, n_seqs = n_tokens)."""
-        free = np.nonzero(~self.used)[0][:n_ubatch]
-        if len(free) == 0:
+        free = self._free()[:n_ubatch]
+        if not free:
             return None
-        return self._make([int(i) for i in free], equal_seqs=False)
+        return self._make(free, equal_seqs=False)
 
     def split_seq(self, n_ubatch: int) -> Ubatch | None:
         """Tokens whose sequence set is a subset of the current one, narrowing as it goes."""
-        free = np.nonzero(~self.used)[0]
-        if len(free) == 0:
+        free = self._free()
+        if not free:
             return None
-        cur = self.batch.seq_ids[int(free[0])]
+        cur = self.batch.seq_ids[free[0]]
         idx: list[int] = []
         for i in free:
-            s = self.batch.seq_ids[int(i)]
+            s = self.batch.seq_ids[i]
             if s <= cur:
-                idx.append(int(i))
+                idx.append(i)
                 cur = s
                 if len(idx) == n_ubatch:
                     break
@@ -163,7 +169,7 @@ class BatchSplitter:
     def split_equal(self, n_ubatch: int, sequential: bool = False) -> Ubatch | None:
         """Equal-length slices of non-overlapping sequence sets (llama.cpp's step 2 edge case kept:
         up to n_ubatch + 1 sets can be chosen)."""
-        free = [int(i) for i in np.nonzero(~self.used)[0]]
+        free = self._free()
         if not free:
             return None
         sets: list[frozenset[int]] = []

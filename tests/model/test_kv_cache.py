@@ -1,6 +1,8 @@
 """KV cells: slot search, n_kv padding, the KQ mask, sequence edits, overflow; V index layout."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ggml_dist.model.kv_cache import ContextFullError, KVCache, KVCells, kv_cells
 
@@ -153,3 +155,62 @@ def test_stream_moves_stop_at_n_cells():
         assert np.array_equal(hi(a[0, 1], 5), hi(b[0, 1], 5)) and np.array_equal(hi(a[0, 3], 5), hi(b[0, 3], 5))
         assert np.array_equal(lo(a[0, 2], 7), lo(b[0, 0], 7)) and np.array_equal(hi(a[0, 2], 7), hi(b[0, 2], 7))
         assert np.array_equal(a[0, 0], b[0, 0])
+
+
+# the summaries KVCells keeps (per stream its used cells, per sequence its cells' positions) equal a
+# recount from the cells' arrays after any sequence of edits
+def _check_summaries(c: KVCells) -> None:
+    for s in range(c.n_stream):
+        cells = c.pos[s * c.size:(s + 1) * c.size]
+        assert c.used_cells[s] == np.flatnonzero(cells >= 0).tolist()
+    assert np.array_equal(c.pos < 0, c.seq == 0)                 # an empty cell holds no sequence
+    for q in range(c.n_seq_max):               # (no cell holds a sequence id >= n_seq_max here)
+        s = c.stream_of(q)
+        cells = slice(s * c.size, (s + 1) * c.size)
+        held = (c.seq[cells] >> np.uint64(q)) & np.uint64(1) != 0
+        assert c.seq_pos[q] == sorted(c.pos[cells][held].tolist())
+        assert c.seq_pos_max(q) == (int(c.pos[cells][held].max()) if held.any() else -1)
+        assert c.seq_pos_min(q) == (int(c.pos[cells][held].min()) if held.any() else -1)
+
+
+_EDITS = st.lists(st.tuples(st.sampled_from(["apply", "rm", "cp", "keep", "clear", "swap"]),
+                            st.integers(0, 3), st.integers(0, 3), st.integers(-1, 30), st.integers(-1, 30),
+                            st.integers(1, 40)), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.booleans(), st.integers(1, 4), _EDITS)
+def test_summaries_follow_edits(unified, n_seq, edits):
+    c = KVCells(64, n_seq, 1 if unified else n_seq)
+    next_pos = [0] * n_seq
+    for op, a, b, p0, p1, n in edits:
+        x, y = a % n_seq, b % n_seq
+        try:
+            if op == "apply":                   # a ubatch of sequence x (shared with y in a unified cache)
+                seqs = frozenset({x, y}) if unified and n % 2 else frozenset({x})
+                slot = c.find_slot(n, c.stream_of(x))
+                c.apply(slot, np.arange(next_pos[x], next_pos[x] + n), [seqs] * n)
+                for q in seqs:
+                    next_pos[q] = next_pos[x] + n
+            elif op == "rm":
+                c.seq_rm(x if n % 5 else -1, p0, p1)
+            elif op == "cp":
+                c.seq_cp(x, y, p0, p1) if n % 2 else c.seq_cp(x, y)
+            elif op == "keep":
+                c.seq_keep(x)
+            elif op == "clear":
+                c.clear()
+            else:
+                c.seq_swap(x, y)
+        except (ContextFullError, ValueError):
+            pass
+        _check_summaries(c)
+
+
+# apply into a cell still held empties it first (its position leaves its sequences)
+def test_apply_over_held_cell():
+    c = KVCells(256, 2)
+    c.apply(np.arange(3), np.arange(3), [frozenset({0, 1})] * 3)
+    c.apply(np.array([1]), np.array([7]), [frozenset({1})])
+    assert c.seq_pos[0] == [0, 2] and c.seq_pos[1] == [0, 2, 7] and c.used == 3
+    _check_summaries(c)
