@@ -715,13 +715,17 @@ def _bind_rope(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | No
 
 def _bind_get_rows(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | None:
     """_get_rows of one 2-D table into F32 rows (a step's token embeddings): all rows in one
-    dequantize call."""
+    dequantize call, a compiled one for the legacy quant types (qkernels.bind_get_rows)."""
     a_t = t.src[0]
     a, ids = srcs[0], srcs[1]
     if a_t is None or t.type != GGMLType.F32 or a.shape[:2] != (1, 1) or ids.shape[:3] != (1, 1, 1) \
             or a_t.type == GGMLType.I32:
         return None
     table, idx, out, typ, ne0 = a[0, 0], ids[0, 0, 0], dst[0, 0], a_t.type, a_t.ne[0]
+    qk = _compiled("qkernels", b.opts)
+    fast = None if qk is None else qk.bind_get_rows(typ, table, idx, out)
+    if fast is not None:
+        return fast
 
     def run() -> None:
         out[...] = to_f32(table[idx], typ, ne0)

@@ -38,6 +38,7 @@ from ...core.types import GGMLType, row_size
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
 from .blocks import BLOCKS, GGUF_KINDS
+from .entry import bound
 from .threads import get_threads, launch
 
 T = GGMLType
@@ -763,6 +764,59 @@ def _prep_q8_g(x, q8_1, lut, yr, dy, sy):
 # ------------------------------------------------------------------------------------------------
 # entry point
 _NO_BSUMS = np.zeros((1, 1), np.int32)        # bsums for kinds 0..4 (not read)
+
+
+# ------------------------------------------------------------------------------------------------
+# GET_ROWS of a legacy-quantized table (a step's token embeddings): ggml's dequantize_row_* per row
+ROW_KINDS = {t: _KIND[t] for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)}
+
+
+@njit(cache=True)
+def _dequant_rows(kind, table, ids, lut, out):
+    """out[r] = dequantize_row(table[ids[r]]) for kinds 0..4 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), in ggml's
+    float operations: x * d, plus m for Q4_1/Q5_1 (two roundings: ggml's C contracts nothing)."""
+    bs = _BS[kind]
+    for r in range(ids.shape[0]):
+        row, y = table[ids[r]], out[r]
+        for b in range(y.shape[0] // 32):
+            o, y0 = b * bs, 32 * b
+            d = _f16(lut, row, o)
+            if kind == 4:
+                for j in range(32):
+                    y[y0 + j] = F32(np.int8(row[o + _Q8_0_QS + j])) * d
+                continue
+            oq = _OQ[kind]
+            qh = np.int64(0)
+            if kind >= 2:
+                qh = (np.int64(row[oq + o - 4]) | (np.int64(row[oq + o - 3]) << 8) | (np.int64(row[oq + o - 2]) << 16)
+                      | (np.int64(row[oq + o - 1]) << 24))
+            for j in range(16):
+                q = np.int64(row[o + oq + j])
+                x0, x1 = q & 15, q >> 4
+                if kind >= 2:                           # the 5th bits: qh bit j, bit j + 16
+                    x0 |= ((qh >> j) << 4) & 16
+                    x1 |= (qh >> (j + 12)) & 16
+                if kind == 0 or kind == 2:
+                    c = 8 if kind == 0 else 16
+                    y[y0 + j] = F32(x0 - c) * d
+                    y[y0 + j + 16] = F32(x1 - c) * d
+                else:
+                    m = _f16(lut, row, o + _OM)
+                    y[y0 + j] = F32(x0) * d + m
+                    y[y0 + j + 16] = F32(x1) * d + m
+
+
+def bind_get_rows(type: GGMLType, table: np.ndarray, ids: np.ndarray, out: np.ndarray):
+    """GET_ROWS of rows ids (int32 [n]) of table (uint8 [rows, row bytes]) of a legacy quant type into out
+    (f32 [n, ne0]) as one bound kernel call (entry.py), or None for another type or layout. The table is
+    not copied: quants.dequantize reads a row through ~12 numpy calls (~60 us in a decode step, where the
+    step's weights have evicted them; this ~5)."""
+    kind = ROW_KINDS.get(type)
+    if kind is None or table.dtype != np.uint8 or table.ndim != 2 or out.ndim != 2 or out.dtype != F32 \
+            or ids.ndim != 1 or ids.dtype != np.int32 or out.shape[1] % 32 or not out.flags.c_contiguous \
+            or table.shape[1] != row_size(type, out.shape[1]) or ids.shape[0] != out.shape[0]:
+        return None
+    return bound(_dequant_rows, kind, table, ids, _F16_LUT, out)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

@@ -189,3 +189,25 @@ def test_serial_and_parallel_launch_same_bits():
         finally:
             qk._SERIAL_WORK = old
         assert np.array_equal(par, ser), t.name
+
+
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
+def test_get_rows_kernel_dequantizes_rows_as_quants_does(t):
+    """qkernels.bind_get_rows: the rows ids of a table, in quants.dequantize's bits (ggml's
+    dequantize_row_*), repeated ids and the table's last row included."""
+    K, rows = 96, 40
+    table = random_rows(t, rows, K, seed=21)
+    ids = np.array([3, 0, 39, 3, 17], np.int32)
+    out = np.full((len(ids), K), np.nan, np.float32)
+    call = qk.bind_get_rows(t, table, ids, out)
+    assert call is not None
+    call()
+    want = Q.dequantize(t, table[ids], K)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+def test_get_rows_kernel_declines_what_it_does_not_cover():
+    table = random_rows(T.Q4_K, 4, 256, seed=1)
+    assert qk.bind_get_rows(T.Q4_K, table, np.zeros(1, np.int32), np.zeros((1, 256), np.float32)) is None
+    table = random_rows(T.Q8_0, 4, 64, seed=1)
+    assert qk.bind_get_rows(T.Q8_0, table, np.zeros(1, np.int64), np.zeros((1, 64), np.float32)) is None
