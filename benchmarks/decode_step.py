@@ -69,7 +69,7 @@ def perf_split(step: Callable[[], None], n_steps: int, freq: int = 1999) -> dict
 
 def _label(call: Any) -> str:
     f = getattr(call, "func", call)                 # a partial: the generic kernel
-    return getattr(f, "__qualname__", repr(f)).replace(".<locals>", "")
+    return getattr(f, "__qualname__", type(f).__name__).replace(".<locals>", "")   # an instance: its class
 
 
 def main(argv: list[str] | None = None) -> int:
