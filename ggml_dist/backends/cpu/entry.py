@@ -37,6 +37,9 @@ so it is only ever called with the arrays it was chosen for (or ones of the same
                             4-d arrays of any strides as one int64 array of (address, shape, strides)
     array4(view, block, i)  (in a kernel) view i of the block again, an 'A' array; view its dtype's
                             (F32V4, U16V4, I64V4)
+    shape_block(arrays)     C-contiguous 4-d arrays as one int64 array of (address, shape)
+    array4c(ptr, block, i)  (in a kernel) array i of the block again, a 'C' array (its loops vectorise as
+                            over the array itself); ptr its dtype's
     keep_alive(call, arrays)
                             call, holding the arrays whose addresses its block holds
 
@@ -182,6 +185,24 @@ def view_block(arrays: tuple | list, dtypes: tuple | list) -> np.ndarray:
             raise ValueError(f"view_block: array {i} is not 4-d {np.dtype(dt)} ({a.shape}, {a.dtype})")
         block[9 * i:9 * i + 9] = (a.ctypes.data, *a.shape, *a.strides)
     return block
+
+
+def shape_block(arrays: tuple | list) -> np.ndarray | None:
+    """The arrays as int64 [5 * n]: address and the 4 extents of each; None unless each is 4-d and
+    C-contiguous."""
+    if not all(a.ndim == 4 and a.flags.c_contiguous for a in arrays):
+        return None
+    block = np.empty(5 * len(arrays), np.int64)
+    for i, a in enumerate(arrays):
+        block[5 * i:5 * i + 5] = (a.ctypes.data, *a.shape)
+    return block
+
+
+@njit(cache=True, inline="always")
+def array4c(ptr, block, i):
+    """Array i of a shape_block, as a 4-d C array of ptr's dtype."""
+    o = 5 * i
+    return carray(ptr(block[o]), (block[o + 1], block[o + 2], block[o + 3], block[o + 4]))
 
 
 def keep_alive(call: Callable[..., Any], arrays: tuple | list) -> Callable[..., Any]:

@@ -41,7 +41,7 @@ from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
-from .entry import F32V4, I64V4, U16V4, Lazy, Split, array4, bound, keep_alive, view_block
+from .entry import F32P, F32V4, I64V4, U16V4, Lazy, Split, array4, array4c, bound, keep_alive, shape_block, view_block
 from .numerics import _C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4, _C_SHIFT
 from .threads import get_threads, launch
 
@@ -868,6 +868,23 @@ def _add_rms_norm_par(a, b, s, eps, wgt, dst, n_chunks):
         _add_rms_norm_rows(a, b, s, eps, wgt, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _add_rms_norm_c(block, eps):
+    """add_rms_norm of the C-contiguous arrays of a shape_block (entry.py): one array to unbox, not five."""
+    s = array4c(F32P, block, 2)
+    _add_rms_norm_rows(array4c(F32P, block, 0), array4c(F32P, block, 1), s, eps, array4c(F32P, block, 3),
+                       array4c(F32P, block, 4), 0, s.shape[0] * s.shape[1] * s.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _add_rms_norm_c_par(block, eps, n_chunks):
+    a, b, s = array4c(F32P, block, 0), array4c(F32P, block, 1), array4c(F32P, block, 2)
+    wgt, dst = array4c(F32P, block, 3), array4c(F32P, block, 4)
+    n = s.shape[0] * s.shape[1] * s.shape[2]
+    for c in prange(n_chunks):
+        _add_rms_norm_rows(a, b, s, eps, wgt, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
 @njit(cache=True, inline="always")
 def _add_rms_norm_rows(a, b, s, eps, wgt, dst, r0, r1):
     _ne3, ne2, ne1, ne0 = s.shape
@@ -1067,6 +1084,21 @@ def _swiglu_par(g, u, dst, n_chunks):
         _swiglu_rows(g, u, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _swiglu_c(block):
+    """_swiglu_serial of the C-contiguous arrays of a shape_block (entry.py)."""
+    dst = array4c(F32P, block, 2)
+    _swiglu_rows(array4c(F32P, block, 0), array4c(F32P, block, 1), dst, 0, dst.shape[0] * dst.shape[1] * dst.shape[2])
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _swiglu_c_par(block, n_chunks):
+    g, u, dst = array4c(F32P, block, 0), array4c(F32P, block, 1), array4c(F32P, block, 2)
+    n = dst.shape[0] * dst.shape[1] * dst.shape[2]
+    for c in prange(n_chunks):
+        _swiglu_rows(g, u, dst, c * n // n_chunks, (c + 1) * n // n_chunks)
+
+
 @njit(cache=True, inline="always")
 def _swiglu_rows(g, u, dst, r0, r1):
     _ne3, ne2, ne1, ne0 = dst.shape
@@ -1212,12 +1244,23 @@ def bind_rms_norm(x, eps, wgt, fused, dst) -> Callable[[], None]:
 
 
 def bind_add_rms_norm(a, b, s, eps, wgt, dst) -> Callable[[], None]:
-    """add_rms_norm, bound (bind_rows)."""
+    """add_rms_norm, bound (bind_rows): its F32 arrays as one shape_block (entry.py) where all are
+    C-contiguous (a decode step's 60 calls: each array unboxed costs ~0.5-1 us there, the step's weights
+    having evicted its objects)."""
+    arrays = (a, b, s, wgt, dst)
+    block = shape_block(arrays) if all(x.dtype == F32 for x in arrays) else None
+    if block is not None:
+        return keep_alive(bind_rows(_add_rms_norm_c, _add_rms_norm_c_par, _n_rows(s), s.shape[3], block, eps),
+                          arrays)
     return bind_rows(add_rms_norm, _add_rms_norm_par, _n_rows(s), s.shape[3], a, b, s, eps, wgt, dst)
 
 
 def bind_swiglu(g, u, dst) -> Callable[[], None]:
-    """swiglu, bound (bind_rows)."""
+    """swiglu, bound (bind_rows), as one shape_block where its F32 arrays are C-contiguous."""
+    arrays = (g, u, dst)
+    block = shape_block(arrays) if all(x.dtype == F32 for x in arrays) else None
+    if block is not None:
+        return keep_alive(bind_rows(_swiglu_c, _swiglu_c_par, _n_rows(dst), dst.shape[3], block), arrays)
     return bind_rows(_swiglu_serial, _swiglu_par, _n_rows(dst), dst.shape[3], g, u, dst)
 
 

@@ -553,3 +553,27 @@ def test_rope_cache_compiled_cos_sin_are_libm_s(rng, ext_factor, freq_scale, ff)
     args = (pos, 128, 500000.0, freq_scale, ext_factor, 1.0, (3.0, 40.0), factors)
     for a, b in zip(rope.rope_cache(*args), rope.rope_cache(*args, fk=fk)):
         assert_same_bits(b, a)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_row_ops_take_their_contiguous_arrays_as_one_block(rng, contiguous):
+    """bind_add_rms_norm and bind_swiglu pass C-contiguous arrays as one entry.shape_block (the
+    kernel rebuilds them as C arrays), other layouts as arrays; the bits are the kernels' either way."""
+    n, width = 3, 64
+    full = randn(rng, 1, 1, n, 2 * width)
+    x = full[..., :width] if not contiguous else np.ascontiguousarray(full[..., :width])
+    r, w = randn(rng, 1, 1, n, width), randn(rng, 1, 1, 1, width)
+    s, got = np.empty_like(r), np.empty_like(r)
+    call = fk.bind_add_rms_norm(x, r, s, np.float32(1e-6), w, got)
+    assert (getattr(call, "keep_alive", None) is not None) == contiguous
+    call()
+    s_want, want = np.empty_like(r), np.empty_like(r)
+    fk.add_rms_norm(np.ascontiguousarray(x), r, s_want, np.float32(1e-6), w, want)
+    assert_same_bits(s, s_want)
+    assert_same_bits(got, want)
+    out, out_want = np.empty_like(r), np.empty_like(r)
+    call = fk.bind_swiglu(x, r, out)
+    assert (getattr(call, "keep_alive", None) is not None) == contiguous
+    call()
+    fk._swiglu_serial(np.ascontiguousarray(x), r, out_want)
+    assert_same_bits(out, out_want)
