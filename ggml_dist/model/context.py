@@ -19,9 +19,10 @@ from itertools import pairwise
 
 import numpy as np
 
-from ..backends.base import tensor_get, tensor_set
+from ..backends.base import tensor_array, tensor_get, tensor_set
 from ..backends.cpu.backend import CPUBackend, CPUDevice
 from ..backends.cpu.ops import NUMBA_DEFAULT, ComputeOptions
+from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
 from .kv_cache import ContextFullError, KVCache
@@ -244,6 +245,7 @@ class LlamaContext:
         self.lost_at: list[float] = []       # perf_counter() when each recovery began (the loss seen)
         self.recovering = False              # True while a lost stage is being brought back
         self.gf_res_prev: GraphResult | None = None
+        self._views: tuple[GraphResult | None, dict] = (None, {})   # _host_view's, for gf_res_prev
         # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
         # a few) reuses its graph instead of building one, and its scheduler plan (splits, addresses)
         # while the compute buffer has not grown since, instead of splitting and planning again
@@ -534,17 +536,54 @@ class LlamaContext:
         rec.settle()
 
     def _set_inputs(self, res: GraphResult, ub: Ubatch, slot: np.ndarray, n_kv: int) -> None:
+        """llama's set_input for the ubatch: written straight into the input tensors where they are host
+        memory (a view of each kept per graph), the attention inputs by one compiled call where the
+        compiled kernels are on (KVCache.attn_inputs_into), else by the numpy reference."""
         inp = res.inputs
-        tensor_set(inp.tokens, ub.tokens.astype(np.int32))
-        tensor_set(inp.pos, ub.pos.astype(np.int32))
-        tensor_set(inp.kq_mask, self.kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs))
-        if inp.kq_mask_swa is not None:
-            tensor_set(inp.kq_mask_swa, self.kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs,
-                                                              self.model.hp.n_swa))
-        tensor_set(inp.k_idxs, self.kv.k_idxs(slot))
-        tensor_set(inp.v_idxs, self.kv.v_idxs(slot))
+        self._put(inp.tokens, ub.tokens)
+        self._put(inp.pos, ub.pos)
         if inp.out_ids is not None:
-            tensor_set(inp.out_ids, ub.out_ids)
+            self._put(inp.out_ids, ub.out_ids)
+        kv, n_swa = self.kv, self.model.hp.n_swa
+        if not (self.params.numba and NUMBA_DEFAULT and self.warmup is None):
+            tensor_set(inp.kq_mask, kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs))
+            if inp.kq_mask_swa is not None:
+                tensor_set(inp.kq_mask_swa, kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs, n_swa))
+            tensor_set(inp.k_idxs, kv.k_idxs(slot))
+            tensor_set(inp.v_idxs, kv.v_idxs(slot))
+            return
+        n = ub.n_tokens
+        specs = ((inp.kq_mask, (n, n_kv), np.float32), (inp.kq_mask_swa, (n, n_kv), np.float32),
+                 (inp.k_idxs, (n,), np.int64), (inp.v_idxs, (n * kv.n_embd_v_gqa,), np.int64))
+        views = [self._host_view(t, shape) for t, shape, _ in specs]
+        arrays = [np.empty(shape, dt) if v is None and t is not None else v
+                  for v, (t, shape, dt) in zip(views, specs, strict=True)]
+        kv.attn_inputs_into(n_kv, ub.pos, ub.seq_ids, ub.n_seqs, slot, n_swa, *arrays)
+        for v, a, (t, _, _) in zip(views, arrays, specs, strict=True):
+            if v is None and t is not None:         # not host memory (a pipeline's first stage)
+                tensor_set(t, a)
+
+    def _host_view(self, t: Tensor | None, shape: tuple[int, ...]) -> np.ndarray | None:
+        """An input tensor's memory as an array of shape (C order) where it is host memory, else None;
+        kept while the tensor stays where it is (a new view costs several us a step). Only the current
+        graph's views are kept: a kept view holds its buffer's memory."""
+        if t is None or t.buffer is None or t.buffer.base is None:
+            return None
+        if self._views[0] is not self.gf_res_prev:
+            self._views = (self.gf_res_prev, {})
+        views = self._views[1]
+        hit = views.get(id(t))
+        if hit is None or hit[0] is not t or hit[1] is not t.buffer or hit[2] != t.data:
+            hit = views[id(t)] = (t, t.buffer, t.data, tensor_array(t).reshape(shape))
+        return hit[3]
+
+    def _put(self, t: Tensor, value: np.ndarray) -> None:
+        """tensor_set(t, value), through the host view where there is one."""
+        view = self._host_view(t, (t.nelements,))
+        if view is None:
+            tensor_set(t, value)
+        else:
+            view[...] = value
 
     # -- sequences -----------------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:

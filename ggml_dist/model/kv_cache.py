@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..backends.base import Buffer, BufferType, tensor_array, tensor_get, tensor_set
+from ..backends.cpu.kv_inputs import attn_inputs
 from ..core import ops
 from ..core.context import Context
 from ..core.tensor import Tensor
@@ -26,6 +27,7 @@ from ..core.types import GGMLType, row_size
 
 N_KV_PAD = 256          # n_kv granularity: keeps graph shapes stable for 256 decode steps
 SEQ_BITS = 64           # the sequence ids a cell's bit set can hold
+_NO_MASK = np.empty((0, 0), np.float32)  # attn_inputs_into's mask_swa without a sliding window
 
 
 def kv_cells(n_ctx: int, n_seq_max: int = 1, unified: bool = True) -> tuple[int, int]:
@@ -406,6 +408,19 @@ class KVCache:
         v = self.v_l[il]
         v_flat = ops.reshape(ctx, v, 1, self.n_cells * self.n_embd_v_gqa)
         return ops.set_rows(ctx, v_flat, ops.reshape(ctx, v_cur, 1, v_cur.nelements), v_idxs)
+
+    def attn_inputs_into(self, n_kv: int, pos: np.ndarray, seq_ids: list[frozenset[int]], n_seqs: int,
+                         slot: np.ndarray, n_swa: int, mask: np.ndarray, mask_swa: np.ndarray | None,
+                         k_idxs: np.ndarray, v_idxs: np.ndarray) -> None:
+        """KVCells.kq_mask (and with n_swa its sliding-window mask), k_idxs and v_idxs written into the
+        given arrays (f32 [n_tokens, n_kv] each mask, int64 [n_tokens] and [n_tokens * n_embd_v_gqa]) by
+        one compiled call (backends/cpu/kv_inputs.py; the same numbers). pos int32, slot int64."""
+        cells = self.cells
+        unified = cells.n_stream == 1
+        attn_inputs(mask, _NO_MASK if mask_swa is None else mask_swa, n_swa, cells.pos, cells.seq,
+                    0 if unified else cells.size, 1 if unified else n_seqs, pos,
+                    np.array([min(s) for s in seq_ids], np.int64), k_idxs, v_idxs, slot, self.kv_size,
+                    self.n_embd_v_gqa)
 
     def k_idxs(self, slot: np.ndarray) -> np.ndarray:
         return slot.astype(np.int64)

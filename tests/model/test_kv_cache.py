@@ -214,3 +214,41 @@ def test_apply_over_held_cell():
     c.apply(np.array([1]), np.array([7]), [frozenset({1})])
     assert c.seq_pos[0] == [0, 2] and c.seq_pos[1] == [0, 2, 7] and c.used == 3
     _check_summaries(c)
+
+
+# the compiled attention inputs (backends/cpu/kv_inputs.py) equal the numpy reference's masks and indices
+# for any cells, ubatch (streams in groups, shared sequences where unified), n_kv and sliding window
+@settings(max_examples=150, deadline=None)
+@given(st.booleans(), st.integers(1, 4), _EDITS, st.integers(1, 3), st.integers(1, 4), st.integers(0, 9),
+       st.data())
+def test_compiled_attn_inputs_equal_reference(unified, n_seq, edits, n_groups, g, n_swa, data):
+    kv = KVCache(4, 3, 64 * n_seq, range(1), n_seq_max=n_seq, unified=unified)
+    c = kv.cells
+    for op, a, b, p0, _, n in edits:                # a state of the cells: ubatches and removals
+        x, y = a % n_seq, b % n_seq
+        try:
+            if op in ("apply", "cp"):
+                seqs = frozenset({x, y}) if unified else frozenset({x})
+                c.apply(c.find_slot(n, c.stream_of(x)), np.arange(p0 + 1, p0 + 1 + n), [seqs] * n)
+            elif op == "rm":
+                c.seq_rm(x, p0, p0 + n)
+        except ContextFullError:
+            pass
+    n_groups = 1 if unified else min(n_groups, n_seq)
+    group_seq = data.draw(st.lists(st.integers(0, n_seq - 1), min_size=n_groups, max_size=n_groups,
+                                   unique=not unified))
+    seq_ids = [frozenset({q, (q + k) % n_seq}) if unified and k % 2 else frozenset({q})
+               for q in group_seq for k in range(g)]
+    n = len(seq_ids)
+    pos = np.array(data.draw(st.lists(st.integers(0, 40), min_size=n, max_size=n)), np.int32)
+    slot = np.array([c.stream_of(min(s)) * c.size + data.draw(st.integers(0, c.size - 1)) for s in seq_ids],
+                    np.int64)
+    n_kv = data.draw(st.sampled_from([64, 128, c.size]))
+    mask, mask_swa = np.empty((n, n_kv), np.float32), np.empty((n, n_kv), np.float32)
+    k_idxs, v_idxs = np.empty(n, np.int64), np.empty(n * 3, np.int64)
+    kv.attn_inputs_into(n_kv, pos, seq_ids, n_groups, slot, n_swa, mask, mask_swa if n_swa else None,
+                        k_idxs, v_idxs)
+    assert np.array_equal(mask, c.kq_mask(n_kv, pos, seq_ids, n_groups).reshape(n, n_kv))
+    if n_swa:
+        assert np.array_equal(mask_swa, c.kq_mask(n_kv, pos, seq_ids, n_groups, n_swa).reshape(n, n_kv))
+    assert np.array_equal(k_idxs, kv.k_idxs(slot)) and np.array_equal(v_idxs, kv.v_idxs(slot))
