@@ -558,9 +558,11 @@ class LlamaContext:
         views = [self._host_view(t, shape) for t, shape, _ in specs]
         arrays = [np.empty(shape, dt) if v is None and t is not None else v
                   for v, (t, shape, dt) in zip(views, specs, strict=True)]
-        kv.attn_inputs_into(n_kv, ub.pos, ub.seq_ids, ub.n_seqs, slot, n_swa, *arrays)
+        mask, mask_swa, k_idxs, v_idxs = arrays
+        assert mask is not None and k_idxs is not None and v_idxs is not None
+        kv.attn_inputs_into(n_kv, ub.pos, ub.seq_ids, ub.n_seqs, slot, n_swa, mask, mask_swa, k_idxs, v_idxs)
         for v, a, (t, _, _) in zip(views, arrays, specs, strict=True):
-            if v is None and t is not None:         # not host memory (a pipeline's first stage)
+            if v is None and t is not None and a is not None:     # not host memory (a pipeline's stage)
                 tensor_set(t, a)
 
     def _host_view(self, t: Tensor | None, shape: tuple[int, ...]) -> np.ndarray | None:
