@@ -777,6 +777,8 @@ def _dequant_rows(kind, table, ids, lut, out):
     float operations: x * d, plus m for Q4_1/Q5_1 (two roundings: ggml's C contracts nothing)."""
     bs = _BS[kind]
     for r in range(ids.shape[0]):
+        if not 0 <= ids[r] < table.shape[0]:            # ggml_get_rows asserts it; unchecked, a crash
+            raise IndexError("GET_ROWS: a row id outside the table")
         row, y = table[ids[r]], out[r]
         for b in range(y.shape[0] // 32):
             o, y0 = b * bs, 32 * b

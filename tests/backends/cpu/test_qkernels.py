@@ -204,6 +204,10 @@ def test_get_rows_kernel_dequantizes_rows_as_quants_does(t):
     call()
     want = Q.dequantize(t, table[ids], K)
     assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    for bad in (rows, -1):                  # a row id outside the table: an error, not a read past it
+        ids[1] = bad
+        with pytest.raises(IndexError, match="outside the table"):
+            call()
 
 
 def test_get_rows_kernel_declines_what_it_does_not_cover():
