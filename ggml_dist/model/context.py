@@ -133,8 +133,8 @@ def _choose_before_free(rec: UbatchRecord) -> None:
         rec.chosen()
 
 
-def _increasing(idx: np.ndarray) -> bool:
-    return all(a < b for a, b in pairwise(idx.tolist()))
+def _increasing(idx: list[int]) -> bool:
+    return all(a < b for a, b in pairwise(idx))
 
 
 class PendingLogits:
@@ -159,7 +159,7 @@ class PendingLogits:
 
     def rows(self) -> list[tuple[UbatchRecord, int]]:
         """Per output, in batch order: the ubatch record that computes it and its row there."""
-        rows = {int(i): (rec, r) for rec in self._records for r, i in enumerate(rec.ub.idx[rec.ub.output])}
+        rows = {i: (rec, r) for rec in self._records for r, i in enumerate(rec.ub.out_idx)}
         return [rows[i] for i in sorted(rows)]
 
     def _recovering(self, collect: Callable):
@@ -177,13 +177,13 @@ class PendingLogits:
         for rec in self._records:
             if rec.sampling is None:
                 raise RuntimeError("tokens(): the batch was submitted without sampling=")
-            for r, i in enumerate(rec.ub.idx[rec.ub.output]):
-                toks[int(i)] = rec.chosen()[r]
+            for r, i in enumerate(rec.ub.out_idx):
+                toks[i] = rec.chosen()[r]
         return [toks[i] for i in sorted(toks)]
 
     def _collect(self) -> np.ndarray:
         rec = self._records[0] if len(self._records) == 1 else None
-        if rec is not None and rec.ub.n_outputs > 0 and _increasing(rec.ub.idx[rec.ub.output]):
+        if rec is not None and rec.ub.n_outputs > 0 and _increasing(rec.ub.out_idx):
             out = rec.result()                  # one ubatch, rows in batch order (a decode step): no
                                                 # second copy of the logits (1.5 MB for 8 rows)
             _choose_before_free(rec)
@@ -194,8 +194,8 @@ class PendingLogits:
         for rec in self._records:
             out = rec.result()
             out = out.reshape(-1, out.shape[-1])
-            for r, i in enumerate(rec.ub.idx[rec.ub.output]):
-                rows[int(i)] = out[r]
+            for r, i in enumerate(rec.ub.out_idx):
+                rows[i] = out[r]
         order = sorted(rows)
         out = np.stack([rows[i] for i in order]) if order else np.zeros((0, self._n_vocab), np.float32)
         for rec in self._records:          # the log keeps records for replay, not their results:
@@ -324,7 +324,7 @@ class LlamaContext:
             if token_src is not None:
                 rec.token_src = [token_src[int(i)] for i in ub.idx]
             if sampling is not None and rank is not None:
-                rec.sampling = [sampling[rank[int(i)]] for i in ub.idx[ub.output]]
+                rec.sampling = [sampling[rank[i]] for i in ub.out_idx]
                 rec.keep_logits = keep_logits
             if self.recoverable:
                 self.log.append(rec)
@@ -509,7 +509,8 @@ class LlamaContext:
             rec.fetch = fetch_async(logits)
             return
         self.sched.synchronize()
-        value = tensor_get(logits)
+        view = self._host_view(logits, (logits.ne[1], logits.ne[0]))
+        value = tensor_get(logits) if view is None else view.copy()
         rec.fetch = lambda: value
 
     def _resolve_tokens(self, rec: UbatchRecord) -> Callable[[], np.ndarray] | None:

@@ -108,9 +108,14 @@ class Ubatch:
     def n_seq_tokens(self) -> int:
         return self.n_tokens // max(self.n_seqs, 1)
 
+    def __post_init__(self) -> None:
+        # the batch indices of the output tokens, in ubatch order: a decode step asks for them several
+        # times, and each numpy call there costs several us (the step's weights evicted numpy's code)
+        self.out_idx: list[int] = [i for i, o in zip(self.idx.tolist(), self.output.tolist()) if o]
+
     @property
     def n_outputs(self) -> int:
-        return int(np.count_nonzero(self.output))
+        return len(self.out_idx)
 
     @property
     def out_ids(self) -> np.ndarray:
