@@ -1120,12 +1120,27 @@ LIBM_COS_SIN = not numba.config.USING_SVML                                      
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def cos_sin(theta, mscale, cos, sin):
-    """rope.rope_cache's last step: cos = f32(cosf(theta) * mscale), sin likewise (theta f32 [n, d])."""
-    for i in range(theta.shape[0]):
-        for j in range(theta.shape[1]):
-            cos[i, j] = F32(math.cos(theta[i, j])) * mscale
-            sin[i, j] = F32(math.sin(theta[i, j])) * mscale
+def rope_cache(pos, theta_scale, ff, freq_scale, ext_factor, corr0, corr_den, mscale, cos, sin):
+    """rope.rope_cache's cos and sin [n_pos, n_dims/2] in one call, the reference's f32 operations in its
+    order: theta_j = f32(theta_{j-1} * theta_scale) from the position, / ff[j] (ff empty: no freq
+    factors), YaRN's ramp where ext_factor != 0 (corr0 and corr_den its f32 corr_dims[0] and
+    max(0.001, corr_dims[1] - corr_dims[0])), then f32(cosf(theta)) * mscale (numba's math.cos of a
+    float32 is libm's cosf, see LIBM_COS_SIN)."""
+    one, zero = F32(1), F32(0)
+    for i in range(pos.shape[0]):
+        t = F32(pos[i])
+        for j in range(cos.shape[1]):
+            if j:
+                t = t * theta_scale
+            th = t / ff[j] if ff.shape[0] else t
+            interp = freq_scale * th
+            if ext_factor != zero:
+                ramp = (one - min(one, max(zero, (F32(j) - corr0) / corr_den))) * ext_factor
+                th = interp * (one - ramp) + th * ramp
+            else:
+                th = interp
+            cos[i, j] = F32(math.cos(th)) * mscale
+            sin[i, j] = F32(math.sin(th)) * mscale
 
 
 def bind_geglu(g, u, table, dst) -> Callable[[], None]:

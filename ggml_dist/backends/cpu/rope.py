@@ -5,7 +5,7 @@ import ctypes
 import ctypes.util
 import math
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -27,13 +27,29 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: fl
     return float(max(0, start)), float(min(n_dims - 1, end))
 
 
+def rope_scalars(n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+                 attn_factor: float) -> tuple[np.float32, np.float32]:
+    """(theta_scale, mscale) of ggml_rope_cache_init: powf(base, -2.0f/n_dims), and attn_factor with
+    YaRN's magnitude correction where ext_factor != 0."""
+    theta_scale = F32(np.float64(freq_base) ** np.float64(F32(-2.0 / n_dims)))   # powf(base, -2.0f/n_dims)
+    mscale = F32(attn_factor)
+    if ext_factor != 0.0:
+        mscale = F32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale)))
+    return theta_scale, mscale
+
+
 def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
                attn_factor: float, corr_dims: tuple[float, float],
                freq_factors: np.ndarray | None, fk: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [n_pos, n_dims/2]: theta by the iterated f32 product, as ggml_rope_cache_init. With fk
-    (fkernels), cos and sin by its compiled loop (libm's cosf and sinf, as here, see fk.cos_sin)."""
-    theta_scale = F32(np.float64(freq_base) ** np.float64(F32(-2.0 / n_dims)))   # powf(base, -2.0f/n_dims)
+    (fkernels, where its cos and sin are libm's), by its one compiled call fk.rope_cache (same bits)."""
     half = n_dims // 2
+    if fk is not None and fk.LIBM_COS_SIN:
+        cos, sin = np.empty((len(pos), half), F32), np.empty((len(pos), half), F32)
+        fk.rope_cache(pos, *rope_fill_args(n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr_dims,
+                                           freq_factors), cos, sin)
+        return cos, sin
+    theta_scale, mscale = rope_scalars(n_dims, freq_base, freq_scale, ext_factor, attn_factor)
     theta = np.empty((len(pos), half), F32)
     theta[:, 0] = pos.astype(F32)
     theta[:, 1:] = theta_scale
@@ -41,22 +57,25 @@ def rope_cache(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float
     if freq_factors is not None:
         theta = (theta / freq_factors[:half].astype(F32)).astype(F32)
     theta_interp = (F32(freq_scale) * theta).astype(F32)
-    mscale = F32(attn_factor)
     if ext_factor != 0.0:
         i0 = np.arange(0, n_dims, 2, dtype=F32)
         y = (i0 / 2 - corr_dims[0]) / max(0.001, corr_dims[1] - corr_dims[0])
         ramp = ((1 - np.minimum(1, np.maximum(0, y))) * ext_factor).astype(F32)
         theta = (theta_interp * (1 - ramp) + theta * ramp).astype(F32)
-        mscale = F32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale)))
     else:
         theta = theta_interp
-    if fk is not None and fk.LIBM_COS_SIN:
-        cos, sin = np.empty_like(theta), np.empty_like(theta)
-        fk.cos_sin(theta, mscale, cos, sin)
-        return cos, sin
     cos = (libm_cosf(theta) * mscale).astype(F32)
     sin = (libm_sinf(theta) * mscale).astype(F32)
     return cos, sin
+
+
+def rope_fill_args(n_dims: int, freq_base: float, freq_scale: float, ext_factor: float, attn_factor: float,
+                   corr_dims: tuple[float, float], freq_factors: np.ndarray | None) -> tuple:
+    """fk.rope_cache's arguments after pos, as f32 (the reference's scalars act in f32)."""
+    theta_scale, mscale = rope_scalars(n_dims, freq_base, freq_scale, ext_factor, attn_factor)
+    ff = np.zeros(0, F32) if freq_factors is None else np.ascontiguousarray(freq_factors[:n_dims // 2], F32)
+    return (theta_scale, ff, F32(freq_scale), F32(ext_factor), F32(corr_dims[0]),
+            F32(max(0.001, corr_dims[1] - corr_dims[0])), mscale)
 
 
 def _libm() -> tuple[Callable[[float], float], Callable[[float], float]] | tuple[None, None]:
@@ -189,8 +208,12 @@ def rope_args(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, s
     if cs is None:
         cs = shared[key] = (np.empty((len(pos), n_dims // 2), F32), np.empty((len(pos), n_dims // 2), F32))
 
-        def fill(cos: np.ndarray = cs[0], sin: np.ndarray = cs[1]) -> None:
-            cos[...], sin[...] = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr,
-                                            ff, fk)
-        prologue.append(fill)
+        if fk.LIBM_COS_SIN:             # one compiled call a step
+            prologue.append(partial(fk.rope_cache, pos, *rope_fill_args(n_dims, freq_base, freq_scale, ext_factor,
+                                                                       attn_factor, corr, ff), *cs))
+        else:
+            def fill(cos: np.ndarray = cs[0], sin: np.ndarray = cs[1]) -> None:
+                cos[...], sin[...] = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor,
+                                                corr, ff, fk)
+            prologue.append(fill)
     return x, cs[0], cs[1], n_dims, bool(mode & ROPE_TYPE_NEOX), dst

@@ -541,16 +541,18 @@ def test_binders_take_their_path_with_the_reference_bits(ctx, rng, name):
     assert cpu_ops._BINDERS[out.op](out, tensor_array(out), srcs, binding) is not None, "the binder declined"
 
 
-@pytest.mark.parametrize("ext_factor,freq_scale,ff", [(0.0, 1.0, False), (1.0, 0.25, False), (0.0, 1.0, True)])
+@pytest.mark.parametrize("ext_factor,freq_scale,ff", [(0.0, 1.0, False), (1.0, 0.25, False), (0.0, 1.0, True),
+                                                     (0.5, 0.125, True)])
 def test_rope_cache_compiled_cos_sin_are_libm_s(rng, ext_factor, freq_scale, ff):
-    """rope_cache's cos/sin through fkernels.cos_sin (numba's math.cos of a float32: libm's cosf) equal
-    the ctypes libm calls bit for bit, positions far and near, YaRN and frequency factors included."""
+    """rope_cache through fkernels.rope_cache (one compiled call: the theta product, frequency factors,
+    YaRN's ramp, numba's math.cos of a float32 = libm's cosf) equals the numpy reference with the ctypes
+    libm calls bit for bit, positions far and near, YaRN and frequency factors included."""
     from ggml_dist.backends.cpu import rope
     if not fk.LIBM_COS_SIN or rope._COSF is None:
         pytest.skip("numba takes SVML's cos/sin here, or no libm loads")
     pos = np.concatenate([np.arange(0, 40), rng.integers(0, 1 << 17, 200)]).astype(np.int32)
     factors = rng.uniform(1, 40, 64).astype(np.float32) if ff else None
-    args = (pos, 128, 500000.0, freq_scale, ext_factor, 1.0, (3.0, 40.0), factors)
+    args = (pos, 128, 500000.0, freq_scale, ext_factor, 1.0 + ext_factor / 3, (3.0, 40.7), factors)
     for a, b in zip(rope.rope_cache(*args), rope.rope_cache(*args, fk=fk)):
         assert_same_bits(b, a)
 
