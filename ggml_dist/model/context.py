@@ -322,7 +322,7 @@ class LlamaContext:
             cells.apply(slot, ub.pos, ub.seq_ids)
             rec = UbatchRecord(ub, slot, cells.n_kv(self._streams(ub)), embd=embeddings)
             if token_src is not None:
-                rec.token_src = [token_src[int(i)] for i in ub.idx]
+                rec.token_src = [token_src[i] for i in ub.idx]
             if sampling is not None and rank is not None:
                 rec.sampling = [sampling[rank[i]] for i in ub.out_idx]
                 rec.keep_logits = keep_logits

@@ -29,10 +29,9 @@ class Batch:
     def from_tokens(cls, tokens: list[int] | np.ndarray, pos0: int = 0, seq_id: int = 0,
                     all_outputs: bool = False) -> Batch:
         """One sequence, consecutive positions; only the last token outputs unless all_outputs."""
-        tok = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        tok = np.array(tokens, dtype=np.int32).reshape(-1)
         n = len(tok)
-        out = np.zeros(n, bool)
-        out[0 if all_outputs else n - 1:] = True
+        out = np.array([all_outputs] * (n - 1) + [True], bool) if n else np.zeros(0, bool)
         return cls(tok, np.arange(pos0, pos0 + n, dtype=np.int32), [frozenset({seq_id})] * n, out)
 
     @property
@@ -95,7 +94,7 @@ class Ubatch:
     pos: np.ndarray                          # int32 [n_tokens]
     seq_ids: list[frozenset[int]]
     output: np.ndarray                       # bool [n_tokens]
-    idx: np.ndarray                          # batch index of each token
+    idx: list[int]                           # batch index of each token
     equal_seqs: bool = False
     n_seqs: int = 0                          # sequence sets (= n_tokens for split_simple)
     seq_id_unq: list[int] = field(default_factory=list)
@@ -111,7 +110,7 @@ class Ubatch:
     def __post_init__(self) -> None:
         # the batch indices of the output tokens, in ubatch order: a decode step asks for them several
         # times, and each numpy call there costs several us (the step's weights evicted numpy's code)
-        self.out_idx: list[int] = [i for i, o in zip(self.idx.tolist(), self.output.tolist()) if o]
+        self.out_idx: list[int] = [i for i, o in zip(self.idx, self.output.tolist()) if o]
 
     @property
     def n_outputs(self) -> int:
@@ -142,10 +141,9 @@ class BatchSplitter:
         b = self.batch
         for i in idx:
             self.used[i] = True
-        ia = np.array(idx, dtype=np.int64)
         seqs = [b.seq_ids[i] for i in idx]
         unq = sorted(set().union(*seqs)) if seqs else []
-        return Ubatch(b.tokens[ia], b.pos[ia], seqs, b.output[ia], ia, equal_seqs,
+        return Ubatch(b.tokens[idx], b.pos[idx], seqs, b.output[idx], idx, equal_seqs,
                       n_seqs if n_seqs is not None else len(idx), unq)
 
     def split_simple(self, n_ubatch: int) -> Ubatch | None:
