@@ -251,6 +251,8 @@ def _mac(w, y, acc):
 # when the cached K and V are finite; ops.py binds them only to the KQ -> SOFT_MAX -> KQV chain.
 SKIP_NONE, SKIP_KQ, SKIP_KQV = 0, 1, 2
 _NO_MASK = np.zeros((1, 1, 1, 1), F32)
+_NO_ROPE = np.zeros((1, 1), F32)
+_NO_ROWS = (_NO_ROPE, _NO_ROPE, 0, False, _NO_ROPE, _NO_ROPE, 0, False, False)   # bind_attention without rows
 
 
 def mul_mat_threads(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SKIP_NONE) -> None:
@@ -309,7 +311,8 @@ def mul_mat(w, x, dst, tiny, half, mask=None, skip=SKIP_NONE):
         _mm(w, x, dst, tiny, np.empty(K * _RB, F64), np.empty((rows, K * _RB), F64))
 
 
-def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, one_loop=False):
+def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kqv, cont, one_loop=False,
+                   rows=None):
     """The attention chain KQ = K.Q (cells the mask hides skipped) -> SOFT_MAX(KQ * scale + mask) ->
     KQV = V.softmax [-> CONT of KQV permuted] as one call, for arrays fixed from now on: per slice
     (query head), _mm_h_rows, _soft_max_rows and _mm_h_rows again, so the same bits as the three
@@ -322,18 +325,25 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
     must not land where another thread still reads. one_loop: the caller has checked that no thread's
     writes land where another thread reads at any time (KQV over nothing but its own heads' Q, the
     scores over nothing V), so each thread runs its heads' KQ, soft_max and KQV in one loop: one
-    launch, not two (~5 us each). The 4-d arrays travel as one view_block (entry.py): F16 bits of K
-    and V, F32 others (a mask of another type: None, the chain's ops then bound one by one)."""
+    launch, not two (~5 us each). rows: cache_rows_args of the layer's new cache rows (F16 caches),
+    which the call then writes first, on the calling thread, as bind_cache_rows's call would just
+    before it (one call a layer fewer in a decode step). The 4-d arrays travel as one view_block
+    (entry.py): F16 bits of K and V, F32 others (a mask of another type: None, the chain's ops then
+    bound one by one)."""
     has_cont = cont is not None
     cont = kqv if cont is None else cont
     views = (kw, q, kq, mask, sm, vw, kqv, cont, _NO_MASK)          # one view_block (entry.py): _views
     dtypes = (np.uint16, F32, F32, F32, F32, np.uint16, F32, F32, F32)
     if any(v.dtype != t for v, t in zip(views, dtypes)):
         return None
-    args = (view_block(views, dtypes), tiny_kq, scale, slopes, tiny_kqv, has_cont)
+    if rows is not None and rows[1][4] != np.uint16:
+        return None
+    rviews, rtypes, rope = rows if rows is not None else ((), (), _NO_ROWS)
+    args = (view_block((*views, *rviews), (*dtypes, *rtypes)), tiny_kq, scale, slopes, tiny_kqv, has_cont, rope,
+            rows is not None)
     return keep_alive(bind_split(q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK,
                                  (_attention_serial, *args),
-                                 (_attention_par1 if one_loop else _attention_par, *args)), views)
+                                 (_attention_par1 if one_loop else _attention_par, *args)), (*views, *rviews))
 
 
 @njit(cache=True, inline="always")
@@ -343,8 +353,20 @@ def _views(block):
             array4(F32V4, block, 8))
 
 
+@njit(cache=True, inline="always")
+def _new_rows(block, rope, has_rows):
+    """bind_attention's rows: the views past the attention's 9 are _cache_rows's, rope its other
+    arguments (F16 caches)."""
+    if has_rows:
+        cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q = rope
+        rows = block[9 * 9:]
+        _cache_rows(rows, cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q, array4(U16V4, rows, 4),
+                    array4(U16V4, rows, 7))
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
-def _attention_serial(block, tiny_kq, scale, slopes, tiny_kqv, has_cont):
+def _attention_serial(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, rope, has_rows):
+    _new_rows(block, rope, has_rows)
     kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     n = q.shape[0] * q.shape[1]
     _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, 0, n)
@@ -365,8 +387,9 @@ def _head_runs(q, kw, n_chunks):
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _attention_par1(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, n_chunks):
+def _attention_par1(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, rope, has_rows, n_chunks):
     """_attention_par in one parallel loop (bind_attention's one_loop)."""
+    _new_rows(block, rope, has_rows)
     kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
@@ -378,7 +401,8 @@ def _attention_par1(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, n_chunks)
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _attention_par(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, n_chunks):
+def _attention_par(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, rope, has_rows, n_chunks):
+    _new_rows(block, rope, has_rows)
     kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
@@ -1300,22 +1324,33 @@ def set_rows_is_serial(b) -> bool:
     return _n_rows(b) < _SET_ROWS_PARALLEL
 
 
-def bind_cache_rows(rope_k: tuple, store_k: tuple, store_v: tuple, rope_q: tuple | None
-                    ) -> Callable[[], None] | None:
-    """ROPE(K), SET_ROWS(K), SET_ROWS(V) [, ROPE(Q)], a layer's new cache rows, as one call on the calling
-    thread: rope_k, rope_q the arguments of bind_rope, store_k, store_v those of bind_set_rows, each op
-    serial (rope_is_serial, set_rows_is_serial). The ops run in their order, as their own calls would.
-    The 4-d arrays travel as one view_block (entry.py): I64 indices and K and V caches of one type (F16
-    bits or F32) only, else None (each op then is a call of its own)."""
+def cache_rows_args(rope_k: tuple, store_k: tuple, store_v: tuple, rope_q: tuple | None) -> tuple | None:
+    """(views, their dtypes, the other arguments) of _cache_rows for ROPE(K), SET_ROWS(K), SET_ROWS(V)
+    [, ROPE(Q)] (bind_cache_rows), or None where they do not apply: I64 indices, and K and V caches of
+    one type (F16 bits or F32)."""
     x, cos, sin, n_dims, neox, dst = rope_k
     (bk, ck, dk), (bv, cv, dv) = store_k, store_v
     xq, cq, sq, nq, neoxq, dq = rope_k if rope_q is None else rope_q
     if ck.dtype != np.int64 or cv.dtype != np.int64 or dk.dtype != dv.dtype or dk.dtype not in (np.uint16, F32):
         return None
-    views = (x, dst, bk, ck, dk, bv, cv, dv, xq, dq)
-    block = view_block(views, (F32, F32, F32, np.int64, dk.dtype, F32, np.int64, dv.dtype, F32, F32))
-    kernel = _cache_rows_f16 if dk.dtype == np.uint16 else _cache_rows_f32
-    return keep_alive(bound(kernel, block, cos, sin, n_dims, neox, cq, sq, nq, neoxq, rope_q is not None), views)
+    return ((x, dst, bk, ck, dk, bv, cv, dv, xq, dq),
+            (F32, F32, F32, np.int64, dk.dtype, F32, np.int64, dv.dtype, F32, F32),
+            (cos, sin, n_dims, neox, cq, sq, nq, neoxq, rope_q is not None))
+
+
+def bind_cache_rows(rope_k: tuple, store_k: tuple, store_v: tuple, rope_q: tuple | None
+                    ) -> Callable[[], None] | None:
+    """ROPE(K), SET_ROWS(K), SET_ROWS(V) [, ROPE(Q)], a layer's new cache rows, as one call on the calling
+    thread: rope_k, rope_q the arguments of bind_rope, store_k, store_v those of bind_set_rows, each op
+    serial (rope_is_serial, set_rows_is_serial). The ops run in their order, as their own calls would.
+    The 4-d arrays travel as one view_block (entry.py); None where cache_rows_args does not apply (each
+    op then is a call of its own)."""
+    rows = cache_rows_args(rope_k, store_k, store_v, rope_q)
+    if rows is None:
+        return None
+    views, dtypes, rope = rows
+    kernel = _cache_rows_f16 if dtypes[4] == np.uint16 else _cache_rows_f32
+    return keep_alive(bound(kernel, view_block(views, dtypes), *rope), views)
 
 
 @njit(cache=True, nogil=True)

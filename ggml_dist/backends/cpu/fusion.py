@@ -15,7 +15,9 @@ Every fused call gives the bits of the kernels it replaces.
     MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one call
       [, CONT(PERMUTE(KQV))]                (two parallel loops and the copy) instead of four
     ROPE(K), SET_ROWS(K), SET_ROWS(V)       fkernels.bind_cache_rows: a layer's new cache rows, each op
-      [, ROPE(Q)]                           as its own call (every result written), where none splits
+      [, ROPE(Q)]                           as its own call (every result written), where none splits;
+      [, the attention chain]               with the attention that follows, bind_attention's rows: one
+                                            call that writes them, then runs the chain
 
 Products of packed weights by the same activation need not be consecutive (a layer's K, V and Q
 products have their ROPE and SET_ROWS between them): the later ones move up to the first, which is
@@ -149,14 +151,21 @@ def _cache_rows(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | 
     if rope_k is None or store_k is None or store_v is None:
         return None
     rope_q = rope(nodes[i + 3]) if i + 3 < len(nodes) and nodes[i + 3].op == Op.ROPE else None
+    n = 3 if rope_q is None else 4
+    if i + n < len(nodes) and nodes[i + n].op == Op.MUL_MAT:       # the attention that reads them next
+        rows = fk.cache_rows_args(rope_k, store_k, store_v, rope_q)
+        attention = None if rows is None else _attention(nodes, i + n, b, rows)
+        if attention is not None:
+            return attention[0], n + attention[1]
     call = fk.bind_cache_rows(rope_k, store_k, store_v, rope_q)
-    return None if call is None else (call, 3 if rope_q is None else 4)
+    return None if call is None else (call, n)
 
 
-def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+def _attention(nodes: list[Tensor], i: int, b: Binding, rows: tuple | None = None) -> tuple[Bound, int] | None:
     """The attention chain from nodes[i] (see ops.attention_product), with the CONT of its permuted
     output where that follows; None where a result overlaps what the threads may read meanwhile (see
-    fkernels.bind_attention)."""
+    fkernels.bind_attention). rows: the layer's new cache rows just before (fkernels.cache_rows_args),
+    which the call writes first."""
     if i + 2 >= len(nodes):
         return None
     kq, sm, kqv = nodes[i], nodes[i + 1], nodes[i + 2]
@@ -192,7 +201,7 @@ def _attention(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | N
     one_loop = (not _overlap(first, [pv[0]]) and not _overlap([a_kqv], [pk[0], mask, a_kq])
                 and (_same_rows(a_kqv, pk[1]) or not _overlap([a_kqv], [pk[1]])))
     call = fk.bind_attention(pk[0], pk[1], a_kq, mask, pk[2], scale, slopes, a_sm, pv[0], pv[2], a_kqv, cont,
-                             one_loop)
+                             one_loop, rows)
     return None if call is None else (call, n)
 
 

@@ -279,7 +279,7 @@ def test_the_threads_take_one_loop_only_where_none_writes_what_another_reads(ctx
         t.buffer.set_tensor(t, v)
     seen = []
     real = fk.bind_attention
-    monkeypatch.setattr(fk, "bind_attention", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(fk, "bind_attention", lambda *a: seen.append(a[12]) or real(*a))
     assert len(BoundGraph(g, OPTS).calls) == 1 and seen == [one_loop]
     before = threads.get_threads()
     threads.set_threads(2)
@@ -486,3 +486,48 @@ def test_cache_rows_with_i32_indices_run_call_by_call(ctx, rng):
     for t in results:
         assert_same_bits(tensor_array(t).copy(), want[t])
     assert len(BoundGraph(g, OPTS).calls) == 4
+
+
+@pytest.mark.parametrize("n_tok,n_head,n_head_kv", [(1, 9, 3), (2, 4, 2)])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_cache_rows_and_the_attention_that_reads_them_run_as_one_call(ctx, rng, n_tok, n_head, n_head_kv,
+                                                                      n_threads):
+    """A layer's new cache rows (ROPE K, SET_ROWS K and V, ROPE Q) then the attention over the caches, as
+    the graph builder orders them: one call (bind_attention's rows) whose every result, the caches'
+    new rows included, has the bits of the calls it replaces."""
+    from ggml_dist.backends.base import tensor_array
+    from ggml_dist.backends.cpu import threads
+    (kc, vc, q_in, m), mids, _ = _attention(ctx, n_tok, n_head, n_head_kv)
+    d, kv_size, w, used = 64, kc.ne[1], kc.ne[0], 37
+    k, v = ctx.new_tensor(F32, (d, n_head_kv, n_tok)), ctx.new_tensor(F32, (1, w * n_tok))
+    q, pos = ctx.new_tensor(F32, (d, n_head, n_tok)), ctx.new_tensor(GGMLType.I32, (n_tok,))
+    k_idx, v_idx = ctx.new_tensor(GGMLType.I64, (n_tok,)), ctx.new_tensor(GGMLType.I64, (w * n_tok,))
+    k_rows = ops.set_rows(ctx, kc, ops.reshape(ctx, ops.rope_ext(ctx, k, pos, None, d, ops.ROPE_TYPE_NEOX, 4096,
+                                                                 freq_base=10000.0), w, n_tok), k_idx)
+    v_rows = ops.set_rows(ctx, ops.reshape(ctx, vc, 1, kv_size * w), v, v_idx)
+    q_roped = ops.rope_ext(ctx, q, pos, None, d, ops.ROPE_TYPE_NEOX, 4096, freq_base=10000.0)
+    kview = ops.view_3d(ctx, kc, d, m.ne[0], n_head_kv, kc.nb[1], d * 2, 0)
+    vview = ops.view_3d(ctx, vc, m.ne[0], d, n_head_kv, vc.nb[1], vc.nb[1] * d, 0)
+    kq = ops.mul_mat(ctx, kview, ops.permute(ctx, q_roped, 0, 2, 1, 3))
+    kqv = ops.mul_mat(ctx, vview, ops.soft_max_ext(ctx, kq, m, 0.125, 0.0))
+    out = ops.cont(ctx, ops.permute(ctx, kqv, 0, 2, 1, 3), (d * n_head, n_tok))
+    g = Graph()
+    for t in (k_rows, v_rows, out):
+        g.build_forward_expand(t)
+    slots = np.arange(used - n_tok, used)
+    inputs = _attention_inputs(rng, (kc, vc, q_in, m), n_tok)
+    del inputs[q_in]
+    inputs.update({k: randn(rng, n_tok, n_head_kv, d) * 3, v: randn(rng, w * n_tok, 1),
+                   q: randn(rng, n_tok, n_head, d), pos: np.arange(40, 40 + n_tok, dtype=np.int32),
+                   k_idx: slots.astype(np.int64),
+                   v_idx: (np.arange(w)[:, None] * kv_size + slots[None, :]).reshape(-1).astype(np.int64)})
+    before = threads.get_threads()
+    threads.set_threads(n_threads)
+    try:
+        want, got = _run(g, out, inputs)
+    finally:
+        threads.set_threads(before)
+    assert_same_bits(got, want[out])
+    for t in (kc, vc, q_roped, kq, kqv):
+        assert_same_bits(tensor_array(t).copy(), want[t])
+    assert len(BoundGraph(g, OPTS).calls) == 1
