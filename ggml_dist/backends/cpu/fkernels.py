@@ -591,17 +591,24 @@ def _mm_h_rows(w, x, dst, tiny, u0, u1, mask, skip):
 
 
 @njit(cache=True, inline="always")
+def _scratch4(n0, n1, n2, n3):
+    """Four f32 scratch arrays of n0..n3 floats in one allocation, each at a multiple of 16 floats (64
+    bytes) from its start: a chunk of the attention allocated its scratch array by array, ~30 times a
+    call, each a malloc and a free."""
+    a0, a1, a2 = (n0 + 15) // 16 * 16, (n1 + 15) // 16 * 16, (n2 + 15) // 16 * 16
+    buf = np.empty(a0 + a1 + a2 + n3, F32)
+    return buf[:n0], buf[a0:a0 + n1], buf[a0 + a1:a0 + a1 + n2], buf[a0 + a1 + a2:a0 + a1 + a2 + n3]
+
+
+@njit(cache=True, inline="always")
 def _h_rows(w, x, dst, tiny, u0, u1, mask, skip):
     A2, M, K = w.shape[1], w.shape[2], w.shape[3]
     B2, N = x.shape[1], x.shape[2]
     r2, r3 = B2 // A2, x.shape[0] // w.shape[0]
     nl = 8 if tiny else 32
     ks = K - K % nl
-    Y = np.empty(_HEADS * K, F32)
-    res = np.empty(_HEADS * M, F32)
-    lanes = np.empty(8 * _HEADS * M, F32)
+    Y, res, lanes, full = _scratch4(_HEADS * K, _HEADS * M, 8 * _HEADS * M, _HEADS * M)
     live = np.empty(M, np.int64)
-    full = np.empty(_HEADS * M, F32)
     wf, w3, w2, w1 = _rows_view(w)
     xf, x3, x2, x1 = _rows_view(x)
     df, d3, d2, d1 = _rows_view(dst)
@@ -973,8 +980,7 @@ def _soft_max_rows(x, scale, mask, slopes, has_mask, dst, r0, r1):
     xf, x3, x2, x1 = _rows_view(x)
     df, d3, d2, d1 = _rows_view(dst)
     mf, m3, m2, m1 = _rows_view(mask)
-    w = np.empty(ne0, F32)
-    wc = np.empty(ne0, F32)
+    w, wc, _, _ = _scratch4(ne0, ne0, 0, 0)
     idx = np.empty(ne0, np.int64)
     for r in range(r0, r1):
         i3, i2, i1 = r // (ne2 * ne1), r // ne1 % ne2, r % ne1
