@@ -43,6 +43,17 @@ def _run(g, out, inputs):
     return want, _bound_run(g, out, inputs)
 
 
+def _run_at(n_threads, g, out, inputs):
+    """_run with the kernels at n_threads threads."""
+    from ggml_dist.backends.cpu import threads
+    before = threads.get_threads()
+    threads.set_threads(n_threads)
+    try:
+        return _run(g, out, inputs)
+    finally:
+        threads.set_threads(before)
+
+
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("n_tok,width", [(1, 576), (5, 40), (3, 1)])
 def test_a_norm_and_its_weight_run_as_one_call_with_the_same_bits(ctx, rng, residual, n_tok, width):
@@ -197,17 +208,11 @@ def _attention_inputs(rng, tensors, n_tok):
 def test_the_attention_chain_runs_as_one_call_with_the_same_bits(ctx, rng, cont, n_tok, n_head, n_head_kv,
                                                                   n_threads):
     from ggml_dist.backends.base import tensor_array
-    from ggml_dist.backends.cpu import threads
     leafs, mids, out = _attention(ctx, n_tok, n_head, n_head_kv, cont)
     g = Graph()
     g.build_forward_expand(out)
     inputs = _attention_inputs(rng, leafs, n_tok)
-    before = threads.get_threads()
-    threads.set_threads(n_threads)
-    try:
-        want, got = _run(g, out, inputs)
-    finally:
-        threads.set_threads(before)
+    want, got = _run_at(n_threads, g, out, inputs)
     assert_same_bits(got, want[out])
     for t in mids:                                          # the chain's own results are written too
         assert_same_bits(tensor_array(t).copy(), want[t])
@@ -496,8 +501,7 @@ def test_cache_rows_and_the_attention_that_reads_them_run_as_one_call(ctx, rng, 
     the graph builder orders them: one call (bind_attention's rows) whose every result, the caches'
     new rows included, has the bits of the calls it replaces."""
     from ggml_dist.backends.base import tensor_array
-    from ggml_dist.backends.cpu import threads
-    (kc, vc, q_in, m), mids, _ = _attention(ctx, n_tok, n_head, n_head_kv)
+    (kc, vc, q_in, m), _, _ = _attention(ctx, n_tok, n_head, n_head_kv)
     d, kv_size, w, used = 64, kc.ne[1], kc.ne[0], 37
     k, v = ctx.new_tensor(F32, (d, n_head_kv, n_tok)), ctx.new_tensor(F32, (1, w * n_tok))
     q, pos = ctx.new_tensor(F32, (d, n_head, n_tok)), ctx.new_tensor(GGMLType.I32, (n_tok,))
@@ -521,12 +525,7 @@ def test_cache_rows_and_the_attention_that_reads_them_run_as_one_call(ctx, rng, 
                    q: randn(rng, n_tok, n_head, d), pos: np.arange(40, 40 + n_tok, dtype=np.int32),
                    k_idx: slots.astype(np.int64),
                    v_idx: (np.arange(w)[:, None] * kv_size + slots[None, :]).reshape(-1).astype(np.int64)})
-    before = threads.get_threads()
-    threads.set_threads(n_threads)
-    try:
-        want, got = _run(g, out, inputs)
-    finally:
-        threads.set_threads(before)
+    want, got = _run_at(n_threads, g, out, inputs)
     assert_same_bits(got, want[out])
     for t in (kc, vc, q_roped, kq, kqv):
         assert_same_bits(tensor_array(t).copy(), want[t])
