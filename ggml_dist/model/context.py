@@ -581,10 +581,11 @@ class LlamaContext:
         return hit[3]
 
     def _put(self, t: Tensor, value: np.ndarray) -> None:
-        """tensor_set(t, value), through the host view where there is one."""
+        """tensor_set(t, value) of an I32 input, through the host view where there is one (which casts as
+        it copies; another buffer is given int32 bytes)."""
         view = self._host_view(t, (t.nelements,))
         if view is None:
-            tensor_set(t, value)
+            tensor_set(t, np.asarray(value, np.int32))
         else:
             view[...] = value
 
