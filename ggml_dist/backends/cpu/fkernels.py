@@ -1149,6 +1149,11 @@ def _swiglu_rows(g, u, dst, r0, r1):
 LIBM_COS_SIN = not numba.config.USING_SVML                                      # type: ignore[attr-defined]
 
 
+def bind_rope_cache(pos, *args) -> Callable[[], None]:
+    """rope_cache(pos, *args), bound (entry.py): a replay's prologue fills its step's cos and sin."""
+    return bound(rope_cache, pos, *args)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def rope_cache(pos, theta_scale, ff, freq_scale, ext_factor, corr0, corr_den, mscale, cos, sin):
     """rope.rope_cache's cos and sin [n_pos, n_dims/2] in one call, the reference's f32 operations in its

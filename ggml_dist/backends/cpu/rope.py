@@ -5,7 +5,7 @@ import ctypes
 import ctypes.util
 import math
 from collections.abc import Callable
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -209,8 +209,8 @@ def rope_args(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, s
         cs = shared[key] = (np.empty((len(pos), n_dims // 2), F32), np.empty((len(pos), n_dims // 2), F32))
 
         if fk.LIBM_COS_SIN:             # one compiled call a step
-            prologue.append(partial(fk.rope_cache, pos, *rope_fill_args(n_dims, freq_base, freq_scale, ext_factor,
-                                                                       attn_factor, corr, ff), *cs))
+            prologue.append(fk.bind_rope_cache(pos, *rope_fill_args(n_dims, freq_base, freq_scale, ext_factor,
+                                                                   attn_factor, corr, ff), *cs))
         else:
             def fill(cos: np.ndarray = cs[0], sin: np.ndarray = cs[1]) -> None:
                 cos[...], sin[...] = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor,
