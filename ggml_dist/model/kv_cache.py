@@ -27,7 +27,7 @@ from ..core.types import GGMLType, row_size
 
 N_KV_PAD = 256          # n_kv granularity: keeps graph shapes stable for 256 decode steps
 SEQ_BITS = 64           # the sequence ids a cell's bit set can hold
-_NO_MASK = np.empty((0, 0), np.float32)  # attn_inputs_into's mask_swa without a sliding window
+_NO_SWA_MASK = np.empty((0, 0), np.float32)  # attn_inputs_into's mask_swa without a sliding window
 
 
 def kv_cells(n_ctx: int, n_seq_max: int = 1, unified: bool = True) -> tuple[int, int]:
@@ -417,7 +417,7 @@ class KVCache:
         one compiled call (backends/cpu/kv_inputs.py; the same numbers). pos int32, slot int64."""
         cells = self.cells
         unified = cells.n_stream == 1
-        attn_inputs(mask, _NO_MASK if mask_swa is None else mask_swa, n_swa, cells.pos, cells.seq,
+        attn_inputs(mask, _NO_SWA_MASK if mask_swa is None else mask_swa, n_swa, cells.pos, cells.seq,
                     0 if unified else cells.size, 1 if unified else n_seqs, pos,
                     np.array([min(s) for s in seq_ids], np.int64), k_idxs, v_idxs, slot, self.kv_size,
                     self.n_embd_v_gqa)
