@@ -42,12 +42,17 @@ so it is only ever called with the arrays it was chosen for (or ones of the same
                             over the array itself); ptr its dtype's
     keep_alive(call, arrays)
                             call, holding the arrays whose addresses its block holds
+    address(block)          the block's address, an int that holds the block (what a bound call passes)
+    at(addr, n)             (in a kernel) the int64 [n] block at addr again
 
 Unboxing an array is cheap when its objects are in cache (~0.05 us) and not in a decode step, where the
 weights streamed since the last step have evicted them: a call of 20 arrays costs ~10 us more than one
 of a single array there (measured after a 16 MB sweep). The int8 products take their arrays as one
 pointer block, the attention chain and the cache-row call their views as one view block: the caller
 keeps the arrays alive as long as their block is used (keep_alive, or the bound call's own references).
+The hottest calls (a decode step's products, norms, GLUs and attention) pass their block by its address:
+an int unboxes for a fraction of a cold array's cost (numba's NRT_adapt_ndarray_from_python, with its
+allocation, was ~1.5% of a SmolLM2 step's calling thread).
 """
 from __future__ import annotations
 
@@ -144,6 +149,21 @@ def flat(call: Callable[[], Any], n_threads: int) -> Flat | None:
     return None
 
 
+class Address(int):
+    """An int64 block's address (address()), holding the block: numba takes it as an int64."""
+    block: np.ndarray
+
+
+def address(block: np.ndarray) -> Address:
+    """block (int64, C-contiguous) by its address, for a kernel that reads it with at(addr, block.size);
+    whoever holds the address holds the block."""
+    if block.dtype != np.int64 or block.ndim != 1 or not block.flags.c_contiguous:
+        raise ValueError(f"address: a block is int64 [n] C-contiguous, got {block.dtype} {block.shape}")
+    a = Address(block.ctypes.data)
+    a.block = block
+    return a
+
+
 def pointer_block(arrays: tuple | list) -> np.ndarray:
     """The arrays (2-D, C-contiguous) as int64 [3 * n]: address, rows, columns of each in turn."""
     block = np.empty(3 * len(arrays), np.int64)
@@ -166,8 +186,14 @@ def _pointer(dtype: types.Type) -> Any:
     return ptr
 
 
-F32P, I8P, U8P, U16P, I32P = (_pointer(t) for t in (types.float32, types.int8, types.uint8, types.uint16,
-                                                     types.int32))
+F32P, I8P, U8P, U16P, I32P, I64P = (_pointer(t) for t in (types.float32, types.int8, types.uint8, types.uint16,
+                                                           types.int32, types.int64))
+
+
+@njit(cache=True, inline="always")
+def at(addr, n):
+    """The int64 [n] block at address addr (address())."""
+    return carray(I64P(addr), n)
 
 
 @njit(cache=True, inline="always")

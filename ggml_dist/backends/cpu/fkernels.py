@@ -41,7 +41,22 @@ from numba.extending import intrinsic, overload
 from numba.np.arrayobj import make_array
 
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
-from .entry import F32P, F32V4, I64V4, U16V4, Lazy, Split, array4, array4c, bound, keep_alive, shape_block, view_block
+from .entry import (
+    F32P,
+    F32V4,
+    I64V4,
+    U16V4,
+    Lazy,
+    Split,
+    address,
+    array4,
+    array4c,
+    at,
+    bound,
+    keep_alive,
+    shape_block,
+    view_block,
+)
 from .numerics import _C_LN2_HI, _C_LN2_LO, _C_LOG2E, _C_P0, _C_P1, _C_P2, _C_P3, _C_P4, _C_SHIFT
 from .threads import get_threads, launch
 
@@ -253,6 +268,7 @@ SKIP_NONE, SKIP_KQ, SKIP_KQV = 0, 1, 2
 _NO_MASK = np.zeros((1, 1, 1, 1), F32)
 _NO_ROPE = np.zeros((1, 1), F32)
 _NO_ROWS = (_NO_ROPE, _NO_ROPE, 0, False, _NO_ROPE, _NO_ROPE, 0, False, False)   # bind_attention without rows
+_ATTN_VIEWS, _ROW_VIEWS, _AUX_VIEWS = 9, 10, 5     # bind_attention's block: its views, the rows', the rest
 
 
 def mul_mat_threads(w, x, dst, tiny: bool, half: bool, mask=None, skip: int = SKIP_NONE) -> None:
@@ -327,47 +343,64 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
     scores over nothing V), so each thread runs its heads' KQ, soft_max and KQV in one loop: one
     launch, not two (~5 us each). rows: cache_rows_args of the layer's new cache rows (F16 caches),
     which the call then writes first, on the calling thread, as bind_cache_rows's call would just
-    before it (one call a layer fewer in a decode step). The 4-d arrays travel as one view_block
-    (entry.py): F16 bits of K and V, F32 others (a mask of another type: None, the chain's ops then
-    bound one by one)."""
+    before it (one call a layer fewer in a decode step). Every array travels in one view_block (entry.py)
+    passed by its address: the attention's 9 views (F16 bits of K and V, F32 others; a mask of another
+    type: None, the chain's ops then bound one by one), the rows' 10 (zeros without rows), then the ALiBi
+    slopes and the rows' cos and sin of K and Q as 4-d views (_aux)."""
     has_cont = cont is not None
     cont = kqv if cont is None else cont
-    views = (kw, q, kq, mask, sm, vw, kqv, cont, _NO_MASK)          # one view_block (entry.py): _views
+    views = (kw, q, kq, mask, sm, vw, kqv, cont, _NO_MASK)          # _views
     dtypes = (np.uint16, F32, F32, F32, F32, np.uint16, F32, F32, F32)
     if any(v.dtype != t for v, t in zip(views, dtypes)):
         return None
     if rows is not None and rows[1][4] != np.uint16:
         return None
     rviews, rtypes, rope = rows if rows is not None else ((), (), _NO_ROWS)
-    args = (view_block((*views, *rviews), (*dtypes, *rtypes)), tiny_kq, scale, slopes, tiny_kqv, has_cont, rope,
+    cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q = rope
+    aux = tuple(a.reshape(1, 1, 1, -1) if a.ndim == 1 else a[None, None] for a in (slopes, cos, sin, cq, sq))
+    if any(a.dtype != F32 for a in aux):
+        return None
+    block = np.zeros(9 * (_ATTN_VIEWS + _ROW_VIEWS + _AUX_VIEWS), np.int64)
+    block[:9 * (_ATTN_VIEWS + len(rviews))] = view_block((*views, *rviews), (*dtypes, *rtypes))
+    block[9 * (_ATTN_VIEWS + _ROW_VIEWS):] = view_block(aux, (F32,) * _AUX_VIEWS)
+    args = (address(block), tiny_kq, float(scale), tiny_kqv, has_cont, (n_dims, neox, nq, neoxq, has_q),
             rows is not None)
     return keep_alive(bind_split(q.shape[0] * q.shape[1] > 1 and q.size * kw.shape[2] >= _PARALLEL_WORK,
                                  (_attention_serial, *args),
-                                 (_attention_par1 if one_loop else _attention_par, *args)), (*views, *rviews))
+                                 (_attention_par1 if one_loop else _attention_par, *args)), (*views, *rviews, *aux))
 
 
 @njit(cache=True, inline="always")
-def _views(block):
-    return (array4(U16V4, block, 0), array4(F32V4, block, 1), array4(F32V4, block, 2), array4(F32V4, block, 3),
+def _views(addr):
+    block = at(addr, 9 * (_ATTN_VIEWS + _ROW_VIEWS + _AUX_VIEWS))
+    return block, (array4(U16V4, block, 0), array4(F32V4, block, 1), array4(F32V4, block, 2), array4(F32V4, block, 3),
             array4(F32V4, block, 4), array4(U16V4, block, 5), array4(F32V4, block, 6), array4(F32V4, block, 7),
             array4(F32V4, block, 8))
 
 
 @njit(cache=True, inline="always")
+def _aux(block, i):
+    """bind_attention's aux view i (0: the slopes, 1-4: cos and sin of K and Q) as the 1-d or 2-d array
+    it was."""
+    return array4(F32V4, block, _ATTN_VIEWS + _ROW_VIEWS + i)
+
+
+@njit(cache=True, inline="always")
 def _new_rows(block, rope, has_rows):
     """bind_attention's rows: the views past the attention's 9 are _cache_rows's, rope its other
-    arguments (F16 caches)."""
+    scalar arguments (F16 caches)."""
     if has_rows:
-        cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q = rope
-        rows = block[9 * 9:]
-        _cache_rows(rows, cos, sin, n_dims, neox, cq, sq, nq, neoxq, has_q, array4(U16V4, rows, 4),
-                    array4(U16V4, rows, 7))
+        n_dims, neox, nq, neoxq, has_q = rope
+        rows = block[9 * _ATTN_VIEWS:]
+        _cache_rows(rows, _aux(block, 1)[0, 0], _aux(block, 2)[0, 0], n_dims, neox, _aux(block, 3)[0, 0],
+                    _aux(block, 4)[0, 0], nq, neoxq, has_q, array4(U16V4, rows, 4), array4(U16V4, rows, 7))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _attention_serial(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, rope, has_rows):
+def _attention_serial(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows):
+    block, (kw, q, kq, mask, sm, vw, kqv, cont, nomask) = _views(addr)
+    scale, slopes = F32(scale64), _aux(block, 0)[0, 0, 0]
     _new_rows(block, rope, has_rows)
-    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     n = q.shape[0] * q.shape[1]
     _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, 0, n)
     _mm_h_rows(vw, sm, kqv, tiny_kqv, _I64(0), n, nomask, _I64(SKIP_KQV))
@@ -387,10 +420,11 @@ def _head_runs(q, kw, n_chunks):
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _attention_par1(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, rope, has_rows, n_chunks):
+def _attention_par1(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows, n_chunks):
     """_attention_par in one parallel loop (bind_attention's one_loop)."""
+    block, (kw, q, kq, mask, sm, vw, kqv, cont, nomask) = _views(addr)
+    scale, slopes = F32(scale64), _aux(block, 0)[0, 0, 0]
     _new_rows(block, rope, has_rows)
-    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
         u0, u1 = r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks)
@@ -401,9 +435,10 @@ def _attention_par1(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, rope, has
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _attention_par(block, tiny_kq, scale, slopes, tiny_kqv, has_cont, rope, has_rows, n_chunks):
+def _attention_par(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows, n_chunks):
+    block, (kw, q, kq, mask, sm, vw, kqv, cont, nomask) = _views(addr)
+    scale, slopes = F32(scale64), _aux(block, 0)[0, 0, 0]
     _new_rows(block, rope, has_rows)
-    kw, q, kq, mask, sm, vw, kqv, cont, nomask = _views(block)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
         _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks))
@@ -900,15 +935,18 @@ def _add_rms_norm_par(a, b, s, eps, wgt, dst, n_chunks):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _add_rms_norm_c(block, eps):
-    """add_rms_norm of the C-contiguous arrays of a shape_block (entry.py): one array to unbox, not five."""
+def _add_rms_norm_c(addr, eps64):
+    """add_rms_norm of the C-contiguous arrays of a shape_block (entry.py) at addr: an int to unbox, not
+    five arrays; eps64 the f32 eps widened (exactly)."""
+    block, eps = at(addr, 25), F32(eps64)
     s = array4c(F32P, block, 2)
     _add_rms_norm_rows(array4c(F32P, block, 0), array4c(F32P, block, 1), s, eps, array4c(F32P, block, 3),
                        array4c(F32P, block, 4), 0, s.shape[0] * s.shape[1] * s.shape[2])
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _add_rms_norm_c_par(block, eps, n_chunks):
+def _add_rms_norm_c_par(addr, eps64, n_chunks):
+    block, eps = at(addr, 25), F32(eps64)
     a, b, s = array4c(F32P, block, 0), array4c(F32P, block, 1), array4c(F32P, block, 2)
     wgt, dst = array4c(F32P, block, 3), array4c(F32P, block, 4)
     n = s.shape[0] * s.shape[1] * s.shape[2]
@@ -1115,14 +1153,16 @@ def _swiglu_par(g, u, dst, n_chunks):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _swiglu_c(block):
-    """_swiglu_serial of the C-contiguous arrays of a shape_block (entry.py)."""
+def _swiglu_c(addr):
+    """_swiglu_serial of the C-contiguous arrays of a shape_block (entry.py) at addr."""
+    block = at(addr, 15)
     dst = array4c(F32P, block, 2)
     _swiglu_rows(array4c(F32P, block, 0), array4c(F32P, block, 1), dst, 0, dst.shape[0] * dst.shape[1] * dst.shape[2])
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _swiglu_c_par(block, n_chunks):
+def _swiglu_c_par(addr, n_chunks):
+    block = at(addr, 15)
     g, u, dst = array4c(F32P, block, 0), array4c(F32P, block, 1), array4c(F32P, block, 2)
     n = dst.shape[0] * dst.shape[1] * dst.shape[2]
     for c in prange(n_chunks):
@@ -1300,8 +1340,8 @@ def bind_add_rms_norm(a, b, s, eps, wgt, dst) -> Callable[[], None]:
     arrays = (a, b, s, wgt, dst)
     block = shape_block(arrays) if all(x.dtype == F32 for x in arrays) else None
     if block is not None:
-        return keep_alive(bind_rows(_add_rms_norm_c, _add_rms_norm_c_par, _n_rows(s), s.shape[3], block, eps),
-                          arrays)
+        return keep_alive(bind_rows(_add_rms_norm_c, _add_rms_norm_c_par, _n_rows(s), s.shape[3], address(block),
+                                    float(eps)), arrays)
     return bind_rows(add_rms_norm, _add_rms_norm_par, _n_rows(s), s.shape[3], a, b, s, eps, wgt, dst)
 
 
@@ -1310,7 +1350,7 @@ def bind_swiglu(g, u, dst) -> Callable[[], None]:
     arrays = (g, u, dst)
     block = shape_block(arrays) if all(x.dtype == F32 for x in arrays) else None
     if block is not None:
-        return keep_alive(bind_rows(_swiglu_c, _swiglu_c_par, _n_rows(dst), dst.shape[3], block), arrays)
+        return keep_alive(bind_rows(_swiglu_c, _swiglu_c_par, _n_rows(dst), dst.shape[3], address(block)), arrays)
     return bind_rows(_swiglu_serial, _swiglu_par, _n_rows(dst), dst.shape[3], g, u, dst)
 
 

@@ -45,7 +45,7 @@ from ...core.types import GGMLType
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
 from .blocks import BLOCKS, KPACK_TYPES
-from .entry import F32P, I8P, I32P, U8P, array2, pointer_block
+from .entry import F32P, I8P, I32P, U8P, address, array2, at, pointer_block
 from .kquant_ir import LAYOUT, group_intrinsic
 from .qpack import MULTI, Kernels, bound_int8_call, default_kernels, packed_as, slots, thread_scratch
 from .threads import get_threads, launch
@@ -205,9 +205,9 @@ def bind_products(pws: list[PackedKWeight], x: np.ndarray, outs: list[np.ndarray
 
 def int8_args(args: tuple) -> tuple:
     """The entries' arguments for (x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w): the arrays as one
-    pointer_block (entry.py; the caller keeps them alive), mode, ng, n_w."""
+    pointer_block by its address (entry.py; the caller keeps them alive), mode, ng, n_w."""
     x, Yb, Y4, dy, sp, bp, mode, ng, qs, out, n_w = args
-    return pointer_block((x, Yb, Y4, dy, sp, bp, *qs, *out)), mode, ng, n_w
+    return address(pointer_block((x, Yb, Y4, dy, sp, bp, *qs, *out))), mode, ng, n_w
 
 
 def _vnni_ok() -> bool:
@@ -292,11 +292,12 @@ def _prep(x, Yb, dy, sp, bp):
 # ------------------------------------------------------------------------------------------------
 # kernels: work units are (group, token slice) pairs, as qpack's int8 kernels split them
 @njit(cache=True, inline="always")
-def _prep_mm(block, mode, ng, n_w, n_threads, worker):
+def _prep_mm(addr, mode, ng, n_w, n_threads, worker):
     """_prep, then the products of the n_w weights that share the activation x (qs, out: tuples of
-    qpack.MULTI slots, the first n_w used; the arrays in a pointer_block, int8_args) split across
+    qpack.MULTI slots, the first n_w used; the arrays in a pointer_block at addr, int8_args) split across
     n_threads (worker: the type's _units), the weights' units in turn; False (the caller's fallback)
     on a non-finite x."""
+    block = at(addr, 3 * (6 + 2 * MULTI))
     x, Yb, Y4, dy = array2(F32P, block, 0), array2(I8P, block, 1), array2(I32P, block, 2), array2(F32P, block, 3)
     sp, bp = array2(I32P, block, 4), array2(I32P, block, 5)
     qs = (array2(U8P, block, 6), array2(U8P, block, 7), array2(U8P, block, 8))
@@ -416,63 +417,63 @@ def _w_q6k_a(mode, ng, qs, Y4, dy, sp, bp, out, u0, u1, ts):
 
 
 @njit(cache=True, nogil=True)
-def _q4k_v_serial(block, mode, ng, n_w):
-    return _prep_mm(block, mode, ng, n_w, 1, _w_q4k_v)
+def _q4k_v_serial(addr, mode, ng, n_w):
+    return _prep_mm(addr, mode, ng, n_w, 1, _w_q4k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q4k_v(block, mode, ng, n_w, n_threads):
-    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q4k_v)
+def _q4k_v(addr, mode, ng, n_w, n_threads):
+    return _prep_mm(addr, mode, ng, n_w, n_threads, _w_q4k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q4k_a_serial(block, mode, ng, n_w):
-    return _prep_mm(block, mode, ng, n_w, 1, _w_q4k_a)
+def _q4k_a_serial(addr, mode, ng, n_w):
+    return _prep_mm(addr, mode, ng, n_w, 1, _w_q4k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q4k_a(block, mode, ng, n_w, n_threads):
-    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q4k_a)
+def _q4k_a(addr, mode, ng, n_w, n_threads):
+    return _prep_mm(addr, mode, ng, n_w, n_threads, _w_q4k_a)
 
 
 @njit(cache=True, nogil=True)
-def _q5k_v_serial(block, mode, ng, n_w):
-    return _prep_mm(block, mode, ng, n_w, 1, _w_q5k_v)
+def _q5k_v_serial(addr, mode, ng, n_w):
+    return _prep_mm(addr, mode, ng, n_w, 1, _w_q5k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q5k_v(block, mode, ng, n_w, n_threads):
-    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q5k_v)
+def _q5k_v(addr, mode, ng, n_w, n_threads):
+    return _prep_mm(addr, mode, ng, n_w, n_threads, _w_q5k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q5k_a_serial(block, mode, ng, n_w):
-    return _prep_mm(block, mode, ng, n_w, 1, _w_q5k_a)
+def _q5k_a_serial(addr, mode, ng, n_w):
+    return _prep_mm(addr, mode, ng, n_w, 1, _w_q5k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q5k_a(block, mode, ng, n_w, n_threads):
-    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q5k_a)
+def _q5k_a(addr, mode, ng, n_w, n_threads):
+    return _prep_mm(addr, mode, ng, n_w, n_threads, _w_q5k_a)
 
 
 @njit(cache=True, nogil=True)
-def _q6k_v_serial(block, mode, ng, n_w):
-    return _prep_mm(block, mode, ng, n_w, 1, _w_q6k_v)
+def _q6k_v_serial(addr, mode, ng, n_w):
+    return _prep_mm(addr, mode, ng, n_w, 1, _w_q6k_v)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q6k_v(block, mode, ng, n_w, n_threads):
-    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q6k_v)
+def _q6k_v(addr, mode, ng, n_w, n_threads):
+    return _prep_mm(addr, mode, ng, n_w, n_threads, _w_q6k_v)
 
 
 @njit(cache=True, nogil=True)
-def _q6k_a_serial(block, mode, ng, n_w):
-    return _prep_mm(block, mode, ng, n_w, 1, _w_q6k_a)
+def _q6k_a_serial(addr, mode, ng, n_w):
+    return _prep_mm(addr, mode, ng, n_w, 1, _w_q6k_a)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _q6k_a(block, mode, ng, n_w, n_threads):
-    return _prep_mm(block, mode, ng, n_w, n_threads, _w_q6k_a)
+def _q6k_a(addr, mode, ng, n_w, n_threads):
+    return _prep_mm(addr, mode, ng, n_w, n_threads, _w_q6k_a)
 
 
 _ENTRIES = {

@@ -57,7 +57,7 @@ from numba import njit, prange
 from ...core.types import GGMLType, row_size
 from . import avx2, vnni
 from .blocks import BLOCKS, QPACK_TYPES
-from .entry import F32P, I8P, I32P, U8P, U16P, Flat, array2, entry, pointer_block
+from .entry import F32P, I8P, I32P, U8P, U16P, Flat, address, array2, at, entry, pointer_block
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch
 
@@ -285,9 +285,10 @@ def bind_products(pws: list[PackedWeight], x: np.ndarray, outs: list[np.ndarray]
 
 def int8_args(args: tuple) -> tuple:
     """The int8 entries' arguments for (x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w):
-    the arrays as one pointer_block (entry.py; the caller keeps them alive), q8_1, kind, n_w."""
+    the arrays as one pointer_block by its address (entry.py; the caller keeps them alive), q8_1, kind,
+    n_w."""
     x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w = args
-    return pointer_block((x, Y, Yb, Y4, Yz, dy, sy, ys, *qs, *d, *m, *out)), q8_1, kind, n_w
+    return address(pointer_block((x, Y, Yb, Y4, Yz, dy, sy, ys, *qs, *d, *m, *out))), q8_1, kind, n_w
 
 
 def bound_int8_call(entries: tuple[Callable, Callable], work: Callable[[int, int], tuple], N: int, K: int,
@@ -668,10 +669,14 @@ def _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 
     return True
 
 
-# The entries take their arrays as one pointer_block (entry.py; int8_args): x, Y, Yb, Y4, Yz, dy, sy, ys,
-# then the MULTI slots of qs, d, m and out.
+# The entries take their arrays as one pointer_block by its address (entry.py; int8_args): x, Y, Yb, Y4,
+# Yz, dy, sy, ys, then the MULTI slots of qs, d, m and out.
+_INT8_BLOCK = 3 * (8 + 4 * MULTI)
+
+
 @njit(cache=True, inline="always")
-def _int8_arrays(block):
+def _int8_arrays(addr):
+    block = at(addr, _INT8_BLOCK)
     return (array2(F32P, block, 0), array2(F32P, block, 1), array2(I8P, block, 2), array2(I32P, block, 3),
             array2(I32P, block, 4), array2(F32P, block, 5), array2(F32P, block, 6), array2(F32P, block, 7),
             (array2(U8P, block, 8), array2(U8P, block, 9), array2(U8P, block, 10)),
@@ -681,29 +686,29 @@ def _int8_arrays(block):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_v(block, q8_1, kind, n_w, n_threads):
-    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
+def _prep_mm_v(addr, q8_1, kind, n_w, n_threads):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(addr)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads,
                          _group_vnni, _LANE_BIAS_VNNI)
 
 
 @njit(cache=True, nogil=True)
-def _prep_mm_v_serial(block, q8_1, kind, n_w):
-    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
+def _prep_mm_v_serial(addr, q8_1, kind, n_w):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(addr)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 1,
                          _group_vnni, _LANE_BIAS_VNNI)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _prep_mm_a(block, q8_1, kind, n_w, n_threads):
-    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
+def _prep_mm_a(addr, q8_1, kind, n_w, n_threads):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(addr)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, n_threads,
                          _group_avx2, _LANE_BIAS_AVX2)
 
 
 @njit(cache=True, nogil=True)
-def _prep_mm_a_serial(block, q8_1, kind, n_w):
-    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(block)
+def _prep_mm_a_serial(addr, q8_1, kind, n_w):
+    x, Y, Yb, Y4, Yz, dy, sy, ys, qs, d, m, out = _int8_arrays(addr)
     return _prep_mm_int8(x, q8_1, Y, Yb, Y4, Yz, dy, sy, ys, kind, qs, d, m, out, n_w, 1,
                          _group_avx2, _LANE_BIAS_AVX2)
 

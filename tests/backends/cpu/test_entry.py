@@ -95,6 +95,29 @@ def test_a_pointer_block_gives_the_arrays_back_in_a_kernel():
     assert f[1, 2] == 7
 
 
+def test_a_block_passed_by_its_address_is_held_and_read_back():
+    import gc
+
+    from numba import njit, typeof
+
+    from ggml_dist.backends.cpu.entry import F32P, address, array2, at, pointer_block
+
+    @njit
+    def first(addr):
+        f = array2(F32P, at(addr, 3), 0)
+        f[0, 1] = -1                                   # written where the caller's array is
+        return f.shape[0] * 10 + f.shape[1]
+
+    f = np.zeros((2, 3), np.float32)
+    addr = address(pointer_block((f,)))                # the only reference to the block
+    gc.collect()
+    assert typeof(addr) == numba.types.int64 and int(addr) == addr.block.ctypes.data
+    assert first(addr) == 23 and f[0, 1] == -1
+    for bad in (np.zeros(3, np.int32), np.zeros((1, 3), np.int64), np.zeros(6, np.int64)[::2]):
+        with pytest.raises(ValueError, match="int64 \\[n\\] C-contiguous"):
+            address(bad)
+
+
 @pytest.mark.parametrize("bad", [np.zeros((4, 4), np.float32)[:, ::2], np.zeros(4, np.float32)])
 def test_a_pointer_block_takes_only_2d_contiguous_arrays(bad):
     from ggml_dist.backends.cpu.entry import pointer_block
