@@ -1220,7 +1220,9 @@ def rope_cache(pos, theta_scale, ff, freq_scale, ext_factor, corr0, corr_den, ms
 
 def bind_geglu(g, u, table, dst) -> Callable[[], None]:
     """numerics.gelu(g) * u (ggml_vec_geglu_f32 with GGML_GELU_FP16), bound (bind_rows): 0 for g <= -10,
-    g for g >= 10, else table[f16 bits of g] (numerics.gelu_table, f32 [65536]); then f32(act * u)."""
+    g for g >= 10, else table[f16 bits of g] (numerics.gelu_table_f16: f16 bits [65536], as ggml keeps
+    ggml_table_gelu_f16, 128 KB where an f32 table is 256 KB: a decode step finds it out of cache, and
+    its 2048 lookups a row are as many misses); then f32(act * u)."""
     return bind_rows(_geglu_serial, _geglu_par, _n_rows(dst), dst.shape[3], g, u, table, dst)
 
 
@@ -1250,7 +1252,7 @@ def _geglu_rows(g, u, table, dst, r0, r1):
             elif x >= F32(10):
                 a = x
             else:
-                a = table[f16_bits(x)]
+                a = _half(table[f16_bits(x)])
             s[i] = a * ur[i]
         for i in range(ne0):
             dr[i] = s[i]

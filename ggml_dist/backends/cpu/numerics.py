@@ -81,6 +81,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 _GELU_TABLE: np.ndarray | None = None
+_GELU_TABLE_F16: np.ndarray | None = None
 
 
 def _tanhf():
@@ -118,6 +119,14 @@ def gelu_table() -> np.ndarray:
             g = (F32(0.5) * h * (F32(1) + th).astype(F32)).astype(F32)
             _GELU_TABLE = g.astype(np.float16).astype(F32)
     return _GELU_TABLE
+
+
+def gelu_table_f16() -> np.ndarray:
+    """gelu_table as f16 bits (uint16 [65536]): ggml_table_gelu_f16 itself (every entry is an f16)."""
+    global _GELU_TABLE_F16
+    if _GELU_TABLE_F16 is None:
+        _GELU_TABLE_F16 = gelu_table().astype(np.float16).view(np.uint16)
+    return _GELU_TABLE_F16
 
 
 def gelu(x: np.ndarray) -> np.ndarray:

@@ -670,7 +670,7 @@ def _bind_glu(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound | Non
         return None
     g, u = _glu_halves(srcs[0], srcs[1] if split else None, bool(t.op_param(1)))
     if op == GLUOp.GEGLU:
-        return fk.bind_geglu(g, u, nm.gelu_table(), dst)
+        return fk.bind_geglu(g, u, nm.gelu_table_f16(), dst)
     return None if dst.shape[-1] % 8 else fk.bind_swiglu(g, u, dst)
 
 

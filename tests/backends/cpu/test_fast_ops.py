@@ -579,3 +579,21 @@ def test_row_ops_take_their_contiguous_arrays_as_one_block(rng, contiguous):
     call()
     fk._swiglu_serial(np.ascontiguousarray(x), r, out_want)
     assert_same_bits(out, out_want)
+
+
+def test_the_f16_gelu_table_holds_every_entry_of_the_f32_one():
+    """The compiled GEGLU reads ggml's f16 table (numerics.gelu_table_f16) where the reference reads the
+    f32 one: each entry, widened by the kernels' own conversion, is the f32 entry (NaNs included)."""
+    from numba import njit
+
+    from ggml_dist.backends.cpu import numerics as nm
+
+    @njit
+    def widen(h):
+        out = np.empty(h.shape[0], np.float32)
+        for i in range(h.shape[0]):
+            out[i] = fk._half(h[i])
+        return out
+    t16 = nm.gelu_table_f16()
+    assert t16.dtype == np.uint16 and t16.nbytes == 1 << 17
+    assert np.array_equal(widen(t16).view(np.uint32), nm.gelu_table().view(np.uint32))
