@@ -349,7 +349,7 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
     slopes and the rows' cos and sin of K and Q as 4-d views (_aux)."""
     has_cont = cont is not None
     cont = kqv if cont is None else cont
-    views = (kw, q, kq, mask, sm, vw, kqv, cont, _NO_MASK)          # _views
+    views = (kw, q, kq, mask, sm, vw, kqv, cont, _NO_MASK)          # _attention_start
     dtypes = (np.uint16, F32, F32, F32, F32, np.uint16, F32, F32, F32)
     if any(v.dtype != t for v, t in zip(views, dtypes)):
         return None
@@ -371,11 +371,15 @@ def bind_attention(kw, q, kq, mask, tiny_kq, scale, slopes, sm, vw, tiny_kqv, kq
 
 
 @njit(cache=True, inline="always")
-def _views(addr):
+def _attention_start(addr, scale64, rope, has_rows):
+    """An attention call's first steps: the layer's new cache rows written (_new_rows), then its views
+    (kw, q, kq, mask, sm, vw, kqv, cont, nomask), its f32 scale and its slopes."""
     block = at(addr, 9 * (_ATTN_VIEWS + _ROW_VIEWS + _AUX_VIEWS))
-    return block, (array4(U16V4, block, 0), array4(F32V4, block, 1), array4(F32V4, block, 2), array4(F32V4, block, 3),
-            array4(F32V4, block, 4), array4(U16V4, block, 5), array4(F32V4, block, 6), array4(F32V4, block, 7),
-            array4(F32V4, block, 8))
+    _new_rows(block, rope, has_rows)
+    views = (array4(U16V4, block, 0), array4(F32V4, block, 1), array4(F32V4, block, 2), array4(F32V4, block, 3),
+             array4(F32V4, block, 4), array4(U16V4, block, 5), array4(F32V4, block, 6), array4(F32V4, block, 7),
+             array4(F32V4, block, 8))
+    return views, F32(scale64), _aux(block, 0)[0, 0, 0]
 
 
 @njit(cache=True, inline="always")
@@ -398,9 +402,7 @@ def _new_rows(block, rope, has_rows):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _attention_serial(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows):
-    block, (kw, q, kq, mask, sm, vw, kqv, cont, nomask) = _views(addr)
-    scale, slopes = F32(scale64), _aux(block, 0)[0, 0, 0]
-    _new_rows(block, rope, has_rows)
+    (kw, q, kq, mask, sm, vw, kqv, cont, nomask), scale, slopes = _attention_start(addr, scale64, rope, has_rows)
     n = q.shape[0] * q.shape[1]
     _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, 0, n)
     _mm_h_rows(vw, sm, kqv, tiny_kqv, _I64(0), n, nomask, _I64(SKIP_KQV))
@@ -422,9 +424,7 @@ def _head_runs(q, kw, n_chunks):
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _attention_par1(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows, n_chunks):
     """_attention_par in one parallel loop (bind_attention's one_loop)."""
-    block, (kw, q, kq, mask, sm, vw, kqv, cont, nomask) = _views(addr)
-    scale, slopes = F32(scale64), _aux(block, 0)[0, 0, 0]
-    _new_rows(block, rope, has_rows)
+    (kw, q, kq, mask, sm, vw, kqv, cont, nomask), scale, slopes = _attention_start(addr, scale64, rope, has_rows)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
         u0, u1 = r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks)
@@ -436,9 +436,7 @@ def _attention_par1(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows, 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _attention_par(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows, n_chunks):
-    block, (kw, q, kq, mask, sm, vw, kqv, cont, nomask) = _views(addr)
-    scale, slopes = F32(scale64), _aux(block, 0)[0, 0, 0]
-    _new_rows(block, rope, has_rows)
+    (kw, q, kq, mask, sm, vw, kqv, cont, nomask), scale, slopes = _attention_start(addr, scale64, rope, has_rows)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
         _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks))
@@ -938,7 +936,7 @@ def _add_rms_norm_par(a, b, s, eps, wgt, dst, n_chunks):
 def _add_rms_norm_c(addr, eps64):
     """add_rms_norm of the C-contiguous arrays of a shape_block (entry.py) at addr: an int to unbox, not
     five arrays; eps64 the f32 eps widened (exactly)."""
-    block, eps = at(addr, 25), F32(eps64)
+    block, eps = at(addr, 5 * 5), F32(eps64)
     s = array4c(F32P, block, 2)
     _add_rms_norm_rows(array4c(F32P, block, 0), array4c(F32P, block, 1), s, eps, array4c(F32P, block, 3),
                        array4c(F32P, block, 4), 0, s.shape[0] * s.shape[1] * s.shape[2])
@@ -946,7 +944,7 @@ def _add_rms_norm_c(addr, eps64):
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _add_rms_norm_c_par(addr, eps64, n_chunks):
-    block, eps = at(addr, 25), F32(eps64)
+    block, eps = at(addr, 5 * 5), F32(eps64)
     a, b, s = array4c(F32P, block, 0), array4c(F32P, block, 1), array4c(F32P, block, 2)
     wgt, dst = array4c(F32P, block, 3), array4c(F32P, block, 4)
     n = s.shape[0] * s.shape[1] * s.shape[2]
@@ -1155,14 +1153,14 @@ def _swiglu_par(g, u, dst, n_chunks):
 @njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu_c(addr):
     """_swiglu_serial of the C-contiguous arrays of a shape_block (entry.py) at addr."""
-    block = at(addr, 15)
+    block = at(addr, 5 * 3)
     dst = array4c(F32P, block, 2)
     _swiglu_rows(array4c(F32P, block, 0), array4c(F32P, block, 1), dst, 0, dst.shape[0] * dst.shape[1] * dst.shape[2])
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def _swiglu_c_par(addr, n_chunks):
-    block = at(addr, 15)
+    block = at(addr, 5 * 3)
     g, u, dst = array4c(F32P, block, 0), array4c(F32P, block, 1), array4c(F32P, block, 2)
     n = dst.shape[0] * dst.shape[1] * dst.shape[2]
     for c in prange(n_chunks):
