@@ -2,7 +2,7 @@
 timed one by one and grouped by the call that ran (the packed matmul, an fkernels call bound by
 ops._BINDERS, a ufunc, a generic kernel). Prints one JSON object.
 
-    python benchmarks/decode_step.py [--model smollm2-135m] [--threads 1] [--steps 40] [--perf]
+    python benchmarks/decode_step.py [--model smollm2-135m] [--threads 1] [--steps 40] [--prompt-len 9] [--perf]
 
 The per-call timer adds ~0.1 us a call; `step_ms` is measured without it.
 
@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prompt-len", type=int, default=9,
+                    help="cache cells filled before the steps (bench decode: 128, then 64 steps)")
     ap.add_argument("--perf", action="store_true", help="also the time outside kernels, by perf record")
     ap.add_argument("--perf-steps", type=int, default=200)
     a = ap.parse_args(argv)
@@ -87,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     from ggml_dist.model.pull import resolve_model
     from ggml_dist.model.ubatch import Batch
     threads.set_threads(a.threads)
-    ctx = LlamaContext(LlamaModel.load(resolve_model(a.model)), ContextParams(n_ctx=1024))
-    ctx.decode(Batch.from_tokens(list(range(1, 10))))
-    pos = 9
+    n_ctx = a.prompt_len + 5 + a.steps * 2 + (a.perf_steps if a.perf else 0) + 16
+    ctx = LlamaContext(LlamaModel.load(resolve_model(a.model)), ContextParams(n_ctx=max(1024, n_ctx)))
+    ctx.decode(Batch.from_tokens([1 + i % 100 for i in range(a.prompt_len)]))
+    pos = a.prompt_len
 
     def step() -> None:
         nonlocal pos
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu.BoundGraph.run = plain                  # type: ignore[method-assign]
     calls = {k: {"ms_per_step": round(v / a.steps * 1e3, 3), "calls_per_step": n[k] // a.steps,
                  "us_per_call": round(v / n[k] * 1e6, 2)} for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
-    out = {"model": a.model, "threads": a.threads, "step_ms": round(step_s * 1e3, 3),
+    out = {"model": a.model, "threads": a.threads, "prompt_len": a.prompt_len, "step_ms": round(step_s * 1e3, 3),
            "tok_s": round(1 / step_s, 2), "replay_ms_timed": round(sum(per.values()) / a.steps * 1e3, 3),
            "calls_per_step": sum(n.values()) // a.steps, "calls": calls}
     if a.perf:
