@@ -2,6 +2,7 @@
 flash-attention setting llama.cpp ran with, and short real runs on a tiny synthetic model."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -193,3 +194,67 @@ def test_llamacpp_flash_attention_setting(tiny_model, setting):
         assert fa["requested"] == fa["library_default"]
         assert fa["resolved"] in ("enabled", "disabled")         # what llama.cpp's auto became
     assert llama_cpp._logger.llama_log_callback is not None      # its own logger is set back
+
+
+def test_paired_takes_turns(tiny_model, monkeypatch):
+    """--paired: one process, each round's prompts then chunks of PAIRED_CHUNK decode tokens in turn,
+    ABBA (the round's second engine goes first in the next chunk and the next round). Our own engine sits
+    in llama.cpp's seat here, so the test runs without llama-cpp-python and sees every turn."""
+    turns = []
+
+    class Second(decode._Ours):
+        def run(self, toks):
+            turns.append(("llamacpp", len(toks)))
+            return super().run(toks)
+
+        def info(self):
+            return {"flash_attn": {"resolved": None}}
+
+    class First(decode._Ours):
+        def run(self, toks):
+            turns.append(("ours", len(toks)))
+            return super().run(toks)
+
+    monkeypatch.setattr(decode, "_Ours", First)
+    monkeypatch.setattr(decode, "_LlamaCpp", lambda path, n_ctx, threads, fa: Second(path, n_ctx, threads))
+    gen = 2 * decode.PAIRED_CHUNK + 3
+    res = decode.measure_paired(tiny_model, 16, gen, 1, rounds=2)
+    timed = turns[4:]                                   # after each engine's warm-up (prompt, one token)
+    runs_of = [(k, sum(1 for _ in g)) for k, g in itertools.groupby(timed, key=lambda t: t[0])]
+    # round 0: the prompts (ours, llamacpp), then chunks of 8, 8, 3 tokens: ours 8, llamacpp 8 + 8 (the
+    # turn order flips each chunk), ours 8 + 3, llamacpp 3; round 1 begins with llamacpp's prompt
+    assert runs_of[:5] == [("ours", 1), ("llamacpp", 1), ("ours", 8), ("llamacpp", 16), ("ours", 11)]
+    assert timed[1] == ("llamacpp", 16) and timed[0] == ("ours", 16)        # whole prompts
+    assert len(res["runs"]) == 2 and len(res["decode_chunk_ratios"]) == 2 * 3
+    for ours, ref in res["runs"]:
+        assert ours["prompt_tok_s"] > 0 and ours["decode_tok_s"] > 0 and ref["decode_tok_s"] > 0
+        assert ours["ours"]["kernels"] and "llamacpp" in ref
+
+
+def test_paired_run_model_reports_ratios(monkeypatch, tiny_model):
+    """run_model(paired=True): one "paired" child for all rounds, its rounds' figures as --rounds gives
+    them, no per-engine peak RSS, the chunk ratios' quartiles."""
+    calls = []
+
+    def child(which, *args):
+        calls.append((which, args[-1]))
+        def pair(p, d):
+            return [{"prompt_tok_s": p, "decode_tok_s": d, "weight_bytes": 10**9, "ours": {"kernels": "avx2"}},
+                    {"prompt_tok_s": 100, "decode_tok_s": 10, "llamacpp": {"flash_attn": {"resolved": "enabled"}}}]
+        return {"runs": [pair(100, 20), pair(300, 5)], "decode_chunk_ratios": [1.0, 2.0, 3.0], "peak_rss_mb": 123.4}
+    monkeypatch.setattr(decode, "_child", child)
+    m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0, rounds=2, paired=True)
+    assert calls == [("paired", 2)]
+    assert m["decode_ratios"] == [2.0, 0.5] and m["prompt_ratios"] == [1.0, 3.0]
+    assert m["peak_rss_mb"] is None and m["llamacpp_peak_rss_mb"] is None
+    assert m["paired"] == {"chunk": decode.PAIRED_CHUNK, "decode_chunk_ratio_quartiles": [1.5, 2.0, 2.5],
+                           "peak_rss_mb": 123.4}
+
+
+def test_paired_with_llamacpp(tiny_model):
+    pytest.importorskip("llama_cpp")
+    res = decode.measure_paired(tiny_model, 16, 2 * decode.PAIRED_CHUNK, 1, rounds=2)
+    assert len(res["runs"]) == 2 and len(res["decode_chunk_ratios"]) == 4
+    for ours, ref in res["runs"]:
+        assert ours["decode_tok_s"] > 0 and ref["decode_tok_s"] > 0
+        assert ref["llamacpp"]["flash_attn"]["setting"] == "default"

@@ -2,12 +2,14 @@
 peak RSS, the decode bandwidth achieved (weight bytes x tok/s) and a plain numpy copy bandwidth.
 
     ggml-dist bench decode [--model smollm2-135m] [--tinyllama] [--threads 2] [--prompt-len 128]
-                           [--gen 64] [--llamacpp-flash-attn {default,on,off}] [--rounds 1] --json
+                           [--gen 64] [--llamacpp-flash-attn {default,on,off}] [--rounds 1] [--paired] --json
 
 Each measurement runs in its own subprocess, so peak RSS is the engine's own; llama.cpp is measured
 through llama-cpp-python (the dev extra) and skipped with a note when it is not installed. --rounds N
 alternates the two N times and reports medians and the median of the rounds' ratios (on a shared VM
-the speed of both drifts by tens of percent between runs).
+the speed of both drifts by tens of percent between runs). --paired puts both in one process that
+gives them turns of 8 decode tokens (measure_paired): the ratio of like with like where the host's
+speed drifts within seconds, at the cost of the per-engine peak RSS.
 
 So that a ratio says what it compares, the JSON names the SIMD of both sides: the host's CPU and its
 x86 flags ("host"), the kernel path ours ran ("ours": VNNI, AVX2 or the float kernels) and the flags the
@@ -168,28 +170,56 @@ def simd_comparison(ours: dict[str, Any], llamacpp: dict[str, Any] | None, host_
 
 
 # ------------------------------------------------------------------------------------------------
-# the measurements (each in its own child process)
-def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
-    from ..backends.cpu import threads as kernel_threads
-    from ..model.context import ContextParams, LlamaContext
-    from ..model.model import LlamaModel
-    from ..model.ubatch import Batch
-    kernel_threads.set_threads(threads)
-    m = LlamaModel.load(path)
-    ctx = LlamaContext(m, ContextParams(n_ctx=prompt_len + gen + 16, n_batch=512, n_ubatch=512))
-    toks = _prompt(m.hp.n_vocab, prompt_len)
-    ctx.decode(Batch.from_tokens(toks))                         # warm-up: JIT (every kernel the timed
-    ctx.decode(Batch.from_tokens([toks[0]], pos0=prompt_len))   # prompt and decode steps run), page cache
-    ctx.clear()
+# the measurements: each engine in its own child process, or both in one (paired)
+class _Ours:
+    """Our engine on one file: run(tokens) evaluates them after what its cache holds and returns the
+    greedy next token; clear() empties the cache."""
+
+    def __init__(self, path: str, n_ctx: int, threads: int) -> None:
+        from ..backends.cpu import threads as kernel_threads
+        from ..model.context import ContextParams, LlamaContext
+        from ..model.model import LlamaModel
+        kernel_threads.set_threads(threads)
+        self.model = LlamaModel.load(path)
+        self.ctx = LlamaContext(self.model, ContextParams(n_ctx=n_ctx, n_batch=512, n_ubatch=512))
+        self.n_vocab, self.n_past = self.model.hp.n_vocab, 0
+
+    def run(self, toks: list[int]) -> int:
+        from ..model.ubatch import Batch
+        lg = self.ctx.decode(Batch.from_tokens(toks, pos0=self.n_past))
+        self.n_past += len(toks)
+        return int(np.argmax(lg[-1]))
+
+    def clear(self) -> None:
+        self.ctx.clear()
+        self.n_past = 0
+
+
+def _warm(engine: Any, toks: list[int]) -> None:
+    """Warm-up: the whole prompt and one decode step (JIT of every kernel the timed steps run, page
+    cache), then an empty cache."""
+    engine.run(toks)
+    engine.run([toks[0]])
+    engine.clear()
+
+
+def _timed(engine: Any, toks: list[int], gen: int) -> tuple[float, float]:
+    """(prompt s, decode s): the prompt from an empty cache, then gen greedy tokens one at a time."""
+    engine.clear()
     t0 = time.perf_counter()
-    lg = ctx.decode(Batch.from_tokens(toks))
+    tok = engine.run(toks)
     t1 = time.perf_counter()
-    tok = int(np.argmax(lg[-1]))
-    for i in range(gen):
-        tok = int(np.argmax(ctx.decode(Batch.from_tokens([tok], pos0=prompt_len + i))[-1]))
-    t2 = time.perf_counter()
-    return {"prompt_tok_s": prompt_len / (t1 - t0), "decode_tok_s": gen / (t2 - t1),
-            "weight_bytes": m.weight_bytes(),
+    for _ in range(gen):
+        tok = engine.run([tok])
+    return t1 - t0, time.perf_counter() - t1
+
+
+def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str, Any]:
+    ours = _Ours(path, prompt_len + gen + 16, threads)
+    toks = _prompt(ours.n_vocab, prompt_len)
+    _warm(ours, toks)
+    tp, td = _timed(ours, toks, gen)
+    return {"prompt_tok_s": prompt_len / tp, "decode_tok_s": gen / td, "weight_bytes": ours.model.weight_bytes(),
             "peak_rss_mb": peak_rss_mb(), "ours": ours_info()}
 
 
@@ -268,36 +298,101 @@ def _llamacpp_context(llama_cpp: Any, fa: int | bool) -> Iterator[tuple[dict[str
             _KEEP_ALIVE.append(capture)
 
 
+class _LlamaCpp:
+    """llama.cpp (llama-cpp-python) on one file, as _Ours: run(tokens) -> the greedy next token, clear().
+    Flash attention as `flash_attn` says (FLASH_ATTN_CHOICES); info() names the build and the setting."""
+
+    def __init__(self, path: str, n_ctx: int, threads: int, flash_attn: str = "default") -> None:
+        import inspect
+        self.lib = llama_cpp = importlib.import_module("llama_cpp")     # the dev extra: typed only where installed
+        fa = _fa_request(llama_cpp, flash_attn)
+        with _llamacpp_context(llama_cpp, fa) as (kwargs, logs):
+            self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                       n_threads_batch=threads, verbose=False, **kwargs)
+        requested = _fa_name(llama_cpp, fa)
+        resolved = parse_fa_log("".join(logs)) or requested     # no log line: what was asked for
+        py_param = inspect.signature(llama_cpp.Llama.__init__).parameters.get("flash_attn")
+        py_default = None if py_param is None or py_param.default is None else _fa_name(llama_cpp, py_param.default)
+        self.fa_info = {"setting": flash_attn, "requested": requested,
+                        "resolved": None if resolved == "auto" else resolved,   # None: auto, not said what into
+                        "library_default": _fa_name(llama_cpp, _fa_request(llama_cpp, "default")),
+                        "llama_cpp_python_default": py_default}
+        self.n_vocab = self.llm.n_vocab()
+
+    def run(self, toks: list[int]) -> int:
+        self.llm.eval(toks)
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def clear(self) -> None:
+        self.llm.reset()
+
+    def info(self) -> dict[str, Any]:
+        return {"version": getattr(self.lib, "__version__", None),
+                **parse_system_info(self.lib.llama_print_system_info()), "flash_attn": self.fa_info}
+
+
 def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int,
                      flash_attn: str = "default") -> dict[str, Any]:
-    import inspect
-    llama_cpp = importlib.import_module("llama_cpp")    # the dev extra: typed only where it is installed
-    fa = _fa_request(llama_cpp, flash_attn)
-    with _llamacpp_context(llama_cpp, fa) as (kwargs, logs):
-        llm = llama_cpp.Llama(path, n_ctx=prompt_len + gen + 16, n_batch=512, n_threads=threads,
-                              n_threads_batch=threads, verbose=False, **kwargs)
-    requested = _fa_name(llama_cpp, fa)
-    resolved = parse_fa_log("".join(logs)) or requested     # no log line: what was asked for
-    py_param = inspect.signature(llama_cpp.Llama.__init__).parameters.get("flash_attn")
-    py_default = None if py_param is None or py_param.default is None else _fa_name(llama_cpp, py_param.default)
-    fa_info = {"setting": flash_attn, "requested": requested,
-               "resolved": None if resolved == "auto" else resolved,    # None: auto, and not said what into
-               "library_default": _fa_name(llama_cpp, _fa_request(llama_cpp, "default")),
-               "llama_cpp_python_default": py_default}
-    toks = _prompt(llm.n_vocab(), prompt_len)
-    llm.eval(toks)                                              # warm-up, as ours: the whole prompt
-    llm.eval([toks[0]])
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(toks)
-    t1 = time.perf_counter()
-    for _ in range(gen):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    t2 = time.perf_counter()
-    info = {"version": getattr(llama_cpp, "__version__", None),
-            **parse_system_info(llama_cpp.llama_print_system_info()), "flash_attn": fa_info}
-    return {"prompt_tok_s": prompt_len / (t1 - t0), "decode_tok_s": gen / (t2 - t1),
-            "peak_rss_mb": peak_rss_mb(), "llamacpp": info}
+    ll = _LlamaCpp(path, prompt_len + gen + 16, threads, flash_attn)
+    toks = _prompt(ll.n_vocab, prompt_len)
+    _warm(ll, toks)
+    tp, td = _timed(ll, toks, gen)
+    return {"prompt_tok_s": prompt_len / tp, "decode_tok_s": gen / td, "peak_rss_mb": peak_rss_mb(),
+            "llamacpp": ll.info()}
+
+
+PAIRED_CHUNK = 8                        # decode tokens each engine runs in turn in a paired measurement
+
+
+def measure_paired(path: str, prompt_len: int, gen: int, threads: int, flash_attn: str = "default",
+                   rounds: int = 1) -> dict[str, Any]:
+    """Ours and llama.cpp in one process, taking turns: per round each runs the prompt from an empty
+    cache, then both decode gen tokens in chunks of PAIRED_CHUNK, in turn (ABBA: neither always goes
+    first), so both see the machine as it is within a second or so, and a host whose speed drifts by
+    tens of percent between processes still gives a ratio of like with like. Both engines share the one
+    OpenMP runtime (numba's omp layer and llama.cpp's build load the same libgomp), so no thread pool
+    spins against the other's. "runs": per round, ours' and llama.cpp's figures as the child
+    measurements give them (llama.cpp's as {"error"} where llama-cpp-python is missing);
+    "decode_chunk_ratios": ours' speed over llama.cpp's per pair of chunks."""
+    ours = _Ours(path, prompt_len + gen + 16, threads)
+    toks = _prompt(ours.n_vocab, prompt_len)
+    _warm(ours, toks)
+    engines: dict[str, Any] = {"ours": ours}
+    ll_error = ""
+    try:
+        engines["llamacpp"] = ll = _LlamaCpp(path, prompt_len + gen + 16, threads, flash_attn)
+        _warm(ll, toks)
+    except ImportError as e:
+        ll_error = f"{type(e).__name__}: {e}"
+    spent = {k: [[0.0, 0.0] for _ in range(rounds)] for k in engines}     # per round: prompt s, decode s
+    chunk_ratios = []
+    for r in range(rounds):
+        order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+        tok = {}
+        for k in order:
+            engines[k].clear()
+            t = time.perf_counter()
+            tok[k] = engines[k].run(toks)
+            spent[k][r][0] = time.perf_counter() - t
+        for i, c0 in enumerate(range(0, gen, PAIRED_CHUNK)):
+            this = {}
+            for k in order if i % 2 == 0 else order[::-1]:
+                t = time.perf_counter()
+                for _ in range(min(PAIRED_CHUNK, gen - c0)):
+                    tok[k] = engines[k].run([tok[k]])
+                this[k] = time.perf_counter() - t
+                spent[k][r][1] += this[k]
+            if "llamacpp" in this:
+                chunk_ratios.append(this["llamacpp"] / this["ours"])
+
+    def figures(k: str, r: int) -> dict[str, float]:
+        return {"prompt_tok_s": prompt_len / spent[k][r][0], "decode_tok_s": gen / spent[k][r][1]}
+    ours_runs = [{**figures("ours", r), "weight_bytes": ours.model.weight_bytes(), "ours": ours_info()}
+                 for r in range(rounds)]
+    ll_runs = [{**figures("llamacpp", r), "llamacpp": ll.info()} if "llamacpp" in engines else
+               {"error": ll_error} for r in range(rounds)]
+    return {"runs": [list(p) for p in zip(ours_runs, ll_runs)], "decode_chunk_ratios": chunk_ratios,
+            "peak_rss_mb": peak_rss_mb()}
 
 
 def peak_rss_mb() -> float:
@@ -324,11 +419,12 @@ def copy_gb_s() -> float:
 
 
 def _child(which: str, path: str, prompt_len: int, gen: int, threads: int,
-           flash_attn: str = "default") -> dict[str, Any]:
-    """Run one measurement in a fresh process (own peak RSS, no shared page-cache warm-up)."""
+           flash_attn: str = "default", rounds: int = 1) -> dict[str, Any]:
+    """Run one measurement in a fresh process (own peak RSS, no shared page-cache warm-up); "paired"
+    runs measure_paired's rounds."""
     cmd = [sys.executable, "-m", "ggml_dist.bench.decode", "--_child", which, "--model", path,
            "--prompt-len", str(prompt_len), "--gen", str(gen), "--threads", str(threads),
-           "--llamacpp-flash-attn", flash_attn]
+           "--llamacpp-flash-attn", flash_attn, "--rounds", str(rounds)]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])       # the child runs this checkout's code, not
     if Path(root).name not in ("site-packages", "dist-packages"):    # another installed copy
@@ -340,15 +436,24 @@ def _child(which: str, path: str, prompt_len: int, gen: int, threads: int,
 
 
 def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, copy: float,
-              flash_attn: str = "default", rounds: int = 1) -> dict[str, Any]:
-    """Ours and llama.cpp, each in a fresh process, alternating `rounds` times. The tok/s are the
-    medians of the rounds, a ratio the median of the rounds' own ratios (on a noisy host the speed
-    drifts between runs: a ratio of neighbouring runs compares like with like); the rounds' ratios are
-    listed too."""
-    runs = [(_child("ours", path, prompt_len, gen, threads),
-             _child("llamacpp", path, prompt_len, gen, threads, flash_attn)) for _ in range(rounds)]
+              flash_attn: str = "default", rounds: int = 1, paired: bool = False) -> dict[str, Any]:
+    """Ours and llama.cpp, each in a fresh process, alternating `rounds` times, or (paired) in one
+    process taking turns every PAIRED_CHUNK tokens (measure_paired). The tok/s are the medians of the
+    rounds, a ratio the median of the rounds' own ratios (on a noisy host the speed drifts between runs:
+    a ratio of neighbouring runs compares like with like); the rounds' ratios are listed too. Paired,
+    the peak RSS is the shared process's ("paired"), not either engine's."""
     out: dict[str, Any] = {"name": name, "threads": threads, "prompt_len": prompt_len, "gen": gen,
                            "rounds": rounds}
+    if paired:
+        res = _child("paired", path, prompt_len, gen, threads, flash_attn, rounds)
+        runs = [tuple(r) for r in res["runs"]] if "runs" in res else [(res, res)]
+        if "runs" in res:
+            q = np.percentile(res["decode_chunk_ratios"], [25, 50, 75]) if res["decode_chunk_ratios"] else []
+            out["paired"] = {"chunk": PAIRED_CHUNK, "decode_chunk_ratio_quartiles": [round(float(x), 3) for x in q],
+                             "peak_rss_mb": round(res["peak_rss_mb"], 1)}
+    else:
+        runs = [(_child("ours", path, prompt_len, gen, threads),
+                 _child("llamacpp", path, prompt_len, gen, threads, flash_attn)) for _ in range(rounds)]
     failed = next((o for o, _ in runs if "error" in o), None)
     if failed is not None:
         out["error"] = failed["error"]
@@ -356,7 +461,7 @@ def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, cop
     ours = [o for o, _ in runs]
     med = {k: float(np.median([o[k] for o in ours])) for k in ("prompt_tok_s", "decode_tok_s")}
     out.update({"prompt_tok_s": round(med["prompt_tok_s"], 2), "decode_tok_s": round(med["decode_tok_s"], 2),
-                "peak_rss_mb": round(max(o["peak_rss_mb"] for o in ours), 1),
+                "peak_rss_mb": None if paired else round(max(o["peak_rss_mb"] for o in ours), 1),
                 "decode_gb_s": round(ours[0]["weight_bytes"] * med["decode_tok_s"] / 1e9, 3),
                 "copy_gb_s": round(copy, 2), "file_mb": round(os.path.getsize(path) / 2**20, 1),
                 "kernels": ours[0]["ours"]["kernels"], "_ours": ours[0]["ours"]})
@@ -372,7 +477,7 @@ def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, cop
         out[f"llamacpp_{k}_tok_s"] = round(float(np.median([r[f"{k}_tok_s"] for r in refs])), 2)
         out[f"{k}_ratio"] = round(float(np.median(ratios)), 3)
         out[f"{k}_ratios"] = [round(x, 3) for x in ratios]
-    out.update({"llamacpp_peak_rss_mb": round(max(r["peak_rss_mb"] for r in refs), 1),
+    out.update({"llamacpp_peak_rss_mb": None if paired else round(max(r["peak_rss_mb"] for r in refs), 1),
                 "llamacpp_flash_attn": refs[0]["llamacpp"]["flash_attn"]["resolved"],
                 "_llamacpp": refs[0]["llamacpp"]})
     return out
@@ -413,12 +518,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="ours and llama.cpp alternate this many times (fresh processes): medians, and the "
                          "median of the rounds' ratios")
+    ap.add_argument("--paired", action="store_true",
+                    help=f"ours and llama.cpp in one process, taking turns every {PAIRED_CHUNK} decode tokens (and "
+                         "each round's prompt): ratios of like with like on a host whose speed drifts; no "
+                         "per-engine peak RSS")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:
         if a._child == "ours":
             res = measure_ours(a.model, a.prompt_len, a.gen, a.threads)
+        elif a._child == "paired":
+            res = measure_paired(a.model, a.prompt_len, a.gen, a.threads, a.llamacpp_flash_attn, a.rounds)
         else:
             res = measure_llamacpp(a.model, a.prompt_len, a.gen, a.threads, a.llamacpp_flash_attn)
         print(json.dumps(res))
@@ -431,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         models.append(("tinyllama-1.1b-q4_0-synthetic", str(cached_synthetic(TINYLLAMA_Q4_0))))
     if a.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    measured = [run_model(n, p, a.prompt_len, a.gen, a.threads, copy, a.llamacpp_flash_attn, a.rounds)
+    measured = [run_model(n, p, a.prompt_len, a.gen, a.threads, copy, a.llamacpp_flash_attn, a.rounds, a.paired)
                 for n, p in models]
     print(json.dumps(summarize(measured, host_info(), a.llamacpp_flash_attn)))
     return 0
