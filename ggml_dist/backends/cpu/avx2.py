@@ -45,7 +45,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
-from .vnni import BLOCK_BYTES, HAS_M, Q5, R, group_intrinsic
+from .vnni import BLOCK_BYTES, CHAIN_AHEAD, HAS_M, Q5, R, group_intrinsic
 
 N = 8                                   # int32 lanes (rows) per 256-bit vector
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -160,20 +160,22 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                 b.store(b.fadd(b.load(sm[t, v]), b.fmul(mv, e.splat(sy[t], blk, e.FLOATS))), sm[t, v])
 
 
-def _group(kind, T, V, prefetch=True):
-    return group_intrinsic(kind, T, V, _block, N, "avx2", prefetch)
+def _group(kind, T, V, prefetch=True, ahead=0):
+    return group_intrinsic(kind, T, V, _block, N, "avx2", prefetch, ahead)
 
 
 # qpack's signature and names, as vnni.py's: two tokens per call (*_x2) or one (*_x1). The chain (repacked
 # Q4_0) keeps one accumulator per row vector, so one token runs all 8 in one pass: each block read once, in
 # order (hot, the same time as two passes of 4; decode-shaped cold products 5-10% faster on the AVX2 host),
-# and without prefetching the next group, which the hardware prefetchers then fetch alone: 1.1B-shaped
-# decode products (48, 297 MB, 2 threads) ~29.5 -> ~23 ms there. The other kinds' passes read strided
+# and without prefetching the next group (1.1B-shaped decode products, 48, 297 MB, 2 threads: ~29.5 -> ~23
+# ms there), but its own stream CHAIN_AHEAD blocks on (vnni.py): the 1.1B's decode step, alternating in one
+# process, -4.9 ms (26.3 -> 21.3) forced on the Zen 4 host, -3.8 ms (34.9 -> 30.3) compiled for an AVX2-only
+# target (NUMBA_CPU_NAME=znver3 ...). The other kinds' passes read strided
 # parts of each block, which the hardware does not follow: without their prefetch, Q4_1 and Q8_0 products
 # took 1.6-2x as long.
 q4_0_x2, q4_0_x1 = _group("q4_0", 2, 1), _group("q4_0", 1, 2)
 q4_1_x2, q4_1_x1 = _group("q4_1", 2, 1), _group("q4_1", 1, 2)
-chain_x2, chain_x1 = _group("chain", 2, 2), _group("chain", 1, 8, prefetch=False)
+chain_x2, chain_x1 = _group("chain", 2, 2), _group("chain", 1, 8, prefetch=False, ahead=CHAIN_AHEAD)
 q8_0_x2, q8_0_x1 = _group("q8_0", 2, 1), _group("q8_0", 1, 2)
 q5_0_x2, q5_0_x1 = _group("q5_0", 2, 1), _group("q5_0", 1, 2)
 q5_1_x2, q5_1_x1 = _group("q5_1", 2, 1), _group("q5_1", 1, 2)

@@ -146,7 +146,10 @@ def _ha(b, a):
                   b.fadd(b.fadd(a[1], a[5]), b.fadd(a[3], a[7])))
 
 
-def _group_codegen(kind, T, V, block, n, prefetch=True):
+CHAIN_AHEAD = 32        # blocks ahead that a lone token's chain pass prefetches (32 KB of codes, 4 KB of scales)
+
+
+def _group_codegen(kind, T, V, block, n, prefetch=True, ahead=0):
     """Rows of group q (bytes), scales d and mins m (f16 bits) against tokens n0 .. n0+T-1 of Y4 (codes,
     4 per int32), yz (lane starting values), dy and sy (block scales, Q8_1 sums) into res[t*R + r]. Row
     vectors v0 .. v0+V-1 (n rows each) run in one pass over the blocks, block(...) adding each block
@@ -155,8 +158,11 @@ def _group_codegen(kind, T, V, block, n, prefetch=True):
     group arrives while this one computes: the hardware prefetchers do not follow a pass's strided
     reads across groups, and they do follow an ascending stream of prefetches (prefetching block by
     block, each pass its lines of every block, read a cold 178 MB Q8_0 weight at 10 GB/s with two
-    threads on an AVX2-only host, in order 13-15). prefetch=False emits none (pf is then ignored): where
-    one pass reads each block whole, in order, the hardware prefetchers follow it alone."""
+    threads on an AVX2-only host, in order 13-15). prefetch=False emits none (pf is then ignored). ahead
+    (blocks, for one pass that reads each block whole, in order: the chain's lone token): each block
+    prefetches the lines of the block `ahead` blocks on, codes and scales, across the end of the group
+    into the next one (a group's rows are contiguous; past the weight's end a prefetch does not fault),
+    a stream the hardware prefetchers then need not find alone."""
     n_acc = 1 if kind == "chain" else 8
     n_pass = R // n // V
     lines = BLOCK_BYTES[kind] // 64                                # cache lines per block of a group
@@ -178,6 +184,12 @@ def _group_codegen(kind, T, V, block, n, prefetch=True):
                   for t in range(T) for v in vs}
             with cgutils.for_range(b, nb) as loop:
                 blk = loop.index
+                if ahead:
+                    on = b.add(blk, _c64(ahead))
+                    for j in range(lines):
+                        e.prefetch(q, b.add(b.mul(on, _c64(BLOCK_BYTES[kind])), _c64(64 * j)))
+                    for j in range(2 * R // 64):
+                        e.prefetch(e.ptr(1, _I8), b.add(b.mul(on, _c64(2 * R)), _c64(64 * j)))
                 with b.if_then(pf if prefetch else ir.Constant(ir.IntType(1), 0), likely=False):
                     unit = b.add(b.mul(_c64(k), nb), blk)         # lines unit*lines/n_pass ..
                     for j in range(-(-lines // n_pass)):
@@ -257,10 +269,10 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                 b.store(b.fadd(b.load(sm[t, v]), b.fmul(mv, e.splat(sy[t], blk, e.FLOATS))), sm[t, v])
 
 
-def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni", prefetch=True):
+def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni", prefetch=True, ahead=0):
     """The numba intrinsic of one group's rows against T tokens, V row vectors of n rows per pass, each
-    block emitted by block(e, kind, blk, vs, ...) (default: this module's vpdpbusd _block); prefetch:
-    see _group_codegen."""
+    block emitted by block(e, kind, blk, vs, ...) (default: this module's vpdpbusd _block); prefetch,
+    ahead: see _group_codegen."""
     block = block or _block
 
     def group(typingctx, q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf):
@@ -269,7 +281,7 @@ def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni", prefetch=True):
         ok = (q == pq == u8 and d == m == pd == pm == u16 and res == f32 and y4 == yz == i32x2
               and dy == sy == f32x2 and isinstance(n0, types.Integer) and isinstance(pf, types.Boolean))
         sig = types.void(q, d, m, y4, yz, types.intp, dy, sy, res, pq, pd, pm, types.boolean)
-        return (sig, _group_codegen(kind, T, V, block, n, prefetch)) if ok else None
+        return (sig, _group_codegen(kind, T, V, block, n, prefetch, ahead)) if ok else None
     group.__name__ = name = f"{isa}_{kind}_x{T}"
     group.__doc__ = (f"{name}(q, d, m, y4, yz, n0, dy, sy, res, pq, pd, pm, pf): one group's {R} rows "
                      f"against tokens n0 .. n0+{T - 1}, prefetching the next group's (pq, pd, pm) if pf "
@@ -279,11 +291,14 @@ def group_intrinsic(kind, T, V, block=None, n=16, isa="vnni", prefetch=True):
 
 # two tokens per call; a lone token with two (Q4) or four (Q8_0) row vectors per pass. The chain (repacked
 # Q4_0, one accumulator per row vector) runs a lone token's four in one pass that reads each block whole, in
-# order, and prefetches nothing, as avx2.py's: 1.1B Q4_0 decode step (2 threads, Zen 4) ~29.4 -> ~26.2 ms,
-# medians of 6 alternating runs. Q8_0's single pass without its prefetch was no faster (cold 178 MB).
+# order, without the next group's prefetch spread over the group (1.1B Q4_0 decode step, 2 threads, Zen 4:
+# ~29.4 -> ~26.2 ms, medians of 6 alternating runs) but with its stream prefetched CHAIN_AHEAD blocks on,
+# as avx2.py's: in one process, alternating with and without over 20 pairs of 8 steps, the 1.1B's decode
+# step -1.9 and -2.2 ms (median of the pairs' differences, steps of 25-30 ms; 8 blocks ahead -0.1 to -0.4,
+# 96 none). Q8_0's single pass without its prefetch was no faster (cold 178 MB).
 q4_0_x2, q4_0_x1 = group_intrinsic("q4_0", 2, 1), group_intrinsic("q4_0", 1, 2)
 q4_1_x2, q4_1_x1 = group_intrinsic("q4_1", 2, 1), group_intrinsic("q4_1", 1, 2)
-chain_x2, chain_x1 = group_intrinsic("chain", 2, 1), group_intrinsic("chain", 1, 4, prefetch=False)
+chain_x2, chain_x1 = group_intrinsic("chain", 2, 1), group_intrinsic("chain", 1, 4, prefetch=False, ahead=CHAIN_AHEAD)
 q8_0_x2, q8_0_x1 = group_intrinsic("q8_0", 2, 1), group_intrinsic("q8_0", 1, 4)
 q5_0_x2, q5_0_x1 = group_intrinsic("q5_0", 2, 1), group_intrinsic("q5_0", 1, 2)
 q5_1_x2, q5_1_x1 = group_intrinsic("q5_1", 2, 1), group_intrinsic("q5_1", 1, 2)
