@@ -387,10 +387,10 @@ def measure_paired(path: str, prompt_len: int, gen: int, threads: int, flash_att
 
     def figures(k: str, r: int) -> dict[str, float]:
         return {"prompt_tok_s": prompt_len / spent[k][r][0], "decode_tok_s": gen / spent[k][r][1]}
-    ours_runs = [{**figures("ours", r), "weight_bytes": ours.model.weight_bytes(), "ours": ours_info()}
-                 for r in range(rounds)]
-    ll_runs = [{**figures("llamacpp", r), "llamacpp": ll.info()} if "llamacpp" in engines else
-               {"error": ll_error} for r in range(rounds)]
+    about = {"weight_bytes": ours.model.weight_bytes(), "ours": ours_info()}
+    ll_about = {"llamacpp": ll.info()} if "llamacpp" in engines else {}
+    ours_runs = [{**figures("ours", r), **about} for r in range(rounds)]
+    ll_runs = [{**figures("llamacpp", r), **ll_about} if ll_about else {"error": ll_error} for r in range(rounds)]
     return {"runs": [list(p) for p in zip(ours_runs, ll_runs)], "decode_chunk_ratios": chunk_ratios,
             "peak_rss_mb": peak_rss_mb()}
 
@@ -446,8 +446,9 @@ def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, cop
                            "rounds": rounds}
     if paired:
         res = _child("paired", path, prompt_len, gen, threads, flash_attn, rounds)
-        runs = [tuple(r) for r in res["runs"]] if "runs" in res else [(res, res)]
+        runs = [(res, res)]                             # {"error"}: the child failed
         if "runs" in res:
+            runs = [tuple(r) for r in res["runs"]]
             q = np.percentile(res["decode_chunk_ratios"], [25, 50, 75]) if res["decode_chunk_ratios"] else []
             out["paired"] = {"chunk": PAIRED_CHUNK, "decode_chunk_ratio_quartiles": [round(float(x), 3) for x in q],
                              "peak_rss_mb": round(res["peak_rss_mb"], 1)}

@@ -175,6 +175,7 @@ def _group_codegen(kind, T, V, block, n, prefetch=True, ahead=0):
         res = e.ptr(8, _F32)
         pq, pd, pm = e.ptr(9, _I8), e.ptr(10, _I8), e.ptr(11, _I8)
         pf = b.icmp_unsigned("!=", args[12], ir.Constant(args[12].type, 0))
+        d8 = e.ptr(1, _I8)                                          # the scales' bytes (ahead)
         nb = b.extract_value(e.array(6).shape, 1)
         for k, v0 in enumerate(range(0, R // n, V)):
             vs = range(v0, v0 + V)
@@ -189,7 +190,7 @@ def _group_codegen(kind, T, V, block, n, prefetch=True, ahead=0):
                     for j in range(lines):
                         e.prefetch(q, b.add(b.mul(on, _c64(BLOCK_BYTES[kind])), _c64(64 * j)))
                     for j in range(2 * R // 64):
-                        e.prefetch(e.ptr(1, _I8), b.add(b.mul(on, _c64(2 * R)), _c64(64 * j)))
+                        e.prefetch(d8, b.add(b.mul(on, _c64(2 * R)), _c64(64 * j)))
                 with b.if_then(pf if prefetch else ir.Constant(ir.IntType(1), 0), likely=False):
                     unit = b.add(b.mul(_c64(k), nb), blk)         # lines unit*lines/n_pass ..
                     for j in range(-(-lines // n_pass)):
