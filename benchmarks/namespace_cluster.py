@@ -1,7 +1,7 @@
 """A model bigger than any node, on a Ray cluster of network-namespace hosts built on this machine.
 
 A head (no CPUs, the dashboard) and --workers worker nodes of --node-mib MiB (Ray `memory`) and 1 CPU
-each, every one at its own IP on a bridge (tests/workers/hosts.py; needs root). Then, as a user would:
+each, every one at its own IP on a bridge (ggml_dist/testbed; needs root). Then, as a user would:
 
     1. ggml-dist plan --address HEAD --stages auto --ctx C --json                (in the head's namespace)
     2. ray job submit --address http://HEAD:8265 -- ggml-dist run --stages auto ... --temp 0 --json
@@ -22,9 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.workers.hosts import HostSpec, NamespaceCluster, netns_available, run_with_link_cut  # noqa: E402
+from ggml_dist.testbed.cluster import HostSpec, NamespaceCluster, run_with_link_cut
+from ggml_dist.testbed.netns import netns_available
 
 PROMPT = "The capital of France is"
 

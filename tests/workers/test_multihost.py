@@ -1,5 +1,5 @@
 """The pipeline on real hosts: a Ray head and three worker nodes, each in its own network namespace
-with its own IP on a bridge (tests/workers/hosts.py), started with `ray start --block`.
+with its own IP on a bridge (ggml_dist/testbed), started with `ray start --block`.
 
     host 0  head: no CPUs, the dashboard (Jobs API); drivers run here, as `ray job submit` runs them
     host 1  1 CPU, a little less memory than 2 and 3: the spare that takes a lost stage
@@ -31,8 +31,9 @@ from ggml_dist.model.ubatch import Batch  # noqa: E402
 from ggml_dist.workers.driver import plan_on_nodes  # noqa: E402
 from ggml_dist.workers.placement import NodeInfo  # noqa: E402
 
-from .hosts import (HostSpec, NamespaceCluster, VenvError, netns_available, run_with_link_cut,  # noqa: E402
-                    venv_without_ggml_dist)
+from ggml_dist.testbed.cluster import HostSpec, NamespaceCluster, run_with_link_cut  # noqa: E402
+from ggml_dist.testbed.envs import VenvError, venv_without_ggml_dist  # noqa: E402
+from ggml_dist.testbed.netns import netns_available  # noqa: E402
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")

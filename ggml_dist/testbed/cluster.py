@@ -1,14 +1,17 @@
-"""A real multi-host Ray cluster on one Linux machine: one network namespace per host.
+"""A real multi-host Ray cluster on one Linux machine: each host a network namespace with a CPU of its own.
 
-Each host is a network namespace with its own IP on a private bridge in the root namespace
-(10.213.X.0/24, the bridge is .1, host i is .(10+i)) and runs its own `ray start --block`
-(host 0 is the head). The hosts share the file system, /dev/shm and the CPUs, but not the
-network: each has its own loopback and port space, so the default Ray ports never clash with
-another Ray on this machine, and "cutting a host's cable" (`link_down`) is a real partition.
+Each host is a network namespace with its own IP on a private bridge (testbed/netns.py), its own CPU
+budget and memory limit (a cgroup per host, testbed/cgroups.py: `cpu=0.6` is 0.6 core as a CFS quota with
+a 5 ms period), its own shaped link (`link_rate`), and runs its own `ray start --block` (host 0 is the
+head, where drivers run: its budget is the head's and the driver's). The hosts share the file system,
+/dev/shm and the memory bus, but not the network nor the CPU time: every process of a host (its
+`ray start` and all it forks, and every command run there) is placed in the host's groups before it
+execs, so each host's CPU seconds and throttling are read from its cgroup (`usage()`).
 
-    with NamespaceCluster([HostSpec(num_cpus=0, dashboard=True),
-                           HostSpec(num_cpus=1, memory_bytes=200 * 2**20)]) as c:
+    with NamespaceCluster([HostSpec(num_cpus=0, cpu=0.5),
+                           HostSpec(num_cpus=1, cpu=0.6, memory_bytes=200 * 2**20)]) as c:
         c.run_in(0, [sys.executable, str(script), c.gcs_address], check=True)
+        print(c.usage())
 
 A Ray driver must run on a Ray node, so drivers run inside a host's namespace (`run_in`,
 `popen_in`; host 0 is the usual place). Their default cwd is the cluster's work dir, not the
@@ -16,55 +19,45 @@ caller's: Ray adds a driver's cwd and script dir to every worker's sys.path, so 
 started from the repository root would make ggml_dist importable on a host meant to lack it.
 
 Teardown kills exactly the processes the cluster started: those inside its namespaces (by
-/proc/PID/ns/net), those carrying GGML_DIST_NETNS=<cluster tag>:<host>[:run] in their
-environment, and the process groups and descendants of what it spawned (Ray puts each worker in
-a process group of its own, and setproctitle can overwrite a process's environ, so no single
-criterion is enough). It never runs `ray stop`, pkill or killall.
+/proc/PID/ns/net) or its cgroups, those carrying GGML_DIST_NETNS=<cluster tag>:<host>[:run] in their
+environment, and the process groups and descendants of what it spawned; then it removes its groups,
+veths, namespaces and bridge. It never runs `ray stop`, pkill or killall.
 
-Needs root, iproute2 (`ip`), util-linux (`unshare`) and `mount`; `netns_available()` says why not.
+Needs root, iproute2 (`ip`, `tc`), util-linux (`unshare`) and `mount`; `netns_available()` and
+`cgroups_available()` say why not.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import copy
-import fcntl
-import functools
-import ipaddress
 import itertools
 import json
 import os
 import shlex
 import shutil
 import signal
-import site
 import socket
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
-import urllib.request
-import venv
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-__all__ = [
-    "HostSpec", "NamespaceCluster", "ClusterStartError", "ClusterStopError", "VenvError",
-    "netns_available", "venv_without_ggml_dist", "health_check_config", "pid_alive",
-    "namespace_exists", "link_exists", "TAG_ENV", "DEFAULT_OBJECT_STORE_BYTES",
-]
+from .cgroups import DEFAULT_PERIOD_US, HostGroup, cgroups_available
+from .netns import Network, link_exists, namespace_exists, netns_available
+from .procs import TAG_ENV, ancestors, env_tag, http_get, netns_id, pid_alive, proc_table, tail
 
-TAG_ENV = "GGML_DIST_NETNS"                  # marks every process a cluster starts
-SUBNET_BASE = "10.213"                       # clusters use 10.213.X.0/24
 DEFAULT_OBJECT_STORE_BYTES = 80 * 2**20      # Ray's minimum is 75 MiB
-_LOCK_PATH = "/tmp/ggml_dist_netns.lock"     # serializes subnet choice across processes
 _SOCKET_PATH_MAX = 107                       # AF_UNIX sun_path
 _RAY_SOCKET_SUFFIX = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
 _seq = itertools.count(1)
-_live: "weakref.WeakSet[NamespaceCluster]" = weakref.WeakSet()
+_live: weakref.WeakSet[NamespaceCluster] = weakref.WeakSet()
 
 # The base environment of every process a cluster starts (a cluster's or host's env overrides it).
 DEFAULT_ENV: dict[str, str] = {
@@ -85,10 +78,6 @@ class ClusterStopError(RuntimeError):
     """Some process the cluster started is still alive after SIGKILL."""
 
 
-class VenvError(RuntimeError):
-    """No venv without ggml_dist can be made here; str(e) is a one-line reason."""
-
-
 @dataclass
 class HostSpec:
     """One host: its `ray start` resources and what it sees.
@@ -99,9 +88,19 @@ class HostSpec:
         in a mount namespace of its own; the rest of the machine keeps seeing the files).
     env: extra environment for this host's processes (a value of None removes the variable).
     dashboard: head only: start the dashboard on the head's IP.
+    cpu: the host's CPU in cores (a CFS quota of cpu x cpu_period_us per period); None: no limit, its
+        use still accounted. memory_limit_bytes: its cgroup memory limit (None: none; the Ray
+        `memory` resource is memory_bytes, a scheduling figure that nothing enforces by itself).
+    link_rate: its link's rate each way (tc units: "1gbit"); link_delay_ms: a fixed delay each way,
+        where the kernel has netem (else left out, and `shaping` says why).
     """
     num_cpus: int = 1
     memory_bytes: int | None = None
+    cpu: float | None = None
+    cpu_period_us: int = DEFAULT_PERIOD_US
+    memory_limit_bytes: int | None = None
+    link_rate: str | None = None
+    link_delay_ms: float | None = None
     python: str | None = None
     hide_dirs: list[str] = field(default_factory=list)
     env: dict[str, str | None] = field(default_factory=dict)
@@ -120,219 +119,6 @@ def health_check_config(period_ms: int = 1000, timeout_ms: int = 1000, failure_t
     if initial_delay_ms is not None:
         cfg["health_check_initial_delay_ms"] = initial_delay_ms
     return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# small system helpers
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and p.returncode != 0:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
-    return p
-
-
-def namespace_exists(name: str) -> bool:
-    return os.path.exists(f"/run/netns/{name}") or os.path.exists(f"/var/run/netns/{name}")
-
-
-def link_exists(name: str) -> bool:
-    return os.path.exists(f"/sys/class/net/{name}")
-
-
-def _proc_stat(pid: int) -> tuple[int, int, str] | None:
-    """(ppid, pgid, state) of pid, None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    rest = data[data.rfind(")") + 2:].split()
-    return int(rest[1]), int(rest[2]), rest[0]
-
-
-def pid_alive(pid: int) -> bool:
-    """True if pid exists and is not a zombie."""
-    st = _proc_stat(pid)
-    return st is not None and st[2] not in ("Z", "X")
-
-
-def _proc_table() -> dict[int, tuple[int, int, str]]:
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = _proc_stat(int(name))
-            if st is not None:
-                table[int(name)] = st
-    return table
-
-
-def _env_tag(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
-    except OSError:
-        return None
-    key = TAG_ENV.encode() + b"="
-    for item in env.split(b"\0"):
-        if item.startswith(key):
-            return item[len(key):].decode(errors="replace")
-    return None
-
-
-def _netns_id(pid: int) -> tuple[int, int] | None:
-    try:
-        st = os.stat(f"/proc/{pid}/ns/net")
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _ancestors(pid: int) -> set[int]:
-    out = set()
-    while pid > 1 and pid not in out:
-        out.add(pid)
-        st = _proc_stat(pid)
-        if st is None:
-            break
-        pid = st[0]
-    return out
-
-
-def _tail(path: Path, lines: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError as e:
-        return f"<{e}>"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never via a proxy
-    with opener.open(url, timeout=timeout) as r:
-        return r.status, r.read()
-
-
-# ---------------------------------------------------------------------------------------------
-# availability
-
-@functools.lru_cache(maxsize=None)
-def netns_available() -> str | None:
-    """None if this process can build namespace clusters, else a one-line reason (for skip)."""
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return "network namespaces need root (euid is not 0)"
-    for tool in ("ip", "unshare", "mount", "sh"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not on PATH"
-    tag = f"gdq{os.getpid():x}"
-    ns, br, veth = f"{tag}n", f"{tag}b", f"{tag}v"
-    try:
-        p = _ip("netns", "add", ns, check=False)
-        if p.returncode != 0:
-            return f"`ip netns add` failed: {p.stderr.strip() or p.returncode}"
-        p = _ip("link", "add", br, "type", "bridge", check=False)
-        if p.returncode != 0:
-            return f"cannot make a bridge: {p.stderr.strip() or p.returncode}"
-        p = _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns, check=False)
-        if p.returncode != 0:
-            return f"cannot make a veth pair: {p.stderr.strip() or p.returncode}"
-        p = _ip("link", "set", veth, "master", br, check=False)
-        if p.returncode != 0:
-            return f"cannot attach a veth to a bridge: {p.stderr.strip() or p.returncode}"
-        p = subprocess.run(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation",
-                            "private", "sh", "-c", "mount -t tmpfs gdprobe /mnt"],
-                           capture_output=True, text=True, timeout=30)
-        if p.returncode != 0:
-            return f"cannot mount a tmpfs in a private mount namespace: {p.stderr.strip()}"
-        return None
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"namespace probe failed: {e}"
-    finally:
-        for args in (("link", "del", veth), ("link", "del", br), ("netns", "del", ns)):
-            with contextlib.suppress(Exception):
-                _ip(*args, check=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# a venv that has everything but ggml_dist
-
-_VENV_DEPS = "import ray, numpy, numba, msgpack, gguf"
-_venv_cache: dict[str, str] = {}
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH")}
-    return env
-
-
-def _system_site_dirs() -> list[str]:
-    dirs = list(site.getsitepackages())
-    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
-        dirs.append(site.getusersitepackages())
-    return [d for d in dirs if os.path.isdir(d)]
-
-
-def venv_without_ggml_dist(path: str | os.PathLike) -> str:
-    """The python of a venv at `path` that imports every package of this interpreter's
-    site-packages except ggml_dist; built once and reused while it still fits. Raises VenvError.
-
-    The venv has no system site packages; a .pth file in its site-packages names this
-    interpreter's site-packages dirs. Such lines go on sys.path, but the .pth files inside those
-    dirs (pip's `__editable__.ggml_dist-*.pth`, and any other editable install's) are not run,
-    so the editable ggml_dist is not importable. Use it as HostSpec(python=...)."""
-    path = Path(path).absolute()
-    py = path / "bin" / "python"
-    stamp = path / ".ggml_dist_free"
-    site_dirs = _system_site_dirs()
-    key = json.dumps({"base": os.path.realpath(sys.executable), "version": sys.version,
-                      "site": site_dirs})
-    if _venv_cache.get(str(path)) == key and py.exists():
-        return str(py)
-    if stamp.exists() and py.exists() and stamp.read_text() == key:
-        _venv_cache[str(path)] = key
-        return str(py)
-    if path.exists() and any(path.iterdir()) and not (path / "pyvenv.cfg").exists():
-        raise VenvError(f"{path} exists, is not empty and is not a venv; not clearing it")
-    try:
-        venv.EnvBuilder(clear=True, with_pip=False, symlinks=True).create(path)
-    except Exception as e:                                   # noqa: BLE001
-        raise VenvError(f"cannot create a venv at {path}: {e}") from e
-    env = _clean_env()
-    p = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                       capture_output=True, text=True, env=env, cwd="/", timeout=60)
-    if p.returncode != 0:
-        raise VenvError(f"the new venv's python does not run: {p.stderr.strip()[-300:]}")
-    purelib = Path(p.stdout.strip())
-    purelib.mkdir(parents=True, exist_ok=True)
-    (purelib / "_ggml_dist_free_system_site.pth").write_text("".join(d + "\n" for d in site_dirs))
-
-    def run(code: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=env,
-                              cwd="/", timeout=300)
-
-    p = run(_VENV_DEPS)
-    if p.returncode != 0:
-        raise VenvError(f"the venv cannot `{_VENV_DEPS}`: {p.stderr.strip().splitlines()[-1:]}")
-    p = run("import ggml_dist, sys; print(ggml_dist.__file__)")
-    if p.returncode == 0:
-        raise VenvError(f"ggml_dist is importable without its editable .pth ({p.stdout.strip()}): "
-                        "installed non-editable?")
-    if "ModuleNotFoundError" not in p.stderr:
-        raise VenvError(f"`import ggml_dist` failed oddly in the venv: {p.stderr.strip()[-300:]}")
-    p = subprocess.run([str(py), "-m", "ray.scripts.scripts", "--version"], capture_output=True,
-                       text=True, env=env, cwd="/", timeout=120)
-    if p.returncode != 0:
-        raise VenvError(f"`python -m ray.scripts.scripts` does not run in the venv: "
-                        f"{p.stderr.strip()[-300:]}")
-    stamp.write_text(key)
-    _venv_cache[str(path)] = key
-    return str(py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,23 +204,16 @@ class NamespaceCluster:
         self._log_dir_arg = log_dir
 
         self.tag = ""
-        self.bridge = ""
-        self.subnet = ""
-        self.bridge_ip = ""
-        self.ips: list[str] = []
-        self.namespaces: list[str] = []
-        self.veths: list[str] = []
+        self.net: Network | None = None
+        self.groups: list[HostGroup | None] = [None] * len(self.hosts)   # each host's cgroups
         self.workdir: Path | None = None
         self.log_dir: Path | None = None
         self.started_pids: set[int] = set()   # every pid seen belonging to this cluster
         self.survivors: list[int] = []        # pids alive after stop() (should stay empty)
 
-        self._created_ns: list[str] = []
-        self._created_links: list[str] = []
-        self._bridge_created = False
         self._hosts_procs: list[subprocess.Popen | None] = [None] * len(self.hosts)
         self._extra_procs: list[subprocess.Popen] = []   # popen_in's, while they run
-        self._ns_ids: dict[int, tuple[int, int]] = {}      # host -> (st_dev, st_ino) of its netns
+        self._proc_host: dict[int, int] = {}               # popen_in's pid -> its host
         self._log_files: list[Any] = []
         self._started = False
         self._starting = False
@@ -442,6 +221,26 @@ class NamespaceCluster:
         self._failed = False
 
     # -- addresses ------------------------------------------------------------------------------
+    @property
+    def ips(self) -> list[str]:
+        return self.net.ips if self.net is not None else []
+
+    @property
+    def namespaces(self) -> list[str]:
+        return self.net.namespaces if self.net is not None else []
+
+    @property
+    def veths(self) -> list[str]:
+        return self.net.veths if self.net is not None else []
+
+    @property
+    def bridge(self) -> str:
+        return self.net.bridge if self.net is not None else ""
+
+    @property
+    def subnet(self) -> str:
+        return self.net.subnet if self.net is not None else ""
+
     @property
     def head_ip(self) -> str:
         return self.ips[0]
@@ -470,7 +269,7 @@ class NamespaceCluster:
                 f"workdir={str(self.workdir)!r})")
 
     # -- context manager ------------------------------------------------------------------------
-    def __enter__(self) -> "NamespaceCluster":
+    def __enter__(self) -> NamespaceCluster:
         self.start()
         return self
 
@@ -480,12 +279,12 @@ class NamespaceCluster:
             try:
                 self.stop()
             except ClusterStopError as e:           # do not hide the body's exception
-                print(f"hosts.py: {e}", file=sys.stderr)
+                print(f"testbed: {e}", file=sys.stderr)
         else:
             self.stop()
 
     # -- start ----------------------------------------------------------------------------------
-    def start(self) -> "NamespaceCluster":
+    def start(self) -> NamespaceCluster:
         if self._started:
             raise RuntimeError("a NamespaceCluster starts once")
         reason = netns_available()
@@ -496,7 +295,10 @@ class NamespaceCluster:
         try:
             self._make_workdir()
             self._check_hide_dirs()
-            self._setup_network()
+            self.net = Network(self.tag, len(self.hosts), self.subnet_index)
+            self.net.setup()
+            self.subnet_index = self.net.subnet_index
+            self._setup_hosts()
             t0 = time.monotonic()
             deadline = t0 + self.start_timeout_s
             self._launch(0)
@@ -548,95 +350,54 @@ class NamespaceCluster:
                 needed = [str(self.workdir), str(self.log_dir), sysconfig.get_paths()["purelib"],
                           os.path.dirname(os.path.realpath(self.python_of(i))),
                           os.path.dirname(self.python_of(i))]
-                for n in needed:
-                    n = os.path.realpath(n)
+                for need in needed:
+                    n = os.path.realpath(need)
                     if n == real or n.startswith(real.rstrip("/") + "/"):
                         raise ValueError(f"host {i}: hiding {d} would hide {n}, which the host needs")
                 dirs.append(real)
             h.hide_dirs = dirs
 
     # -- network --------------------------------------------------------------------------------
-    def _subnet_free(self, x: int) -> bool:
-        net = ipaddress.ip_network(f"{SUBNET_BASE}.{x}.0/24")
-        addrs = json.loads(_ip("-4", "-j", "addr", "show").stdout or "[]")
-        for link in addrs:
-            for a in link.get("addr_info", []):
-                if a.get("local") and ipaddress.ip_network(
-                        f"{a['local']}/{a.get('prefixlen', 32)}", strict=False).overlaps(net):
-                    return False
-        routes = json.loads(_ip("-4", "-j", "route", "show", "table", "all").stdout or "[]")
-        for r in routes:
-            dst = r.get("dst", "default")
-            if dst == "default":
-                continue
-            with contextlib.suppress(ValueError):
-                if ipaddress.ip_network(dst, strict=False).overlaps(net):
-                    return False
-        return True
-
-    def _setup_network(self) -> None:
-        n = len(self.hosts)
-        self.bridge = f"{self.tag}b"
-        self.namespaces = [f"{self.tag}n{i}" for i in range(n)]
-        self.veths = [f"{self.tag}v{i}" for i in range(n)]
-        with open(_LOCK_PATH, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if self.subnet_index is not None:
-                    if not self._subnet_free(self.subnet_index):
-                        raise ClusterStartError(f"subnet {SUBNET_BASE}.{self.subnet_index}.0/24 "
-                                                "is in use by an interface or route")
-                    x = self.subnet_index
-                else:
-                    start = (os.getpid() * 7 + int(self.tag.rsplit("-", 1)[1]) * 13) % 250
-                    x = next((c for c in ((start + k) % 250 + 2 for k in range(250))
-                              if self._subnet_free(c)), None)
-                    if x is None:
-                        raise ClusterStartError(f"no free {SUBNET_BASE}.X.0/24 subnet")
-                self.subnet_index = x
-                self.subnet = f"{SUBNET_BASE}.{x}.0/24"
-                self.bridge_ip = f"{SUBNET_BASE}.{x}.1"
-                self.ips = [f"{SUBNET_BASE}.{x}.{10 + i}" for i in range(n)]
-                _ip("link", "add", self.bridge, "type", "bridge")
-                self._bridge_created = True
-                _ip("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
-                _ip("link", "set", self.bridge, "up")
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-        for i, (ns, veth, ip) in enumerate(zip(self.namespaces, self.veths, self.ips)):
-            _ip("netns", "add", ns)
-            self._created_ns.append(ns)
-            st = os.stat(f"/var/run/netns/{ns}")
-            self._ns_ids[i] = (st.st_dev, st.st_ino)
-            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            self._created_links.append(veth)
-            _ip("link", "set", veth, "master", self.bridge)
-            _ip("link", "set", veth, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "route", "add", "default", "via", self.bridge_ip)
+    def _setup_hosts(self) -> None:
+        """Each host's cgroups (CPU quota, memory limit, accounting) and link shaping."""
+        assert self.net is not None
+        need_groups = any(h.cpu is not None or h.memory_limit_bytes is not None for h in self.hosts)
+        why = cgroups_available()
+        if why is not None and need_groups:
+            raise ClusterStartError(f"host CPU or memory limits need cgroups: {why}")
+        for i, h in enumerate(self.hosts):
+            if why is None:            # accounted even without a limit
+                self.groups[i] = HostGroup.create(f"gd-{self.tag}-h{i}", h.cpu, h.cpu_period_us, h.memory_limit_bytes)
+            if h.link_rate or h.link_delay_ms:
+                self.net.shape(i, h.link_rate, h.link_delay_ms)
 
     def link_down(self, i: int) -> None:
         """Cut host i's cable: its root-side veth goes down, so nothing reaches it or leaves it."""
-        _ip("link", "set", self.veths[i], "down")
+        assert self.net is not None
+        self.net.link_down(i)
 
     def link_up(self, i: int, timeout: float = 10.0) -> None:
         """Plug host i's cable back in; returns once the link has carrier on both ends."""
-        _ip("link", "set", self.veths[i], "up")
-        deadline = time.monotonic() + timeout
-        while True:
-            root = json.loads(_ip("-j", "link", "show", self.veths[i]).stdout)[0]
-            inner = json.loads(_ip("-n", self.namespaces[i], "-j", "link", "show", "eth0").stdout)[0]
-            if "LOWER_UP" in root.get("flags", []) and "LOWER_UP" in inner.get("flags", []):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"host {i}'s link has no carrier after {timeout}s")
-            time.sleep(0.05)
+        assert self.net is not None
+        self.net.link_up(i, timeout)
+
+    def usage(self) -> list[dict[str, Any]]:
+        """Per host, from its cgroups: CPU seconds used, bandwidth throttling (periods, throttled
+        periods and time), peak memory; with its budget (cpu cores, period) and link shaping."""
+        out = []
+        for i, (h, g) in enumerate(zip(self.hosts, self.groups)):
+            row: dict[str, Any] = {"host": i, "ip": self.ips[i] if self.ips else None, "cpu": h.cpu,
+                                   "cpu_period_us": h.cpu_period_us, "memory_limit_bytes": h.memory_limit_bytes,
+                                   "link": self.net.shaping[i] if self.net is not None else {}}
+            if g is not None and g.dirs:
+                row.update(g.snapshot())
+            out.append(row)
+        return out
 
     # -- processes in a host --------------------------------------------------------------------
     def argv_in(self, i: int, argv: Sequence[str]) -> list[str]:
-        """argv wrapped to run inside host i: its network namespace, and its hidden dirs."""
+        """argv wrapped to run inside host i: its cgroups (joined before anything execs), its network
+        namespace, and its hidden dirs."""
         cmd = ["ip", "netns", "exec", self.namespaces[i]]
         dirs = self.hosts[i].hide_dirs
         if dirs:
@@ -644,7 +405,9 @@ class NamespaceCluster:
                                  for d in dirs)
             cmd += ["unshare", "--mount", "--propagation", "private", "--",
                     "sh", "-c", f'{mounts} && exec "$@"', "sh"]
-        return cmd + [str(a) for a in argv]
+        cmd += [str(a) for a in argv]
+        g = self.groups[i]
+        return g.wrap(cmd) if g is not None else cmd
 
     def env_for(self, i: int, extra: dict[str, str | None] | None = None, *,
                 driver: bool = True) -> dict[str, str]:
@@ -676,7 +439,8 @@ class NamespaceCluster:
         """subprocess.run(argv) inside host i (cwd defaults to the cluster's workdir, env to
         env_for(i, env)); other kwargs go to subprocess.run (check, timeout, capture_output...)."""
         kwargs.setdefault("stdin", subprocess.DEVNULL)
-        return subprocess.run(self.argv_in(i, argv), env=self.env_for(i, env),
+        check = kwargs.pop("check", False)
+        return subprocess.run(self.argv_in(i, argv), check=check, env=self.env_for(i, env),
                               cwd=str(cwd or self.workdir), **kwargs)
 
     def popen_in(self, i: int, argv: Sequence[str], *, env: dict[str, str | None] | None = None,
@@ -687,7 +451,7 @@ class NamespaceCluster:
         kwargs.setdefault("start_new_session", True)
         p = subprocess.Popen(self.argv_in(i, argv), env=self.env_for(i, env),
                              cwd=str(cwd or self.workdir), **kwargs)
-        p.gd_host = i                                # type: ignore[attr-defined]
+        self._proc_host[p.pid] = i
         self._extra_procs.append(p)
         self.started_pids.add(p.pid)
         return p
@@ -714,7 +478,7 @@ class NamespaceCluster:
         return argv + list(h.extra_args)
 
     def _launch(self, i: int) -> None:
-        log = open(self.log_path(i), "ab")
+        log = open(self.log_path(i), "ab")       # noqa: SIM115 - open while the host runs; stop() closes it
         self._log_files.append(log)
         argv = self._ray_start_argv(i)
         log.write(f"# host {i} ns={self.namespaces[i]} ip={self.ips[i]}\n# "
@@ -750,7 +514,7 @@ class NamespaceCluster:
         while time.monotonic() < deadline:
             self._check_hosts()
             try:
-                if _http_get(self.dashboard_url + "/api/version", timeout=2.0)[0] == 200:
+                if http_get(self.dashboard_url + "/api/version", timeout=2.0)[0] == 200:
                     return
             except Exception as e:                   # noqa: BLE001
                 err = e
@@ -787,7 +551,7 @@ class NamespaceCluster:
         try:
             result = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
-            raise ClusterStartError(f"the node probe failed ({p.returncode}): {err.strip()[-1500:]}")
+            raise ClusterStartError(f"the node probe failed ({p.returncode}): {err.strip()[-1500:]}") from None
         if p.returncode != 0 or isinstance(result, dict):
             state = [(n.get("NodeManagerAddress"), n.get("Alive")) for n in result.get("nodes") or []]
             raise TimeoutError(f"nodes not as wanted (alive={list(alive)} dead={list(dead)}) after "
@@ -831,11 +595,12 @@ class NamespaceCluster:
         only; commands=False: without the commands that run_in/popen_in started (and their
         children), i.e. a host's Ray processes."""
         self._extra_procs = [p for p in self._extra_procs if p.poll() is None]
-        table = _proc_table()
+        table = proc_table()
         hosts = list(range(len(self.hosts))) if host is None else [host]
-        ns_ids = {self._ns_ids[i] for i in hosts if i in self._ns_ids}
+        ns_ids = {self.net.ns_ids[i] for i in hosts if self.net is not None and i in self.net.ns_ids}
+        in_groups = set().union(*(g.pids() for g in (self.groups[i] for i in hosts) if g is not None))
         ray_roots = [p for p in (self._hosts_procs[i] for i in hosts) if p is not None]
-        cmd_roots = [p for p in self._extra_procs if host is None or p.gd_host == host]
+        cmd_roots = [p for p in self._extra_procs if host is None or self._proc_host.get(p.pid) == host]
         ray_tags = {f"{self.tag}:{i}" for i in hosts}
         cmd_tags = {f"{self.tag}:{i}:run" for i in hosts}
         ray_groups = {p.pid for p in ray_roots if p.returncode is None}   # unreaped: not reused
@@ -857,18 +622,18 @@ class NamespaceCluster:
         for pid, (_ppid, pgid, state) in table.items():
             if state in ("Z", "X"):
                 continue
-            tag = _env_tag(pid)
+            tag = env_tag(pid)
             if tag in cmd_tags or pgid in cmd_groups:
                 cmds.add(pid)
             if tag in ray_tags or tag in cmd_tags or pgid in ray_groups or pgid in cmd_groups \
-                    or _netns_id(pid) in ns_ids:
+                    or netns_id(pid) in ns_ids or pid in in_groups:
                 found.add(pid)
         found = closure(found | {p.pid for p in ray_roots + cmd_roots
                                  if p.returncode is None and p.pid in table})
         if not commands:
             found -= closure(cmds | {p.pid for p in cmd_roots
                                      if p.returncode is None and p.pid in table})
-        found -= _ancestors(os.getpid())
+        found -= ancestors(os.getpid())
         found = {p for p in found if pid_alive(p)}
         self.started_pids |= found
         return found
@@ -902,7 +667,7 @@ class NamespaceCluster:
         procs = [p for p in ([*self._hosts_procs] if host is None else [self._hosts_procs[host]])
                  if p is not None]
         if commands:
-            procs += [p for p in self._extra_procs if host is None or p.gd_host == host]
+            procs += [p for p in self._extra_procs if host is None or self._proc_host.get(p.pid) == host]
         pids = self.pids(host, commands)
         if grace > 0 and pids:
             self._terminate(host)
@@ -956,13 +721,11 @@ class NamespaceCluster:
             for f in self._log_files:
                 with contextlib.suppress(Exception):
                     f.close()
-            for link in self._created_links:
-                if link_exists(link):
-                    _ip("link", "del", link, check=False)
-            for ns in self._created_ns:
-                _ip("netns", "del", ns, check=False)
-            if self._bridge_created:
-                _ip("link", "del", self.bridge, check=False)
+            if self.net is not None:
+                self.net.teardown()
+            for g in self.groups:
+                if g is not None and g.dirs:
+                    self.survivors += g.remove()
             if self._log_dir_arg is not None:               # a log dir of the caller's:
                 self._copy_ray_logs()                       # Ray's logs outlive the cluster
             launched = any(p is not None for p in self._hosts_procs)
@@ -998,11 +761,11 @@ class NamespaceCluster:
             status = "not started" if p is None else (
                 "running" if p.poll() is None else f"exited {p.returncode}")
             out.append(f"--- host {i} ({self.ips[i] if self.ips else '?'}, {status}): "
-                       f"{self.log_path(i)}\n{_tail(self.log_path(i), lines)}")
+                       f"{self.log_path(i)}\n{tail(self.log_path(i), lines)}")
             for d in self.ray_log_dirs(i):
                 for name in ("gcs_server.err", "raylet.err", "raylet.out"):
                     if (d / name).exists():
-                        t = _tail(d / name, 8 if name.endswith(".out") else lines).strip()
+                        t = tail(d / name, 8 if name.endswith(".out") else lines).strip()
                         if t:
                             out.append(f"--- host {i} {d / name}\n{t}")
         return "\n".join(out)
@@ -1029,7 +792,7 @@ class CutRun:
     recovery_s: float | None
 
 
-def run_with_link_cut(c: "NamespaceCluster", argv: Sequence[str], after_chars: int,
+def run_with_link_cut(c: NamespaceCluster, argv: Sequence[str], after_chars: int,
                       timeout: float = 900.0) -> CutRun:
     """Run `argv` (a `ggml-dist run` without --json, so text streams) in the head's namespace; once
     `after_chars` characters have streamed, cut the link of the host that holds stage 1 (read from the
@@ -1038,11 +801,13 @@ def run_with_link_cut(c: "NamespaceCluster", argv: Sequence[str], after_chars: i
     import threading
     p = c.popen_in(0, list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(ln.decode() for ln in p.stderr), daemon=True)
+    assert p.stdout is not None and p.stderr is not None
+    stderr = p.stderr
+    reader = threading.Thread(target=lambda: err.extend(ln.decode() for ln in stderr), daemon=True)
     reader.start()
     text, cut_at, victim = b"", None, None
     try:
-        while b := p.stdout.read1(64):
+        while b := os.read(p.stdout.fileno(), 64):
             text += b
             if cut_at is None and len(text) >= after_chars:
                 row = next(ln for ln in err if re.match(r"\s+1 ", ln))

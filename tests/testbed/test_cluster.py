@@ -1,4 +1,4 @@
-"""tests/workers/hosts.py itself: a 3-host Ray cluster in network namespaces (head + 2 workers,
+"""ggml_dist/testbed/cluster.py itself: a 3-host Ray cluster in network namespaces (head + 2 workers,
 one worker on a venv without ggml_dist and with a hidden dir), links cut and restored, and a
 teardown that leaves no process, namespace or bridge behind."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("ray")
 
-from .hosts import (ClusterStartError, HostSpec, NamespaceCluster, VenvError,  # noqa: E402
-                    link_exists, namespace_exists, netns_available, pid_alive,
-                    venv_without_ggml_dist)
-from .hosts import _http_get  # noqa: E402
+from ggml_dist.testbed.cluster import ClusterStartError, HostSpec, NamespaceCluster  # noqa: E402
+from ggml_dist.testbed.envs import VenvError, venv_without_ggml_dist  # noqa: E402
+from ggml_dist.testbed.netns import link_exists, namespace_exists, netns_available  # noqa: E402
+from ggml_dist.testbed.procs import http_get, pid_alive  # noqa: E402
 
 REASON = netns_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -91,7 +91,7 @@ def test_nodes_alive_on_distinct_ips(cluster):
         assert alive[ip]["Resources"]["CPU"] == 1
     assert "CPU" not in alive[cluster.head_ip]["Resources"]
     assert cluster.node_id_of(cluster.ips[2], nodes) == alive[cluster.ips[2]]["NodeID"]
-    status, body = _http_get(cluster.dashboard_url + "/api/version", timeout=10)
+    status, body = http_get(cluster.dashboard_url + "/api/version", timeout=10)
     assert status == 200 and "ray_version" in json.loads(body)
 
 
