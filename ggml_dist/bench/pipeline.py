@@ -218,15 +218,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace", default="", help="write each run's Chrome/Perfetto trace (a track per stage: "
                     "inputs, compute and outputs slices) as PREFIX-{calls}-s{stages}-mb{m}-nc{n}-ub{u}.json")
     ap.add_argument("--calls", default="auto", help="comma list of how the driver reaches the stages: "
-                    "'compiled' (one Ray Compiled Graph execution per step), 'plain' (an actor call per stage) "
-                    "or 'auto' (compiled where every stage and the driver have cores of their own)")
+                    "'direct' (frames on sockets, stage to stage), 'compiled' (one Ray Compiled Graph execution "
+                    "per step), 'plain' (an actor call per stage) or 'auto' (direct, plain where it cannot connect)")
     ap.add_argument("--lookahead", default="1", help="comma list (decode): steps each sequence has in flight; "
                     "past 1, a step is queued before its token is known and the last stage feeds it to the first")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     calls = [c.strip() for c in a.calls.split(",") if c.strip()]
-    if not calls or set(calls) - {"auto", "compiled", "plain"}:
-        ap.error(f"--calls takes 'auto', 'compiled' and/or 'plain', not {a.calls!r}")
+    if not calls or set(calls) - {"auto", "direct", "compiled", "plain"}:
+        ap.error(f"--calls takes 'auto', 'direct', 'compiled' and/or 'plain', not {a.calls!r}")
     from ..workers.cluster import connect
     from ..workers.driver import default_copies
     path = str(resolve_model(a.model))

@@ -277,8 +277,12 @@ class _Decoding:
             self.ctx.seq_rm(s.id, cut, -1)
 
     def run(self, groups: list[list[_Sequence]]) -> None:
-        for g in range(len(groups)):
-            self._top_up(groups, g)
+        # step-major: every group's first step, then every group's second. A stage runs its calls in order,
+        # and a fed step waits there for its token: group 0's second step queued before group 1's first
+        # would hold the first stage idle while the last one computes group 0's first
+        for depth in range(1, (self.lookahead if self.remote else 1) + 1):
+            for g in range(len(groups)):
+                self._top_up(groups, g, depth)
         while self.inflight:
             g, pending, members = self.inflight.popleft()
             if self.remote:
@@ -291,12 +295,13 @@ class _Decoding:
                     self.accept(s, tok)
             self._top_up(groups, g)
 
-    def _top_up(self, groups: list[list[_Sequence]], g: int) -> None:
-        """Queue group g's next steps, up to lookahead in flight: fed from the group's newest step while
-        the group is unchanged, else (its tokens known) once every step of it was read."""
+    def _top_up(self, groups: list[list[_Sequence]], g: int, depth: int | None = None) -> None:
+        """Queue group g's next steps, up to `depth` (default: lookahead) in flight: fed from the group's
+        newest step while the group is unchanged, else (its tokens known) once every step of it was read."""
+        limit = depth or (self.lookahead if self.remote else 1)
         while True:
             mine = [(p, m) for gg, p, m in self.inflight if gg == g]
-            if len(mine) >= (self.lookahead if self.remote else 1):
+            if len(mine) >= limit:
                 return
             members = [s for s in groups[g] if not s.stop and s.n_queued < self.n_predict - 1]
             if not members:

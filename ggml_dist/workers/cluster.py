@@ -41,6 +41,7 @@ import numpy as np
 from ..model.context import ContextParams, LlamaContext, StageLostError
 from ..model.model import LlamaModel
 from .compiled import CompiledChain
+from .direct import DirectChain, fall_back_line
 from .driver import default_copies, driver_context, kv_plan, plan_on_nodes
 from .health import HealthServer, StageWatch
 from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError, place
@@ -48,6 +49,7 @@ from .proxy import Call, StageDevice, StageProxy
 from .resources import cluster_nodes, stage_options
 from .shipping import WeightManifest, manifest, ship
 from .stage import PlanMissingError, StageSpec, StageWorker
+from .stage_loop import StageLoop
 from .timeline import trace_events
 from .wire import Message, ray_payload
 
@@ -282,6 +284,7 @@ class StageActor:
         install(f"stage {spec.stage_id}")         # its compiles reach the driver's log (log_to_driver)
         self.worker = StageWorker(spec)
         self.health = HealthServer(ray.util.get_node_ip_address(), lambda: self.worker.stats.n_calls)
+        self.loop: StageLoop | None = None
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -301,6 +304,21 @@ class StageActor:
 
     def ping(self) -> int:
         return self.worker.ping()
+
+    def direct_open(self, secret: str) -> str:
+        """The direct transport's loop (workers/stage_loop.py): started once, reset on later opens (after a
+        recovery: what was in flight is gone); returns where it listens."""
+        import ray
+        if self.loop is None:
+            self.loop = StageLoop(self.worker, ray.util.get_node_ip_address(), bytes.fromhex(secret))
+        else:
+            self.loop.secret = bytes.fromhex(secret)
+            self.loop.reset()
+        return self.loop.address
+
+    def direct_peers(self, addresses: list[str]) -> None:
+        assert self.loop is not None
+        self.loop.set_peers(addresses)
 
     def compute(self, pid: str, desc: dict | None, inputs: Message, incarnation: str | None,
                 *upstream: Message) -> bytes | np.ndarray:
@@ -414,6 +432,7 @@ class Pipeline:
     launch_timeout_s: float = 300.0
     manifests: dict[int, tuple[list[str], WeightManifest]] = field(default_factory=dict)
     chain: CompiledChain | None = None     # the stage calls as a compiled graph (None: plain calls)
+    direct: DirectChain | None = None      # the stage calls as frames on sockets (workers/direct.py)
 
     @classmethod
     def launch(cls, model_path: str, n_stages: int | None, params: ContextParams | None = None,
@@ -428,8 +447,8 @@ class Pipeline:
         limits them to those nodes. on_plan sees the placement before any actor starts. calls:
         "compiled" runs a step's stage calls as one execution of a Ray Compiled Graph
         (workers/compiled.py), "plain" as actor calls, "auto" picks (compiled_fits)."""
-        if calls not in ("auto", "compiled", "plain"):
-            raise ValueError(f"calls must be 'auto', 'compiled' or 'plain', not {calls!r}")
+        if calls not in ("auto", "direct", "compiled", "plain"):
+            raise ValueError(f"calls must be 'auto', 'direct', 'compiled' or 'plain', not {calls!r}")
         import ray
         if params is None:
             params = ContextParams()
@@ -450,7 +469,11 @@ class Pipeline:
         pl = cls(model, placement, [], [], None, [], [], actor_cls,  # type: ignore[arg-type]
                  threads=threads_per_stage, on_nodes=nodes is not None or bool(node_ids))
         pl.watch = StageWatch(pl._describe)
-        if calls == "compiled" or (calls == "auto" and compiled_fits(placement, threads_per_stage, pl.on_nodes)):
+        if calls in ("auto", "direct"):
+            pl.direct = DirectChain(n, lambda: pl.actors, pl.watch,
+                                    lambda k: pl.infos[k].get("incarnation") if k < len(pl.infos) else None,
+                                    pl._describe)
+        elif calls == "compiled":
             pl.chain = CompiledChain(n, lambda: pl.actors, pl._plain_call, pl.watch,
                                      lambda k: pl.infos[k].get("incarnation") if k < len(pl.infos) else None,
                                      lambda e: _stage_error(e, "a stage of the compiled graph"))
@@ -465,6 +488,7 @@ class Pipeline:
         pl.watch.addresses = [""] * n
         for k in range(n):
             pl._await_stage(k, pl.launch_timeout_s)
+        pl._connect_direct()
         pl.ctx = driver_context(model, params, placement, pl.proxies, n_copies or default_copies(n))
         if nodes is None:      # the driver's allocator planned each stage's splits: its compute buffer
             pl.placement = Placement([dataclasses.replace(sp, compute_bytes=pl.ctx.sched.get_buffer_size(p))
@@ -473,8 +497,24 @@ class Pipeline:
         return pl
 
     def _call(self, k: int) -> Call:
-        """How stage k's proxy reaches its actors: through the compiled chain, or plain calls."""
+        """How stage k's proxy reaches its actors: direct links, the compiled chain, or plain calls."""
+        if self.direct is not None:
+            return self.direct.call(k)
         return self._plain_call(k) if self.chain is None else self.chain.call(k)
+
+    def _connect_direct(self) -> None:
+        """Open the direct links (after launch, and after a recovery); where they cannot be opened (a
+        firewall between the nodes, say), the calls go as plain Ray calls from then on."""
+        if self.direct is None:
+            return
+        try:
+            self.direct.connect()
+        except Exception as e:  # noqa: BLE001 - plain calls work wherever Ray does
+            fall_back_line(f"the direct links could not be opened ({type(e).__name__}: {e})")
+            self.direct.reset()
+            self.direct = None
+            for k, p in enumerate(self.proxies):
+                p.call = self._plain_call(k)
 
     def _plain_call(self, k: int) -> Call:
         """Plain calls to stage k's current actor; each call names the incarnation the driver last saw
@@ -542,6 +582,8 @@ class Pipeline:
         t0 = time.time()
         if self.chain is not None:
             self.chain.reset(lost=True)
+        if self.direct is not None:
+            self.direct.reset()
         bad_nodes = {self.infos[k].get("node_id", "") for k in self.watch.lost} - {""}
         for k in sorted(self.watch.lost):
             self._replace(k, bad_nodes)
@@ -567,6 +609,7 @@ class Pipeline:
                     time.sleep(0.2)
         for p in self.proxies:
             p.reset()
+        self._connect_direct()
         print(f"ggml-dist: every stage answers again after {time.time() - t0:.1f} s; replaying the KV log",
               file=sys.stderr, flush=True)
 
@@ -611,8 +654,10 @@ class Pipeline:
         return self.chain is None or not self.chain.enabled
 
     def calls_used(self) -> str:
-        """How the steps so far reached the stages: "compiled", "plain", or "compiled, then plain" (a
-        fall-back: workers/compiled.py says why on stderr)."""
+        """How the steps so far reached the stages: "direct", "compiled", "plain", or "compiled, then
+        plain" (a fall-back: workers/compiled.py says why on stderr)."""
+        if self.direct is not None:
+            return "direct"
         c = self.chain
         if c is None or not c.n_executions:
             return "plain"
@@ -635,6 +680,8 @@ class Pipeline:
         import ray
         if self.chain is not None:
             self.chain.reset()
+        if self.direct is not None:
+            self.direct.reset()
         for a in self.actors:
             ray.kill(a)
         self.actors.clear()

@@ -45,15 +45,30 @@ def _chain(ctx: LlamaContext, rows: list[RowSampling]) -> list:
 ROWS = [GREEDY] * 4 + [RowSampling(0.9, 40, 0.95, 0.05, 77, i) for i in range(4)]
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_steps_queued_ahead_give_one_process_tokens(local_ray, model_path, stages):
+@pytest.mark.parametrize("stages,calls", [(2, "plain"), (3, "plain"), (2, "direct"), (3, "direct")])
+def test_steps_queued_ahead_give_one_process_tokens(local_ray, model_path, stages, calls):
     want = [p.tokens()[-1] for p in _chain(LlamaContext(LlamaModel.load(model_path), ContextParams(n_ctx=256)), ROWS)]
-    pl = Pipeline.launch(model_path, stages, ContextParams(n_ctx=256), n_copies=4, calls="plain")
+    pl = Pipeline.launch(model_path, stages, ContextParams(n_ctx=256), n_copies=4, calls=calls)
     try:
         pending = _chain(pl.ctx, ROWS)
         # every step was submitted before any result came back to the driver
         assert not any(rec.done for p in pending for rec in p._records)
         assert [p.tokens()[-1] for p in pending] == want
+        assert pl.calls_used() == calls
+    finally:
+        pl.shutdown()
+
+
+# over direct links the last stage's token goes to the first stage, not through the driver: of the
+# chain's calls, the driver receives the tokens it reads and nothing of the other stages
+def test_direct_feedback_skips_the_driver(local_ray, model_path):
+    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), n_copies=4, calls="direct")
+    try:
+        pending = _chain(pl.ctx, ROWS)
+        assert pl.direct is not None and pl.direct.n_results == 0      # nothing came back yet
+        toks = [p.tokens()[-1] for p in pending]
+        assert len(toks) == len(ROWS) and pl.direct.n_results == len(ROWS)   # one per read, last stage only
+        assert pl.direct.n_results_from == [0, len(ROWS)]
     finally:
         pl.shutdown()
 
@@ -72,8 +87,8 @@ def test_compiled_graph_waits_for_the_token(local_ray, model_path):
 
 # generate queues steps ahead; an end-of-generation token read while later steps are in flight takes
 # them out of the cache again: same tokens, same cache, and the next decode has the same logits
-@pytest.mark.parametrize("lookahead", [2, 4])
-def test_generate_rolls_back_past_the_stop(local_ray, model_path, lookahead):
+@pytest.mark.parametrize("lookahead,calls", [(2, "plain"), (4, "plain"), (2, "direct")])
+def test_generate_rolls_back_past_the_stop(local_ray, model_path, lookahead, calls):
     m = LlamaModel.load(model_path)
     full = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, PROMPT, N).tokens
     assert len(set(full)) == N                                   # a varied continuation
@@ -82,7 +97,7 @@ def test_generate_rolls_back_past_the_stop(local_ray, model_path, lookahead):
     ref = LlamaContext(m, ContextParams(n_ctx=256))
     want = generate(ref, m.tokenizer, PROMPT, N)
     assert want.stop_reason == "eog" and want.tokens == full[:5]
-    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls="plain")
+    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls=calls)
     try:
         got = generate(pl.ctx, m.tokenizer, PROMPT, N, lookahead=lookahead)
         assert (got.tokens, got.stop_reason) == (want.tokens, "eog")
@@ -95,7 +110,8 @@ def test_generate_rolls_back_past_the_stop(local_ray, model_path, lookahead):
 
 # run --parallel's loop: 4 sampled continuations in 2 micro-batches over 2 stages, 2 steps queued per
 # group, one sequence stopping early: one process's tokens for the same schedule, and the same cache
-def test_parallel_continuations(local_ray, model_path):
+@pytest.mark.parametrize("calls", ["plain", "direct"])
+def test_parallel_continuations(local_ray, model_path, calls):
     from ggml_dist.model.generate import generate_parallel
     from ggml_dist.model.sampling import SamplingParams
     m = LlamaModel.load(model_path)
@@ -109,7 +125,7 @@ def test_parallel_continuations(local_ray, model_path):
     assert want[1].stop_reason == "eog" and len(want[1].tokens) <= 4
     assert len({tuple(r.tokens) for r in want}) == 4             # seeds differ per sequence
     assert sorted(r.stop_reason for r in want) == ["eog", "eog", "length", "length"]
-    pl = Pipeline.launch(model_path, 2, params, calls="plain")
+    pl = Pipeline.launch(model_path, 2, params, calls=calls)
     try:
         got = generate_parallel(pl.ctx, m.tokenizer, PROMPT, N, 4, sp, lookahead=2)   # a group per stage
         assert [(r.tokens, r.stop_reason) for r in got] == [(r.tokens, r.stop_reason) for r in want]

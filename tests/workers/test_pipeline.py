@@ -38,10 +38,11 @@ def _reference(path, tokens):
     return batch, steps
 
 
-# 2 and 3 stages, 1 or 2 copies, plain actor calls or a compiled graph: bitwise the single-process
-# logits, prompt and one-token steps
+# 2 and 3 stages, 1 or 2 copies, plain actor calls, a compiled graph or direct links: bitwise the
+# single-process logits, prompt and one-token steps
 @pytest.mark.parametrize("stages,n_copies,calls", [(2, 1, "plain"), (2, 2, "plain"), (3, 3, "plain"),
-                                                   (2, 2, "compiled"), (3, 3, "compiled")])
+                                                   (2, 2, "compiled"), (3, 3, "compiled"),
+                                                   (2, 1, "direct"), (3, 3, "direct")])
 def test_pipeline_bitwise(local_ray, model_path, stages, n_copies, calls):
     ref_batch, ref_steps = _reference(model_path, TOKENS)
     pl = Pipeline.launch(str(model_path), stages, ContextParams(n_ctx=256), n_copies=n_copies, calls=calls)
@@ -57,12 +58,15 @@ def test_pipeline_bitwise(local_ray, model_path, stages, n_copies, calls):
             assert pl.chain is not None and pl.chain.enabled and pl.chain.n_executions == 4
         else:
             assert pl.chain is None
+        assert pl.calls_used() == calls
+        if calls == "direct":                                     # every call over the links
+            assert pl.direct is not None and pl.direct.n_calls == 4 * stages
     finally:
         pl.shutdown()
 
 
 # a prompt split into ubatches runs with several micro-batches in flight, same logits
-@pytest.mark.parametrize("calls", ["plain", "compiled"])
+@pytest.mark.parametrize("calls", ["plain", "compiled", "direct"])
 def test_pipeline_microbatches_in_flight(local_ray, model_path, calls):
     tokens = (TOKENS * 5)[:48]
     ref = LlamaContext(LlamaModel.load(model_path), ContextParams(n_ctx=256, n_ubatch=8))
@@ -72,7 +76,8 @@ def test_pipeline_microbatches_in_flight(local_ray, model_path, calls):
         got = pl.ctx.decode(Batch.from_tokens(tokens, all_outputs=True))
         assert np.array_equal(got, want)
         assert pl.ctx.n_reused >= 4
-        assert calls == "plain" or (pl.chain is not None and pl.chain.enabled and pl.chain.n_executions == 6)
+        assert calls != "compiled" or (pl.chain is not None and pl.chain.enabled and pl.chain.n_executions == 6)
+        assert pl.calls_used() == calls
     finally:
         pl.shutdown()
 
@@ -199,7 +204,7 @@ def test_pipeline_gemma3_sliding_window(local_ray):
 
 # the last stage chooses the tokens (greedy and seeded temperature sampling): the ids one process
 # chooses from its logits, and with keep_logits=False no logits cross the wire
-@pytest.mark.parametrize("calls", ["plain", "compiled"])
+@pytest.mark.parametrize("calls", ["plain", "compiled", "direct"])
 def test_pipeline_samples_on_the_last_stage(local_ray, model_path, calls):
     from ggml_dist.model.sampling import GREEDY, RowSampling, sample_row
     rows = [RowSampling(0.9, 40, 0.95, 0.05, 1234, i) for i in range(2)] + [GREEDY]

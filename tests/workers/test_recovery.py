@@ -49,14 +49,16 @@ def local_ray():
 
 # ray.kill of a stage mid-generation: Ray restarts it, the KV cache is replayed, same tokens; with the
 # compiled graph's steps too (the recovered pipeline goes on with plain calls)
-@pytest.mark.parametrize("stage,calls", [(0, "plain"), (1, "plain"), (0, "compiled")])
+@pytest.mark.parametrize("stage,calls", [(0, "plain"), (1, "plain"), (0, "compiled"), (0, "direct"),
+                                         (1, "direct")])
 def test_kill_stage_actor(local_ray, model_path, want, stage, calls):
     pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls=calls)
     try:
         got = _run_with_fault(pl, 6, lambda p: p.kill_stage(stage))
         assert got == want
         assert pl.ctx.n_recoveries == 1 and pl.ctx.n_replayed_tokens >= len(PROMPT) + 5
-        assert calls == "plain" or (pl.chain is not None and pl.chain.n_executions >= 6 and not pl.chain.enabled)
+        assert calls != "compiled" or (pl.chain is not None and pl.chain.n_executions >= 6 and not pl.chain.enabled)
+        assert calls != "direct" or pl.calls_used() == "direct"     # the links were opened again
     finally:
         pl.shutdown()
 
