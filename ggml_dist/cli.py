@@ -64,8 +64,6 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="fetch a known model into the cache and print its path")
     p.add_argument("name")
-    p.add_argument("--verify", action="store_true", help="hash the cached file in full (a file that does "
-                   "not match is deleted and fetched again)")
 
     p = sub.add_parser("run", help="generate text")
     _add_model_args(p)
@@ -138,24 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for models "
                    "whose GGUF has none")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
-                   "/health (default: $GGML_DIST_API_KEY; none: open)")
-    p.add_argument("--insecure-no-api-key", action="store_true", help="allow a non-loopback --host without "
-                   "an API key (anyone who reaches the port may generate)")
-    p.add_argument("--allowed-hosts", default="", metavar="NAMES", help="comma-separated Host header names "
-                   "answered besides the bound address and localhost (IP literals always are; * for any): "
-                   "other names get 403, against DNS rebinding")
-    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S", help="on SIGTERM, seconds the "
-                   "running requests get to finish (new ones get 503) before they end with an error (default 10)")
-    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S", help="seconds a connection may "
-                   "take to send a request's headers (default 10)")
-    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S", help="seconds a request may take "
-                   "to send its body (default 30; then 408)")
-    p.add_argument("--max-connections", type=int, default=1000, metavar="N", help="connections open at once "
-                   "(default 1000; past it new ones are closed, and requests get 503)")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
-    p.add_argument("what", choices=["alloc", "pipeline", "decode", "faults", "fuzz-gguf"])
+    p.add_argument("what", choices=["alloc", "pipeline", "decode", "faults", "fuzz-gguf", "cluster"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
 
@@ -176,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     from .model.pull import pull
-    print(pull(args.name, verify=args.verify))
+    print(pull(args.name))
     return 0
 
 
@@ -453,19 +436,10 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     from .model.pull import resolve_model
     from .serve import EngineConfig, serve
-    from .serve.app import HTTPPolicy
-    from .serve.server import ServeOptions, check_bind
-    api_key = args.api_key or os.environ.get("GGML_DIST_API_KEY") or None
-    check_bind(args.host, api_key, args.insecure_no_api_key)
-    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
-    opts = ServeOptions(policy=HTTPPolicy.for_bind(args.host, api_key, hosts, body_timeout_s=args.body_timeout),
-                        header_timeout_s=args.header_timeout, max_connections=args.max_connections,
-                        shutdown_grace_s=args.shutdown_grace)
     cfg = EngineConfig(str(resolve_model(args.model)), n_stages=0 if args.stages == "auto" else args.stages,
                        address=args.address,
                        n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
@@ -478,14 +452,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "
           f"{args.ctx // args.parallel} tokens{f' over {args.replicas} replicas' if args.replicas > 1 else ''}); "
           f"loading, see /health", file=sys.stderr)
-    serve(cfg, name, args.host, args.port, opts=opts)
+    serve(cfg, name, args.host, args.port)
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import alloc, decode, faults, fuzz_gguf, pipeline
+    from .bench import alloc, cluster, decode, faults, fuzz_gguf, pipeline
     mains = {"alloc": alloc.main, "pipeline": pipeline.main, "decode": decode.main, "faults": faults.main,
-             "fuzz-gguf": fuzz_gguf.main}
+             "fuzz-gguf": fuzz_gguf.main, "cluster": cluster.main}
     return mains[args.what](args.rest)
 
 

@@ -43,8 +43,9 @@ DEFAULT_PERIOD_US = 5000            # 5 ms: a quota of 0.6 core is 3 ms of every
 DEFAULT_SHARES = 8192               # v1 cpu.shares (1024 default): a host gets its quota under outside load
 DEFAULT_TICK_US = 500               # the ticker's wakeup interval (0: none)
 
-# One thread per CPU this process may use, each pinned to its CPU, waking every argv[1] us: a wakeup on the
-# CPU where the group's task runs makes the scheduler account that task's runtime (see the module doc).
+# One thread per CPU this process may use (the host's, when it is pinned to some), each pinned to its CPU,
+# waking every argv[1] us: a wakeup on the CPU where the group's task runs makes the scheduler account that
+# task's runtime (see the module doc).
 TICKER = """
 import os, sys, threading, time
 iv = int(sys.argv[1]) / 1e6
@@ -91,11 +92,11 @@ def _own_paths() -> dict[str, str]:
 
 @functools.cache
 def layout() -> tuple[str, dict[str, Path]]:
-    """("v1", {"cpu": dir, "cpuacct": dir, "memory": dir}) or ("v2", {"": dir}): where a new group's
-    parent is for each controller (missing controllers left out). Raises CgroupError without one."""
+    """("v1", {"cpu": dir, "cpuacct": dir, "memory": dir, "cpuset": dir}) or ("v2", {"": dir}): where a new
+    group's parent is for each controller (missing controllers left out). Raises CgroupError without one."""
     own = _own_paths()
     v1 = {}
-    for ctrl in ("cpu", "cpuacct", "memory"):
+    for ctrl in ("cpu", "cpuacct", "memory", "cpuset"):
         for mount in (ROOT / ctrl, ROOT / "cpu,cpuacct"):
             if (mount / "cgroup.procs").exists() and (ctrl != "cpuacct" or (mount / "cpuacct.usage").exists()):
                 v1[ctrl] = mount / own.get(ctrl, "/").lstrip("/")
@@ -149,21 +150,27 @@ class HostGroup:
     cores: float | None = None
     period_us: int = DEFAULT_PERIOD_US
     memory_bytes: int | None = None
+    cpus: tuple[int, ...] | None = None         # pinned to these CPUs (a cpuset), or None: any
     ticker: subprocess.Popen | None = None
 
     @classmethod
     def create(cls, name: str, cores: float | None = None, period_us: int = DEFAULT_PERIOD_US,
                memory_bytes: int | None = None, shares: int = DEFAULT_SHARES,
-               tick_us: int = DEFAULT_TICK_US) -> HostGroup:
-        """The groups, limited; with a CPU limit and tick_us > 0, its ticker started inside them."""
-        if cores is not None and not 0.01 <= cores <= (os.cpu_count() or 1):
-            raise ValueError(f"cores must be in 0.01..{os.cpu_count()}, not {cores}")
+               tick_us: int = DEFAULT_TICK_US, cpus: tuple[int, ...] | None = None) -> HostGroup:
+        """The groups, limited; with a CPU limit and tick_us > 0, its ticker started inside them. cpus: pin
+        the host to these CPUs (its ticker then needs a thread on those only)."""
+        if cores is not None and not 0.01 <= cores <= len(cpus or os.sched_getaffinity(0)):
+            raise ValueError(f"cores must be in 0.01..{len(cpus or os.sched_getaffinity(0))}, not {cores}")
         if not 1000 <= period_us <= 1_000_000:
             raise ValueError(f"the CFS period must be 1000..1000000 us, not {period_us}")
         kind, parents = layout()
-        g = cls(name, kind, {}, cores, period_us, memory_bytes)
+        if cpus is not None and kind == "v1" and "cpuset" not in parents:
+            raise CgroupError("pinning a host to CPUs needs the cpuset controller")
+        g = cls(name, kind, {}, cores, period_us, memory_bytes, cpus)
         try:
             for ctrl, parent in parents.items():
+                if ctrl == "cpuset" and cpus is None:         # an unset v1 cpuset takes no task
+                    continue
                 d = parent / name
                 d.mkdir()
                 g.dirs[ctrl] = d
@@ -178,6 +185,11 @@ class HostGroup:
 
     def _limit(self, shares: int) -> None:
         quota = -1 if self.cores is None else max(1000, round(self.cores * self.period_us))
+        if self.cpus is not None:
+            d = self.dirs["cpuset" if self.kind == "v1" else ""]
+            _write(d / "cpuset.cpus", ",".join(map(str, self.cpus)) + "\n")
+            if self.kind == "v1":
+                _write(d / "cpuset.mems", (d.parent / "cpuset.mems").read_text())
         if self.kind == "v1":
             cpu = self.dirs["cpu"]
             _write(cpu / "cpu.cfs_period_us", f"{self.period_us}\n")

@@ -93,6 +93,8 @@ class HostSpec:
         `memory` resource is memory_bytes, a scheduling figure that nothing enforces by itself).
     link_rate: its link's rate each way (tc units: "1gbit"); link_delay_ms: a fixed delay each way,
         where the kernel has netem (else left out, and `shaping` says why).
+    cpus: pin the host to these CPUs (a cpuset); None: the cluster pins a host with a CPU limit of at most
+        one core to the least loaded CPU where it fits (pin_cpus).
     """
     num_cpus: int = 1
     memory_bytes: int | None = None
@@ -101,6 +103,7 @@ class HostSpec:
     memory_limit_bytes: int | None = None
     link_rate: str | None = None
     link_delay_ms: float | None = None
+    cpus: tuple[int, ...] | None = None
     python: str | None = None
     hide_dirs: list[str] = field(default_factory=list)
     env: dict[str, str | None] = field(default_factory=dict)
@@ -182,7 +185,8 @@ class NamespaceCluster:
                  system_config: dict[str, Any] | None = None,
                  env: dict[str, str | None] | None = None,
                  start_timeout_s: float = 120.0, stop_grace_s: float = 5.0,
-                 keep_files: bool = False, log_dir: str | os.PathLike | None = None) -> None:
+                 keep_files: bool = False, log_dir: str | os.PathLike | None = None,
+                 pin_cpus: bool = True) -> None:
         if not hosts:
             raise ValueError("a cluster needs at least one host")
         if len(hosts) > 200:
@@ -201,6 +205,7 @@ class NamespaceCluster:
         self.start_timeout_s = start_timeout_s
         self.stop_grace_s = stop_grace_s
         self.keep_files = keep_files
+        self.pin_cpus = pin_cpus
         self._log_dir_arg = log_dir
 
         self.tag = ""
@@ -365,11 +370,36 @@ class NamespaceCluster:
         why = cgroups_available()
         if why is not None and need_groups:
             raise ClusterStartError(f"host CPU or memory limits need cgroups: {why}")
+        self._pin()
         for i, h in enumerate(self.hosts):
+            cpus = h.cpus
             if why is None:            # accounted even without a limit
-                self.groups[i] = HostGroup.create(f"gd-{self.tag}-h{i}", h.cpu, h.cpu_period_us, h.memory_limit_bytes)
+                self.groups[i] = HostGroup.create(f"gd-{self.tag}-h{i}", h.cpu, h.cpu_period_us, h.memory_limit_bytes,
+                                                  cpus=cpus)
             if h.link_rate or h.link_delay_ms:
                 self.net.shape(i, h.link_rate, h.link_delay_ms)
+
+    def _pin(self) -> None:
+        """With pin_cpus: each host with a CPU limit of at most a core on one CPU (a pinned host's ticker
+        needs one thread, and its tasks do not move between CPUs), the workers largest first, then the
+        head, onto the least loaded CPU; a host that would overload every CPU (past 0.95 of it) stays
+        unpinned."""
+        if not self.pin_cpus:
+            return
+        load = dict.fromkeys(sorted(os.sched_getaffinity(0)), 0.0)
+        for h in self.hosts:
+            if h.cpus is not None and h.cpu is not None:
+                for c in h.cpus:
+                    load[c] = load.get(c, 0.0) + h.cpu / len(h.cpus)
+        order = sorted((i for i, h in enumerate(self.hosts) if h.cpus is None and h.cpu is not None and h.cpu <= 1),
+                       key=lambda i: (i == 0, -(self.hosts[i].cpu or 0.0), i))     # the head last
+        for i in order:
+            h = self.hosts[i]
+            assert h.cpu is not None
+            c = min(load, key=lambda c: (load[c], c))
+            if load[c] + h.cpu <= 0.95:
+                load[c] += h.cpu
+                h.cpus = (c,)
 
     def link_down(self, i: int) -> None:
         """Cut host i's cable: its root-side veth goes down, so nothing reaches it or leaves it."""
@@ -387,6 +417,7 @@ class NamespaceCluster:
         out = []
         for i, (h, g) in enumerate(zip(self.hosts, self.groups)):
             row: dict[str, Any] = {"host": i, "ip": self.ips[i] if self.ips else None, "cpu": h.cpu,
+                                   "cpus": list(h.cpus) if h.cpus is not None else None,
                                    "cpu_period_us": h.cpu_period_us, "memory_limit_bytes": h.memory_limit_bytes,
                                    "link": self.net.shaping[i] if self.net is not None else {}}
             if g is not None and g.dirs:

@@ -124,11 +124,13 @@ def batched_bench_argv(build: RpcBuild, model: str | Path, rpc_endpoints: Sequen
     -lv 4 makes stderr say what llama.cpp resolved (parse_bench_log); without it batched-bench logs nothing.
     -t threads is the head's (it runs only the token-embedding lookup, which stays on the CPU); the servers'
     threads are rpc_server_argv's. batched-bench silently skips a (pp, tg, pl) whose KV need pl*(pp+tg) exceeds
-    the context, so too small a ctx is refused here."""
-    need = max(npl) * (max(npp) + ntg)
+    the context (pp + pl*tg with -pps in extra), so too small a ctx is refused here."""
+    shared = "-pps" in extra                      # one prompt, shared by the sequences: pp + pl * tg cells
+    need = max(npp) + max(npl) * ntg if shared else max(npl) * (max(npp) + ntg)
     if ctx < need:
-        raise ValueError(f"ctx {ctx} < {need} = max(npl) * (max(npp) + ntg): llama-batched-bench would skip the "
-                         f"largest runs without saying so; pass ctx >= {need}")
+        formula = "max(npp) + max(npl) * ntg" if shared else "max(npl) * (max(npp) + ntg)"
+        raise ValueError(f"ctx {ctx} < {need} = {formula}: llama-batched-bench would skip the largest runs "
+                         f"without saying so; pass ctx >= {need}")
     csv = ",".join
     return [str(build.batched_bench), "-m", str(model), "--rpc", csv(rpc_endpoints), "-ngl", "99",
             "-c", str(ctx), "-t", str(threads), "--fit", "off",

@@ -1,0 +1,335 @@
+"""The pipeline on separate hosts, next to llama.cpp's RPC on the same hosts: `ggml-dist bench cluster`.
+
+    ggml-dist bench cluster [--model smollm2-135m,tinyllama] [--hosts 1,2,4] [--sequences 1,4,8]
+        [--prompt 128,512] [--gen 64] [--host-cpu 0.6] [--head-cpu 0.3] [--serve-clients 8] [--json]
+        [--plot cluster.png]
+
+Every machine here has the same two cores, so the hosts are emulated (ggml_dist/testbed): a network
+namespace each, with its own IP, a CPU of its own (a CFS quota of --host-cpu cores with a 5 ms period,
+and a ticker so a host cannot overrun its quota between scheduler ticks), a memory limit and a shaped
+link; the head (Ray's head node, where every driver and client runs) has --head-cpu. Host counts must
+fit the machine: max(hosts) x host-cpu + head-cpu <= its cores, or a host would not get its quota.
+
+For each model and host count k, ours: k = 1 is one process on host 1 (no Ray: what one machine runs);
+k > 1 is a pipeline of k stages on hosts 1..k driven from the head (`run` / `run --parallel N`).
+llama.cpp: `llama-batched-bench` on host 1 alone (k = 1), and over k `rpc-server`s on hosts 1..k from
+the head (`--rpc ... -ngl 99`), when benchmarks/build_llama_rpc.sh has built it; the same prompt length,
+sequences (a shared prompt, -pps) and generated tokens. With --serve-clients C: `ggml-dist serve` on one
+host and over --serve-hosts hosts, C streaming clients from the head for --serve-duration seconds.
+
+Per point: TTFT (the prompt), TPOT, the aggregate decode tok/s, each host's cores used and throttled
+share of periods (from its cgroup, over the decode), the stages' busy shares. The bounds, from ours on
+one host at the same per-host CPU: `linear_bound` = k x the one-host rate at N sequences (what k machines
+would give if splitting a batch cost nothing); `pipeline_bound` = min(k, N) x the one-host rate at
+N / min(k, N) sequences: a pipeline of k stages keeps every stage busy only with k micro-batches, so
+each holds N/k of the sequences, and a batch of N/k reads the weights as often as a batch of N does
+(on CPUs batched decode costs far less than N single steps: the one-host rates show by how much).
+`efficiency` = rate / pipeline_bound. Greedy tokens of every pipeline point must equal one process's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..model.pull import resolve_model
+from ..model.synthetic import TINYLLAMA_Q4_0, cached_synthetic
+
+RPC_PORT = 50052
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _model_path(name: str) -> str:
+    return str(cached_synthetic(TINYLLAMA_Q4_0) if name == "tinyllama" else resolve_model(name))
+
+
+def _host_info() -> dict[str, Any]:
+    flags = ""
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags") and not flags:
+            flags = line.split(":", 1)[1]
+        if line.startswith("model name") and not model:
+            model = line.split(":", 1)[1].strip()
+    simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f" {f}" in flags]
+    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "simd_flags": simd,
+            "load_avg": [round(x, 2) for x in os.getloadavg()]}
+
+
+# -- ours -----------------------------------------------------------------------------------------------
+def _ours(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace, sequences: list[int]) -> list[dict]:
+    spec = {"model": path, "prompts": _ints(a.prompt), "sequences": sequences, "gen": a.gen, "threads": a.threads,
+            "address": c.gcs_address, "node_ips": c.ips[1:k + 1], "mode": "local" if k == 1 else "pipeline"}
+    host = 1 if k == 1 else 0
+    p = c.popen_in(host, [sys.executable, "-m", "ggml_dist.bench.cluster_point", json.dumps(spec)],
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=a.timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"ours on {k} host(s) failed ({p.returncode}): {err[-2000:]}")
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            r.update(impl="ours", hosts=k, mode=spec["mode"], host_usage=sampler.window(*r.pop("window")))
+            rows.append(r)
+    return rows
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------
+def _llamacpp(c: Any, sampler: Any, build: Any, path: str, k: int, a: argparse.Namespace) -> list[dict]:
+    from ..testbed.llamacpp_rpc import (
+        batched_bench_argv,
+        parse_batched_bench,
+        parse_bench_log,
+        rpc_server_argv,
+        wait_rpc_ready,
+    )
+    prompts, seqs = _ints(a.prompt), _ints(a.sequences)
+    ctx = max(prompts) + max(seqs) * a.gen + 64
+    servers = []
+    try:
+        if k == 1:                            # one process on host 1, as one machine runs it
+            argv = batched_bench_argv(build, path, ["x"], prompts, a.gen, seqs, a.threads, ctx, ["-pps"])
+            i = argv.index("--rpc")
+            argv = argv[:i] + argv[i + 2:]
+            argv[argv.index("-ngl") + 1] = "0"
+            host = 1
+        else:
+            for i in range(1, k + 1):
+                servers.append(c.popen_in(i, rpc_server_argv(build, c.ips[i], RPC_PORT, a.threads),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            for i, s in zip(range(1, k + 1), servers):
+                wait_rpc_ready(c.ips[i], RPC_PORT, 60, s)
+            argv = batched_bench_argv(build, path, [f"{ip}:{RPC_PORT}" for ip in c.ips[1:k + 1]], prompts, a.gen,
+                                      seqs, a.threads, ctx, ["-pps"])
+            host = 0
+        t0 = time.time()
+        r = c.run_in(host, argv, capture_output=True, text=True, timeout=a.timeout)
+        t1 = time.time()
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-batched-bench on {k} host(s) failed ({r.returncode}): {r.stderr[-1500:]}")
+    finally:
+        for s in servers:
+            s.terminate()
+        for s in servers:
+            try:
+                s.wait(10)
+            except subprocess.TimeoutExpired:
+                s.kill()
+    log = parse_bench_log(r.stderr)
+    usage = sampler.window(t0, t1)
+    return [{"impl": "llama.cpp", "hosts": k, "mode": "local" if k == 1 else "rpc", "prompt": row["pp"],
+             "sequences": row["b"], "gen": row["tg"], "ttft_s": round(row["t_pp_s"], 3),
+             "tpot_ms": round(1e3 * row["t_tg_s"] / row["tg"], 2), "decode_tok_s": round(row["s_tg_tok_s"], 3),
+             "host_usage_whole_run": usage, "flash_attn": log["flash_attn"],
+             "pipeline_parallel": log["pipeline_parallel"]} for row in parse_batched_bench(r.stdout)]
+
+
+# -- serving --------------------------------------------------------------------------------------------
+def _serve(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace) -> dict:
+    port = 8080
+    argv = ["ggml-dist", "serve", "--model", path, "--parallel", str(a.serve_clients), "--threads", str(a.threads),
+            "--ctx", str(a.serve_clients * 512), "--port", str(port)]
+    if k == 1:
+        host = 1
+        argv += ["--host", c.ips[1]]
+    else:
+        host = 0
+        argv += ["--host", c.ips[0], "--address", c.gcs_address, "--stages", str(k)]
+    url = f"http://{c.ips[host]}:{port}"
+    srv = c.popen_in(host, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        probe = (f"import urllib.request, time\nfor _ in range(600):\n try:\n  urllib.request.urlopen('{url}/health', "
+                 f"timeout=2).read(); break\n except Exception: time.sleep(1)\nelse: raise SystemExit(1)")
+        if c.run_in(0, [sys.executable, "-c", probe], timeout=700).returncode != 0 or srv.poll() is not None:
+            why = srv.stderr.read()[-1500:] if srv.stderr else ""
+            raise RuntimeError(f"the {k}-host server did not come up: {why}")
+        client = ("import json, sys\nfrom ggml_dist.bench.clients import run_clients\n"
+                  f"print(json.dumps(run_clients('{url}', {a.serve_clients}, {a.serve_duration}, {a.serve_tokens})))")
+        t0 = time.time()
+        r = c.run_in(0, [sys.executable, "-c", client], capture_output=True, text=True, timeout=a.timeout)
+        t1 = time.time()
+        if r.returncode != 0:
+            raise RuntimeError(f"the clients failed: {r.stderr[-1500:]}")
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+    return {"impl": "ours", "hosts": k, **out, "host_usage": sampler.window(t0, t1)}
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def _bounds(rows: list[dict]) -> None:
+    """Each pipeline point's bounds and efficiency, from the one-host points at the same prompt."""
+    one = {(r["prompt"], r["sequences"]): r["decode_tok_s"] for r in rows if r["hosts"] == 1 and r["decode_tok_s"]}
+    for r in rows:
+        base = one.get((r["prompt"], r["sequences"]))
+        if base:
+            r["x_one_host"] = round(r["decode_tok_s"] / base, 3)
+            r["linear_bound"] = round(r["hosts"] * base, 3)
+        m = min(r["hosts"], r["sequences"])
+        if r["sequences"] % m == 0 and one.get((r["prompt"], r["sequences"] // m)):
+            r["pipeline_bound"] = round(m * one[(r["prompt"], r["sequences"] // m)], 3)
+            r["efficiency"] = round(r["decode_tok_s"] / r["pipeline_bound"], 3)
+
+
+def _check_tokens(rows: list[dict]) -> list[str]:
+    """Greedy tokens of every multi-host point against one process's at the same prompt and sequences."""
+    one = {(r["prompt"], r["sequences"]): r["tokens"] for r in rows if r["hosts"] == 1}
+    bad = [f"{r['hosts']} hosts, prompt {r['prompt']}, {r['sequences']} seq" for r in rows
+           if r["hosts"] > 1 and one.get((r["prompt"], r["sequences"])) not in (None, r["tokens"])]
+    for r in rows:
+        r["tokens_match_one_process"] = r["hosts"] == 1 or one.get((r["prompt"], r["sequences"])) == r["tokens"]
+        r.pop("tokens")
+    return bad
+
+
+def _plot(models: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        for impl, style in (("ours", "-o"), ("llama.cpp", "--s")):
+            pts = [r for r in m["points"] if r["impl"] == impl and r["prompt"] == min(x["prompt"] for x in m["points"])]
+            for n in sorted({r["sequences"] for r in pts}):
+                xs = sorted((r["hosts"], r["decode_tok_s"]) for r in pts if r["sequences"] == n)
+                ax.plot([x for x, _ in xs], [y for _, y in xs], style, label=f"{impl}, {n} seq")
+        ax.set_title(f"{Path(m['model']).name}: decode on k hosts")
+        ax.set_xlabel("hosts")
+        ax.set_ylabel("aggregate tok/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def bench(a: argparse.Namespace) -> dict[str, Any]:
+    from ..testbed.cgroups import cgroups_available
+    from ..testbed.cluster import HostSpec, NamespaceCluster
+    from ..testbed.llamacpp_rpc import find_rpc_build
+    from ..testbed.netns import netns_available
+    from ..testbed.usage import UsageSampler
+    why = netns_available() or cgroups_available()
+    if why:
+        raise RuntimeError(f"the testbed needs network namespaces and cgroups: {why}")
+    hosts_list = _ints(a.hosts)
+    if a.head_cpu is None:
+        a.head_cpu = round(min(a.host_cpu, len(os.sched_getaffinity(0)) - 0.05 - max(hosts_list) * a.host_cpu), 2)
+    need = max(hosts_list) * a.host_cpu + a.head_cpu
+    if need > len(os.sched_getaffinity(0)) - 0.05 or a.head_cpu < 0.1:
+        raise ValueError(f"{max(hosts_list)} hosts of {a.host_cpu} core and a head of {a.head_cpu} need {need:.2f} "
+                         f"cores; this machine has {len(os.sched_getaffinity(0))}: lower --host-cpu or --hosts")
+    build = None if a.llamacpp == "off" else find_rpc_build()
+    seqs = _ints(a.sequences)
+    # the one-host rates the pipeline bound needs: N / min(k, N) sequences
+    one_seqs = sorted({*seqs, *(n // min(k, n) for k in hosts_list for n in seqs if n % min(k, n) == 0)})
+    report: dict[str, Any] = {"host": _host_info(), "llamacpp_build": build.system_info if build else None,
+                              "models": []}
+    if build is None and a.llamacpp != "off":
+        print("ggml-dist bench cluster: no llama.cpp RPC build (run benchmarks/build_llama_rpc.sh): ours only",
+              file=sys.stderr)
+    for name in a.model.split(","):
+        path = _model_path(name)
+        subprocess.run(["ggml-dist", "run", "--model", path, "--prompt", "warm", "-n", "2", "--threads", "1"],
+                       check=True, capture_output=True, env={**os.environ, "GGML_DIST_NO_BACKGROUND_COMPILE": "1"})
+        hosts = [HostSpec(num_cpus=0, cpu=a.head_cpu, cpu_period_us=a.period_us)] + [
+            HostSpec(num_cpus=a.threads, cpu=a.host_cpu, cpu_period_us=a.period_us,
+                     memory_bytes=a.host_memory_mib << 20, memory_limit_bytes=(a.host_memory_mib + 512) << 20,
+                     link_rate=a.link_rate)
+            for _ in range(max(hosts_list))]
+        m: dict[str, Any] = {"model": path, "points": [], "serve": []}
+        with NamespaceCluster(hosts, env={"GGML_DIST_NO_BACKGROUND_COMPILE": "1"}) as c, \
+                UsageSampler(c.groups) as sampler:
+            keys = ("host", "ip", "cpu", "cpus", "cpu_period_us", "memory_limit_bytes", "link")
+            m["testbed"] = [{k: u[k] for k in keys} for u in c.usage()]
+            for k in hosts_list:
+                print(f"ggml-dist bench cluster: {Path(path).name}, ours on {k} host(s)", file=sys.stderr, flush=True)
+                m["points"] += _ours(c, sampler, path, k, a, one_seqs if k == 1 else seqs)
+                if build is not None:
+                    print(f"ggml-dist bench cluster: {Path(path).name}, llama.cpp on {k} host(s)", file=sys.stderr,
+                          flush=True)
+                    m["points"] += _llamacpp(c, sampler, build, path, k, a)
+            if a.serve_clients:
+                for k in (1, a.serve_hosts):
+                    print(f"ggml-dist bench cluster: serving on {k} host(s)", file=sys.stderr, flush=True)
+                    m["serve"].append(_serve(c, sampler, path, k, a))
+        ours = [r for r in m["points"] if r["impl"] == "ours"]
+        m["tokens_mismatch"] = _check_tokens(ours)
+        _bounds(ours)
+        _bounds([r for r in m["points"] if r["impl"] == "llama.cpp"])
+        m["summary"] = _summary(m)
+        report["models"].append(m)
+    if a.plot:
+        _plot(report["models"], a.plot)
+        report["plot"] = a.plot
+    return report
+
+
+def _summary(m: dict) -> list[dict]:
+    """Per (prompt, sequences, hosts): ours and llama.cpp side by side."""
+    rows: dict[tuple, dict] = {}
+    for r in m["points"]:
+        key = (r["prompt"], r["sequences"], r["hosts"])
+        d = rows.setdefault(key, {"prompt": key[0], "sequences": key[1], "hosts": key[2]})
+        tag = "ours" if r["impl"] == "ours" else "llamacpp"
+        d[f"{tag}_tok_s"] = r["decode_tok_s"]
+        for f in ("x_one_host", "efficiency", "pipeline_bound"):
+            if f in r:
+                d[f"{tag}_{f}"] = r[f]
+    for d in rows.values():
+        if d.get("ours_tok_s") and d.get("llamacpp_tok_s"):
+            d["ours_x_llamacpp"] = round(d["ours_tok_s"] / d["llamacpp_tok_s"], 3)
+    if len(m["serve"]) == 2 and m["serve"][0]["aggregate_tok_s"]:
+        s1, sk = m["serve"]
+        rows[("serve",)] = {"serve_clients": s1["clients"], "hosts": sk["hosts"],
+                            "x_one_host": round(sk["aggregate_tok_s"] / s1["aggregate_tok_s"], 3),
+                            "errors": s1["errors"] + sk["errors"], "ttft_p50_s": [s1["ttft_p50_s"], sk["ttft_p50_s"]]}
+    return list(rows.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ggml-dist bench cluster", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m,tinyllama", help="comma list: known names, GGUF paths, "
+                    "or tinyllama (the 1.1B TinyLlama-shape Q4_0 of benchmarks/make_synthetic.py)")
+    ap.add_argument("--hosts", default="1,2", help="comma list of host counts (default 1,2)")
+    ap.add_argument("--sequences", default="1,4", help="comma list of sequences decoded together (default 1,4)")
+    ap.add_argument("--prompt", default="128", help="comma list of prompt lengths (default 128)")
+    ap.add_argument("--gen", type=int, default=64, help="tokens generated per sequence (default 64)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads per host (default 1)")
+    ap.add_argument("--host-cpu", type=float, default=0.6, help="each host's CPU in cores (default 0.6)")
+    ap.add_argument("--head-cpu", type=float, default=None, help="the head's (drivers', clients') CPU in cores "
+                    "(default: --host-cpu, or what the machine has left, if less)")
+    ap.add_argument("--period-us", type=int, default=5000, help="the CFS quota period (default 5000 us)")
+    ap.add_argument("--host-memory-mib", type=int, default=3072, help="each host's Ray memory; its cgroup limit "
+                    "is 512 MiB more (default 3072)")
+    ap.add_argument("--link-rate", default="1gbit", help="each host's link rate, tc units (default 1gbit)")
+    ap.add_argument("--llamacpp", choices=["auto", "off"], default="auto",
+                    help="auto: measure llama.cpp's RPC too where benchmarks/build_llama_rpc.sh has built it")
+    ap.add_argument("--serve-clients", type=int, default=0, help="also `serve` with this many clients (0: off)")
+    ap.add_argument("--serve-hosts", type=int, default=2, help="hosts of the pipelined server (default 2)")
+    ap.add_argument("--serve-duration", type=float, default=30.0)
+    ap.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each client request")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
+    ap.add_argument("--plot", default=None, help="write a PNG of tok/s against hosts")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    report = bench(a)
+    if a.json:
+        print(json.dumps(report))
+    else:
+        for m in report["models"]:
+            print(Path(m["model"]).name)
+            for row in m["summary"]:
+                print("  ", row)
+    return 0

@@ -1,0 +1,106 @@
+"""What `ggml-dist bench cluster` runs inside a testbed host: our generation at one host count, over every
+(prompt, sequences) point, one JSON line each.
+
+    python -m ggml_dist.bench.cluster_point '{"model": PATH, "mode": "local" | "pipeline", "address": GCS,
+        "node_ips": [...], "prompts": [128], "sequences": [1, 4], "gen": 64, "threads": 1}'
+
+local: one process, no Ray (the strongest one-host baseline: what a user runs on one machine). pipeline:
+one stage per listed node (in that order), this process the driver. Each point is what `run` (one
+sequence) or `run --parallel N` does: one prompt of random tokens evaluated once, N greedy continuations
+of `gen` tokens (no stop at an end token), after a short warm-up of the same shapes (plans, first calls).
+A line reports the wall-clock window of its decode (time.time(), for the testbed's cgroup sampler
+outside), TTFT (the prompt: every sequence's first token comes from it), TPOT, the aggregate decode
+rate, each stage's busy share of the window, and the first sequence's tokens (so runs can be checked
+against each other).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from ..model.context import ContextParams, LlamaContext
+from ..model.generate import generate, generate_parallel
+from ..model.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _open(spec: dict[str, Any], params: ContextParams) -> tuple[Any, LlamaContext, Any]:
+    if spec["mode"] == "local":
+        from ..backends.cpu import threads
+        from ..model.model import LlamaModel
+        threads.set_threads(spec["threads"])
+        model = LlamaModel.load(spec["model"])
+        return model, LlamaContext(model, params), None
+    import ray
+
+    from ..workers.cluster import Pipeline, connect
+    connect(spec["address"])
+    ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    pl = Pipeline.launch(spec["model"], len(spec["node_ips"]), params, threads_per_stage=spec["threads"],
+                         node_ids=[ids[ip] for ip in spec["node_ips"]], calls=spec.get("calls", "auto"))
+    return pl.model, pl.ctx, pl
+
+
+def _generate(ctx: LlamaContext, tok: Any, prompt: list[int], gen: int, n_seq: int, pipelined: bool,
+              on_token: Any) -> list[int]:
+    if n_seq == 1:
+        return generate(ctx, tok, prompt, gen, GREEDY, stop_at_eog=False,
+                        on_token=lambda i, t: on_token(0, i, t)).tokens
+    return generate_parallel(ctx, tok, prompt, gen, n_seq, GREEDY, stop_at_eog=False, on_token=on_token,
+                             lookahead=2 if pipelined else 1)[0].tokens
+
+
+def _stage_busy(pl: Any, t0: float, t1: float) -> list[float]:
+    out = []
+    for st in pl.stats():
+        calls = [e for e in st["timeline"] if t0 <= e[0] <= t1]
+        out.append(round(sum(e[3] - e[0] for e in calls) / (t1 - t0), 3))
+    return out
+
+
+def measure(ctx: LlamaContext, tok: Any, pl: Any, prompt: list[int], gen: int, n_seq: int) -> dict[str, Any]:
+    pipelined = pl is not None
+    ctx.clear()
+    _generate(ctx, tok, prompt, 3, n_seq, pipelined, lambda s, i, t: None)        # warm-up: the shapes
+    ctx.clear()
+    stamps: list[float] = []
+    t0 = time.time()
+    tokens = _generate(ctx, tok, prompt, gen, n_seq, pipelined, lambda s, i, t: stamps.append(time.time()))
+    t1 = stamps[n_seq - 1]                       # every sequence's first token came from the prompt
+    t2 = stamps[-1]
+    n_dec = len(stamps) - n_seq
+    out = {"prompt": len(prompt), "sequences": n_seq, "gen": gen, "window": [t1, t2],
+           "ttft_s": round(t1 - t0, 3), "tpot_ms": round(1e3 * (t2 - t1) / max(1, gen - 1), 2),
+           "decode_tok_s": round(n_dec / (t2 - t1), 3) if t2 > t1 else None, "tokens": tokens}
+    if pl is not None:
+        out["stage_busy"] = _stage_busy(pl, t1, t2)
+        out["stage_calls"] = pl.calls_used()
+    ctx.clear()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    n_seq_max, p_max, gen = max(spec["sequences"]), max(spec["prompts"]), spec["gen"]
+    params = ContextParams(n_ctx=p_max + n_seq_max * (gen + 4) + 16, n_batch=512, n_ubatch=512,
+                           n_seq_max=n_seq_max)
+    model, ctx, pl = _open(spec, params)
+    try:
+        rng = np.random.default_rng(spec.get("seed", 0))
+        for p in spec["prompts"]:
+            prompt = [int(t) for t in rng.integers(3, model.hp.n_vocab, p)]
+            for n in spec["sequences"]:
+                print(json.dumps(measure(ctx, model.tokenizer, pl, prompt, gen, n)), flush=True)
+    finally:
+        if pl is not None:
+            pl.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
