@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.pull import resolve_model
-from ..model.synthetic import TINYLLAMA_Q4_0, cached_synthetic
+from ..model.synthetic import SHAPES, cached_synthetic
 
 RPC_PORT = 50052
 
@@ -48,7 +48,7 @@ def _ints(s: str) -> list[int]:
 
 
 def _model_path(name: str) -> str:
-    return str(cached_synthetic(TINYLLAMA_Q4_0) if name == "tinyllama" else resolve_model(name))
+    return str(cached_synthetic(SHAPES[name]) if name in SHAPES else resolve_model(name))
 
 
 def _host_info() -> dict[str, Any]:
@@ -65,22 +65,27 @@ def _host_info() -> dict[str, Any]:
 
 
 # -- ours -----------------------------------------------------------------------------------------------
-def _ours(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace, sequences: list[int]) -> list[dict]:
+def _ours(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace, sequences: list[int],
+          mode: str) -> tuple[list[dict], list | None]:
     spec = {"model": path, "prompts": _ints(a.prompt), "sequences": sequences, "gen": a.gen, "threads": a.threads,
-            "address": c.gcs_address, "node_ips": c.ips[1:k + 1], "mode": "local" if k == 1 else "pipeline"}
+            "address": c.gcs_address, "node_ips": c.ips[1:k + 1], "mode": mode}
     host = 1 if k == 1 else 0
     p = c.popen_in(host, [sys.executable, "-m", "ggml_dist.bench.cluster_point", json.dumps(spec)],
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=a.timeout)
     if p.returncode != 0:
         raise RuntimeError(f"ours on {k} host(s) failed ({p.returncode}): {err[-2000:]}")
-    rows = []
+    rows, plan = [], None
     for line in out.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            r.update(impl="ours", hosts=k, mode=spec["mode"], host_usage=sampler.window(*r.pop("window")))
+            if "plan" in r:
+                plan = r["plan"]
+                continue
+            r.update(impl="ours", hosts=len(plan) if plan else k, mode=mode,
+                     host_usage=sampler.window(*r.pop("window")))
             rows.append(r)
-    return rows
+    return rows, plan
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------------
@@ -133,6 +138,30 @@ def _llamacpp(c: Any, sampler: Any, build: Any, path: str, k: int, a: argparse.N
              "pipeline_parallel": log["pipeline_parallel"]} for row in parse_batched_bench(r.stdout)]
 
 
+# -- a model bigger than one host ----------------------------------------------------------------------
+def _fits_one_host(path: str, a: argparse.Namespace) -> bool:
+    return os.path.getsize(path) + (512 << 20) <= a.host_memory_mib << 20
+
+
+def _logits_check(c: Any, path: str, a: argparse.Namespace, n: int = 16) -> dict[str, Any]:
+    """Teacher-forced logits of n tokens: one process here (no testbed limit) against the pipeline placed by
+    the nodes' memory (`--stages auto`), bit for bit."""
+    import numpy as np
+    toks = ",".join(str(t) for t in np.random.default_rng(5).integers(3, 32000, n))
+    assert c.workdir is not None
+    one, pipe = c.workdir / "logits-one.npz", c.workdir / "logits-pipeline.npz"
+    base = ["ggml-dist", "logits", "--model", path, "--tokens", toks, "--threads", str(a.threads), "--ctx", "256"]
+    subprocess.run([*base, "--out", str(one)], check=True, capture_output=True)
+    r = c.run_in(0, [*base, "--out", str(pipe), "--address", c.gcs_address, "--stages", "auto"],
+                 capture_output=True, text=True, timeout=a.timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"the pipeline's logits failed: {r.stderr[-1500:]}")
+    x, y = np.load(one)["logits"], np.load(pipe)["logits"]
+    return {"positions": n, "bitwise_equal": bool(np.array_equal(x, y)),
+            "max_abs_diff": float(np.max(np.abs(x - y))) if x.shape == y.shape else None,
+            "argmax_equal": bool(np.array_equal(x.argmax(-1), y.argmax(-1)))}
+
+
 # -- serving --------------------------------------------------------------------------------------------
 def _serve(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace) -> dict:
     port = 8080
@@ -143,7 +172,7 @@ def _serve(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace) -> di
         argv += ["--host", c.ips[1]]
     else:
         host = 0
-        argv += ["--host", c.ips[0], "--address", c.gcs_address, "--stages", str(k)]
+        argv += ["--host", c.ips[0], "--address", c.gcs_address, "--stages", str(k), *a.serve_args.split()]
     url = f"http://{c.ips[host]}:{port}"
     srv = c.popen_in(host, argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -253,14 +282,27 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                 UsageSampler(c.groups) as sampler:
             keys = ("host", "ip", "cpu", "cpus", "cpu_period_us", "memory_limit_bytes", "link")
             m["testbed"] = [{k: u[k] for k in keys} for u in c.usage()]
-            for k in hosts_list:
-                print(f"ggml-dist bench cluster: {Path(path).name}, ours on {k} host(s)", file=sys.stderr, flush=True)
-                m["points"] += _ours(c, sampler, path, k, a, one_seqs if k == 1 else seqs)
-                if build is not None:
+            fits = _fits_one_host(path, a)
+            if not fits:                  # bigger than a host: placed by memory, checked against one process
+                if a.drop_caches:         # so the page cache of its weights is charged to the stages' hosts
+                    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+                m["logits_check"] = _logits_check(c, path, a)
+            for k in hosts_list if fits else [max(hosts_list)]:
+                if "ours" not in a.skip:
+                    print(f"ggml-dist bench cluster: {Path(path).name}, ours on {k} host(s)", file=sys.stderr,
+                          flush=True)
+                    rows, plan = _ours(c, sampler, path, k, a, one_seqs if k == 1 else seqs,
+                                       "local" if k == 1 else "pipeline" if fits else "auto")
+                    m["points"] += rows
+                    if plan is not None:
+                        m.setdefault("plans", {})[str(k)] = plan
+                if build is not None and "llamacpp" not in a.skip:
                     print(f"ggml-dist bench cluster: {Path(path).name}, llama.cpp on {k} host(s)", file=sys.stderr,
                           flush=True)
                     m["points"] += _llamacpp(c, sampler, build, path, k, a)
-            if a.serve_clients:
+            m["host_memory_peak_bytes"] = [u.get("memory_peak_bytes") for u in c.usage()]
+            m["host_oom_kills"] = [u.get("oom_kills") for u in c.usage()]
+            if a.serve_clients and fits:
                 for k in (1, a.serve_hosts):
                     print(f"ggml-dist bench cluster: serving on {k} host(s)", file=sys.stderr, flush=True)
                     m["serve"].append(_serve(c, sampler, path, k, a))
@@ -301,7 +343,8 @@ def _summary(m: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ggml-dist bench cluster", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m,tinyllama", help="comma list: known names, GGUF paths, "
-                    "or tinyllama (the 1.1B TinyLlama-shape Q4_0 of benchmarks/make_synthetic.py)")
+                    "or a synthetic shape of benchmarks/make_synthetic.py: tinyllama (the 1.1B TinyLlama-shape "
+                    "Q4_0), llama2-7b (LLaMA-2-7B's shape, Q4_0, ~3.6 GiB)")
     ap.add_argument("--hosts", default="1,2", help="comma list of host counts (default 1,2)")
     ap.add_argument("--sequences", default="1,4", help="comma list of sequences decoded together (default 1,4)")
     ap.add_argument("--prompt", default="128", help="comma list of prompt lengths (default 128)")
@@ -320,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-hosts", type=int, default=2, help="hosts of the pipelined server (default 2)")
     ap.add_argument("--serve-duration", type=float, default=30.0)
     ap.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each client request")
+    ap.add_argument("--serve-args", default="", help="more `serve` options for the pipelined server")
+    ap.add_argument("--skip", default="", help="comma list of parts to leave out: ours, llamacpp")
+    ap.add_argument("--drop-caches", action="store_true", help="for a model bigger than a host: drop the page "
+                    "cache first (root; machine-wide), so each host's cgroup is charged for the weights it maps")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
     ap.add_argument("--plot", default=None, help="write a PNG of tok/s against hosts")
     ap.add_argument("--json", action="store_true")

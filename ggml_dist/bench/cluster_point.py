@@ -5,9 +5,11 @@
         "node_ips": [...], "prompts": [128], "sequences": [1, 4], "gen": 64, "threads": 1}'
 
 local: one process, no Ray (the strongest one-host baseline: what a user runs on one machine). pipeline:
-one stage per listed node (in that order), this process the driver. Each point is what `run` (one
-sequence) or `run --parallel N` does: one prompt of random tokens evaluated once, N greedy continuations
-of `gen` tokens (no stop at an end token), after a short warm-up of the same shapes (plans, first calls).
+one stage per listed node (in that order), this process the driver. auto: as many stages as the
+cluster's nodes need for the model, placed by their memory (`--stages auto`); its plan is printed first.
+Each point is what `run` (one sequence) or `run --parallel N` does: one prompt of random tokens evaluated
+once, N greedy continuations of `gen` tokens (no stop at an end token), after a short warm-up of the same
+shapes (plans, first calls).
 A line reports the wall-clock window of its decode (time.time(), for the testbed's cgroup sampler
 outside), TTFT (the prompt: every sequence's first token comes from it), TPOT, the aggregate decode
 rate, each stage's busy share of the window, and the first sequence's tokens (so runs can be checked
@@ -40,9 +42,14 @@ def _open(spec: dict[str, Any], params: ContextParams) -> tuple[Any, LlamaContex
 
     from ..workers.cluster import Pipeline, connect
     connect(spec["address"])
-    ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    pl = Pipeline.launch(spec["model"], len(spec["node_ips"]), params, threads_per_stage=spec["threads"],
-                         node_ids=[ids[ip] for ip in spec["node_ips"]], calls=spec.get("calls", "auto"))
+    if spec["mode"] == "auto":                      # placed by the nodes' memory, as `run --stages auto`
+        pl = Pipeline.launch(spec["model"], None, params, threads_per_stage=spec["threads"],
+                             calls=spec.get("calls", "auto"))
+    else:
+        ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        pl = Pipeline.launch(spec["model"], len(spec["node_ips"]), params, threads_per_stage=spec["threads"],
+                             node_ids=[ids[ip] for ip in spec["node_ips"]], calls=spec.get("calls", "auto"))
+    print(json.dumps({"plan": pl.placement.to_json()}), flush=True)
     return pl.model, pl.ctx, pl
 
 

@@ -221,6 +221,10 @@ def write_synthetic(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> 
 
 TINYLLAMA_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32, n_head_kv=4, n_ff=5632,
                                wtype="Q4_0", embd_type="Q4_0", tied=False, seed=11)
+# LLaMA-2-7B's dimensions (no GQA), Q4_0 throughout: ~3.6 GiB, a model bigger than one testbed host
+LLAMA2_7B_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=4096, n_layer=32, n_head=32, n_head_kv=32, n_ff=11008,
+                               n_ctx_train=4096, wtype="Q4_0", embd_type="Q4_0", tied=False, seed=7)
+SHAPES = {"tinyllama": TINYLLAMA_Q4_0, "llama2-7b": LLAMA2_7B_Q4_0}
 
 
 def cached_synthetic(spec: SyntheticSpec, force: bool = False) -> Path:

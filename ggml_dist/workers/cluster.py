@@ -283,7 +283,7 @@ class StageActor:
         from ..backends.cpu.compile_progress import install
         install(f"stage {spec.stage_id}")         # its compiles reach the driver's log (log_to_driver)
         self.worker = StageWorker(spec)
-        self.health = HealthServer(ray.util.get_node_ip_address(), lambda: self.worker.stats.n_calls)
+        self.health = HealthServer(ray.util.get_node_ip_address(), self.worker.progress)
         self.loop: StageLoop | None = None
 
     def info(self) -> dict[str, Any]:
@@ -304,6 +304,9 @@ class StageActor:
 
     def ping(self) -> int:
         return self.worker.ping()
+
+    def wedge(self) -> None:
+        self.worker.wedge()
 
     def direct_open(self, secret: str) -> str:
         """The direct transport's loop (workers/stage_loop.py): started once, reset on later opens (after a
@@ -570,6 +573,12 @@ class Pipeline:
             except (rex.RayActorError, rex.GetTimeoutError):
                 return                          # dead (for good, or not yet restarted)
             time.sleep(0.01)
+
+    def wedge_stage(self, k: int) -> None:
+        """Make stage k's next call block without using CPU (fault injection: a wedged compute, whose
+        process still answers its health port)."""
+        import ray
+        ray.get(self.actors[k].wedge.remote(), timeout=60)
 
     def recover_stages(self) -> None:
         """Bring every stage back, then forget what the stages knew (plans, in-flight results): the

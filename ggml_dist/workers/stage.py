@@ -12,6 +12,7 @@ producing stages' return values; Ray resolves those ObjectRefs before the call r
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -156,6 +157,8 @@ class StageWorker:
         self.plans: OrderedDict[str, tuple[RebuiltPlan, Gallocr]] = OrderedDict()
         self.incarnation = os.urandom(8).hex()       # this process's life: a restart gets another
         self.stats = StageStats()
+        self.computing: tuple[float, int] | None = None   # (wall start, thread id) of the call in progress
+        self._wedge: threading.Event | None = None         # wedge(): the next call blocks on it
 
     def _set_weights(self, weights: dict[str, Tensor]) -> None:
         self.weights = weights
@@ -214,6 +217,25 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def progress(self) -> dict[str, Any]:
+        """What the health port says (workers/health.py): calls done; for a call in progress, when it
+        began (wall clock), for how long, and the CPU seconds of the thread running it."""
+        cur = self.computing
+        out: dict[str, Any] = {"calls": self.stats.n_calls, "busy_since": None, "busy_s": None, "cpu_s": None}
+        if cur is not None:
+            start, tid = cur
+            out.update(busy_since=start, busy_s=round(time.time() - start, 3))
+            try:
+                out["cpu_s"] = time.clock_gettime(time.pthread_getcpuclockid(tid))
+            except (OSError, AttributeError):
+                pass
+        return out
+
+    def wedge(self) -> None:
+        """Fault injection: the next call blocks (uses no CPU) until the process ends, as a compute stuck on
+        a lock or a read that never returns would; the driver's watch must declare the stage lost."""
+        self._wedge = threading.Event()
+
     # -- compute ------------------------------------------------------------------------------------
     def _plan(self, pid: str, desc: dict | None) -> tuple[RebuiltPlan, Gallocr]:
         if pid in self.plans:
@@ -267,6 +289,15 @@ class StageWorker:
         if self.needs_weights:
             raise WeightsMissingError(f"stage {self.spec.stage_id} cannot read {self.spec.model_path} and "
                                       f"was sent no weights")
+        self.computing = (time.time(), threading.get_ident())
+        try:
+            return self._compute(pid, desc, inputs, upstream)
+        finally:
+            self.computing = None
+
+    def _compute(self, pid: str, desc: dict | None, inputs: Message, upstream: tuple[Message, ...]) -> bytearray:
+        if self._wedge is not None:
+            self._wedge.wait()
         t0 = time.perf_counter()
         plan, _ = self._plan(pid, desc)              # allocated when made (or moved with the arena):
                                                      # its tensors keep their addresses between calls

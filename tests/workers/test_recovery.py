@@ -47,6 +47,21 @@ def local_ray():
     ray.shutdown()
 
 
+# a stage whose compute blocks without using CPU (a lock, a read that never returns) still answers its
+# health port: the watch sees its call's thread make no progress, declares it lost, and the run recovers
+@pytest.mark.parametrize("calls", ["direct", "plain"])
+def test_wedged_stage_is_replaced(local_ray, model_path, want, calls, monkeypatch):
+    from ggml_dist.workers.health import StageWatch
+    monkeypatch.setattr(StageWatch, "STALL_S", 3.0)
+    pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), calls=calls)
+    try:
+        got = _run_with_fault(pl, 5, lambda p: p.wedge_stage(1))
+        assert got == want
+        assert pl.ctx.n_recoveries == 1
+    finally:
+        pl.shutdown()
+
+
 # ray.kill of a stage mid-generation: Ray restarts it, the KV cache is replayed, same tokens; with the
 # compiled graph's steps too (the recovered pipeline goes on with plain calls)
 @pytest.mark.parametrize("stage,calls", [(0, "plain"), (1, "plain"), (0, "compiled"), (0, "direct"),
