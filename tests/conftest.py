@@ -38,3 +38,15 @@ def smollm2_tokenizer(smollm2_gguf):
 @pytest.fixture(scope="session")
 def synthetic_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("synthetic")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray of 4 CPUs (ggml_dist's own connect(): loopback-only) for one module's pipelines, shut
+    down after it. test_recovery.py has its own, one per test: its tests kill and restart stages."""
+    import ray
+
+    from ggml_dist.workers.cluster import connect
+    connect(num_cpus=4)
+    yield
+    ray.shutdown()

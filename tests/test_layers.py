@@ -1,5 +1,5 @@
 """The package's import graph: no cycles between modules, and imports only downward through the layers
-(README, "Packages"). Read from the source with ast, lazy imports inside functions included: a lazy
+(README, "What it is"). Read from the source with ast, lazy imports inside functions included: a lazy
 import is still a dependency, only a later one."""
 from __future__ import annotations
 
@@ -68,6 +68,15 @@ def test_no_import_cycles():
             visit(m, [m])
 
 
+def test_model_reaches_the_host_backend_through_its_face():
+    """model/ imports no module of backends/cpu: what a model needs of the host's kernels is backends/host.py's,
+    so a second backend touches no file of model/."""
+    graph = import_graph()
+    bad = sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets
+                 if a.startswith("ggml_dist.model.") and b.startswith("ggml_dist.backends.cpu"))
+    assert not bad, "\n".join(bad)
+
+
 def test_imports_only_go_down():
     graph = import_graph()
     assert set(RANK) >= {layer(m) for m in graph} - {""}, "a package missing from LAYERS"
@@ -78,9 +87,9 @@ def test_imports_only_go_down():
 
 # backends/: base.py (the device protocol) below cpu/ (the CPU backend) below accel.py (a fake GPU made of
 # the CPU's kernels). Inside cpu/, the numpy reference path imports no numba; the compiled twins do.
-BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.accel")
+BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.host", "backends.accel")
 REFERENCE = ("base", "cpu/quants", "cpu/blocks", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
-             "cpu/numerics", "cpu/fusion")
+             "cpu/numerics", "cpu/fusion", "host")
 
 
 def _numba_imports(path: Path) -> list[int]:

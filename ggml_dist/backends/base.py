@@ -15,7 +15,7 @@ supports, and callers read the slot instead of probing for it. Two kinds:
     nbytes, `Device.offload_op` is False, `Backend.submit` runs fn now);
   * `None` slots, where the caller takes another path without one, and tests `is not None` as ggml
     tests a NULL pointer: `Buffer.base` (host bytes; None: copies go through get/set_tensor),
-    `Buffer.get_tensor_async`, `Buffer.set_sampling`, `Buffer.feed`, `Backend.event_record` / `event_wait` (events:
+    `Buffer.get_tensor_async`, `Backend.event_record` / `event_wait` (events:
     the scheduler orders streams with them; None: it synchronises) and `Backend.cpy_tensor_async`
     (None: the scheduler's own copy, scheduler/copy.py).
 """
@@ -65,17 +65,9 @@ class Buffer(Protocol):
     buft: BufferType    # a subclass may narrow it to its own buffer type class
     usage: BufferUsage = BufferUsage.ANY
     base: np.ndarray | None = None    # host buffers: the uint8 arena; None: bytes this process cannot address
-    # (optional) get_tensor_async(t, suffix="") -> a call that returns t's value: a fetch started now and
-    # waited for later (a stage's export); None: read with get_tensor after synchronising
+    # (optional) get_tensor_async(t) -> a call that returns t's value: a fetch started now and waited for
+    # later (ggml_backend_tensor_get_async; a stage's export); None: read with get_tensor after synchronising
     get_tensor_async: Callable[..., Callable[[], np.ndarray]] | None = None
-    # (optional) set_sampling(t, rows, keep_logits): the next compute of t (the logits) samples one token
-    # per row where it runs (workers/proxy.py); None: the caller samples from the fetched logits
-    set_sampling: Callable[[Tensor, list, bool], None] | None = None
-    # (optional) feed(input, fetch) -> bool: the next compute that copies in the graph input `input` takes
-    # its value from `fetch` (one of this buffer's get_tensor_async results: a token a stage sampled)
-    # where it runs, without the bytes passing through the caller; False: the caller sets input itself.
-    # feed(input, None) withdraws an unused feed (True if there was one). None: the caller sets inputs
-    feed: Callable[[Tensor, Callable[[], np.ndarray] | None], bool] | None = None
 
     def set_tensor(self, t: Tensor, data: np.ndarray, offset: int = 0) -> None: ...
     def get_tensor(self, t: Tensor) -> np.ndarray: ...

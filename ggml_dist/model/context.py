@@ -16,12 +16,12 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import pairwise
+from typing import Protocol
 
 import numpy as np
 
+from ..backends import host
 from ..backends.base import tensor_array, tensor_get, tensor_set
-from ..backends.cpu.backend import CPUBackend, CPUDevice
-from ..backends.cpu.ops import NUMBA_DEFAULT, ComputeOptions
 from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
@@ -48,6 +48,9 @@ class ContextParams:
     numba: bool = True              # False: the numpy reference kernels only (same bits; GGML_DIST_NO_NUMBA=1)
     # a cold kernel cache compiles in a background process while the numpy kernels run (model/warmup.py)
     background_compile: bool = False
+    # every MUL_MAT and attention row reduced in the order of a row alone (ComputeOptions.batch_invariant):
+    # a token's logits do not depend on the other tokens and sequences of its ubatch
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0 or self.n_batch <= 0 or self.n_ubatch <= 0:
@@ -56,10 +59,31 @@ class ContextParams:
         self.n_ubatch = min(self.n_ubatch, self.n_batch)
         if self.type_k not in (GGMLType.F16, GGMLType.F32) or self.type_v not in (GGMLType.F16, GGMLType.F32):
             raise ValueError("the KV cache type must be F16 or F32")
+        if self.batch_invariant and self.exact:
+            raise ValueError("batch_invariant (--deterministic) keeps ggml's numerics; it does not combine "
+                             "with exact (--exact), whose float32 BLAS products round by batch shape")
 
-    def compute_options(self) -> ComputeOptions:
-        """The options of the CPU backends this context creates."""
-        return ComputeOptions(exact=self.exact, numba=self.numba and NUMBA_DEFAULT)
+    def compute_options(self) -> host.HostOptions:
+        """The options of the host backends this context creates."""
+        return host.compute_options(self.exact, self.numba, self.batch_invariant)
+
+
+class StageOutputs(Protocol):
+    """What a pipeline's stages do with a graph's outputs and inputs besides computing them (workers/proxy.py):
+    the backend protocol knows devices only, so this comes from the pipeline, not from a buffer.
+
+    sample(t, rows, keep_logits) -> bool   the next compute of t (the logits) chooses one token per row where it
+                                           runs (rows: RowSampling), and returns t only if keep_logits; False:
+                                           t is not a stage's, the caller samples from the fetched logits
+    fetch_tokens(t) -> fetch               the tokens the call that computes t chose (after sample)
+    feed(t, fetch) -> bool                 the next compute that copies in graph input t takes it from fetch (a
+                                           fetch_tokens result: a token a stage chose) where it runs, the bytes
+                                           not passing through the caller; False: the caller sets t itself.
+                                           feed(t, None) withdraws an unused feed (True if there was one)
+    """
+    def sample(self, t: Tensor, rows: list[RowSampling], keep_logits: bool) -> bool: ...
+    def fetch_tokens(self, t: Tensor) -> Callable[[], np.ndarray]: ...
+    def feed(self, t: Tensor, fetch: Callable[[], np.ndarray] | None) -> bool: ...
 
 
 class StageLostError(RuntimeError):
@@ -214,7 +238,7 @@ class LlamaContext:
     def __init__(self, model: LlamaModel, params: ContextParams | None = None,
                  backends: list | None = None, n_copies: int = 1,
                  weights: dict | None = None, layer_buft: Callable | None = None,
-                 after_alloc: Callable | None = None) -> None:
+                 after_alloc: Callable | None = None, outputs: StageOutputs | None = None) -> None:
         if params is None:
             params = ContextParams()
         self.model = model
@@ -225,7 +249,7 @@ class LlamaContext:
             opts = params.compute_options()
             if opts.numba and params.background_compile:
                 self.warmup = background_compile(model.path)
-            backends = [CPUDevice().init_backend(opts=replace(opts, numba=opts.numba and self.warmup is None))]
+            backends = [host.host_backend(replace(opts, numba=opts.numba and self.warmup is None))]
         self.backends = backends
         self.pipelined = any(b.inputs_by_value for b in backends)
         self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, range(hp.n_layer),
@@ -234,7 +258,11 @@ class LlamaContext:
         self.builder = LlamaGraphBuilder(hp, weights if weights is not None else model.weights, self.kv)
         self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=n_copies)
         self.after_alloc = after_alloc       # (sched, graph): a pipeline binds its stage exports here
+        self.outputs = outputs               # a pipeline's stages sample and feed tokens (StageOutputs)
         self.n_copies = n_copies
+        # ubatches in flight on a pipeline: n_copies; a pipeline of stages that take their inputs by value
+        # (no copy slot is overwritten while in use) may keep more (workers/driver.py)
+        self.max_inflight = n_copies
         self._inflight: deque = deque()      # per ubatch in flight: the events of its stages
         self.recovery: Callable[[], None] | None = None   # a pipeline's hook: restore lost stages
         self.max_recoveries = 3
@@ -243,6 +271,7 @@ class LlamaContext:
         self.n_replayed_tokens = 0
         self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
         self.lost_at: list[float] = []       # perf_counter() when each recovery began (the loss seen)
+        self.lost_wall: list[float] = []     # the same moments by the wall clock (time.time())
         self.recovering = False              # True while a lost stage is being brought back
         self.gf_res_prev: GraphResult | None = None
         self._views: tuple[GraphResult | None, dict] = (None, {})   # _host_view's, for gf_res_prev
@@ -347,9 +376,7 @@ class LlamaContext:
         """The background compile has cached the kernels: from this ubatch on, the compiled ones run
         (the same bits as the numpy kernels that ran until now)."""
         self.warmup = None
-        for b in self.backends:
-            if isinstance(b, CPUBackend):
-                b.opts = replace(b.opts, numba=True)
+        host.use_compiled_kernels(self.backends)
 
     def _check_room(self, batch: Batch) -> None:
         """ContextFullError before anything is written: the batch's tokens need free cells (in the stream
@@ -402,6 +429,7 @@ class LlamaContext:
         stage lost during the replay starts the recovery over (max_recoveries times)."""
         t0 = time.perf_counter()
         self.lost_at.append(t0)
+        self.lost_wall.append(time.time())
         self.recovering = True
         try:
             for attempt in range(self.max_recoveries + 1):
@@ -473,23 +501,23 @@ class LlamaContext:
         fed = self._resolve_tokens(rec)
         self._set_inputs(res, ub, slot, key.n_kv)
         logits = res.logits
-        if fed is not None:                    # the token comes from the stage that sampled it
-            feed = logits.buffer.feed
-            if feed is None or not feed(res.inputs.tokens, fed):
-                self._known_tokens(rec)        # waits for it (a compiled graph takes no handles)
-                tensor_set(res.inputs.tokens, ub.tokens.astype(np.int32))
-                fed = None
-        remote = rec.sampling is not None and ub.n_outputs > 0 and logits.buffer.set_sampling is not None
-        if remote:                             # the stage that computes the logits samples them
-            logits.buffer.set_sampling(logits, rec.sampling, rec.keep_logits)
-        if self.pipelined:                     # at most n_copies ubatches in flight
-            while len(self._inflight) >= self.n_copies:
+        outputs = self.outputs
+        # the token comes from the stage that sampled it, else it is waited for (a compiled graph takes no handles)
+        if fed is not None and (outputs is None or not outputs.feed(res.inputs.tokens, fed)):
+            self._known_tokens(rec)
+            tensor_set(res.inputs.tokens, ub.tokens.astype(np.int32))
+            fed = None
+        # the stage that computes the logits samples them
+        remote = rec.sampling is not None and ub.n_outputs > 0 and outputs is not None and \
+            outputs.sample(logits, rec.sampling, rec.keep_logits)
+        if self.pipelined:                     # at most max_inflight ubatches in flight
+            while len(self._inflight) >= self.max_inflight:
                 done, events = self._inflight.popleft()
                 if not done():                 # its result already read: every stage is past it
                     for ev in events:
                         ev.wait()
         self.sched.graph_compute_async(res.graph)
-        if fed is not None and logits.buffer.feed(res.inputs.tokens, None):
+        if fed is not None and outputs is not None and outputs.feed(res.inputs.tokens, None):
             raise RuntimeError("the tokens' feed was not taken: no stage copies the token input in")
         if self.pipelined:
             self._inflight.append((rec.fetched, [b.event_record() for b in self.backends if b.inputs_by_value]))
@@ -501,8 +529,8 @@ class LlamaContext:
             return
         fetch_async = logits.buffer.get_tensor_async
         if remote:
-            assert fetch_async is not None, f"{logits.buffer!r} samples its logits but cannot fetch them"
-            rec.fetch_tokens = fetch_async(logits, ":tok")
+            assert outputs is not None and fetch_async is not None, f"{logits.buffer!r} cannot fetch its logits"
+            rec.fetch_tokens = outputs.fetch_tokens(logits)
             rec.fetch = fetch_async(logits) if rec.keep_logits else None
             return
         if fetch_async is not None:
@@ -546,7 +574,7 @@ class LlamaContext:
         if inp.out_ids is not None:
             self._put(inp.out_ids, ub.out_ids)
         kv, n_swa = self.kv, self.model.hp.n_swa
-        if not (self.params.numba and NUMBA_DEFAULT and self.warmup is None):
+        if not (self.params.numba and host.COMPILED_DEFAULT and self.warmup is None):
             tensor_set(inp.kq_mask, kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs))
             if inp.kq_mask_swa is not None:
                 tensor_set(inp.kq_mask_swa, kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs, n_swa))

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ggml_dist.backends.cpu.quants import VEC_DOT_TYPE
+from ggml_dist.backends.host import MUL_MAT_TYPES as HOST_MUL_MAT_TYPES
 from ggml_dist.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORM
 from ggml_dist.core.types import TYPE_TRAITS, GGMLType, is_quantized
+from ggml_dist.model import layout
 from ggml_dist.model.gguf import GGUFError, GGUFFile
 
 LLAMA_MAX_LAYERS = 512      # llama.cpp's limit; also bounds the work check_tensors does per layer
@@ -269,7 +270,7 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
         rope_attn_factor=_key(f, a + "rope.scaling.attn_factor", float, default=1.0),
         n_ctx_orig_yarn=n_ctx_orig,
         f_norm_rms_eps=_key(f, a + "attention.layer_norm_rms_epsilon", float),
-        tie_word_embeddings="output.weight" not in f.tensors,
+        tie_word_embeddings=layout.tied_head(f),
         rope_freqs=ARCHS[arch].rope_freqs and "rope_freqs.weight" in f.tensors,
     )
     if ARCHS[arch].gemma:
@@ -305,7 +306,7 @@ def _gemma3_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
 # the weight types the CPU kernels compute for the op that reads a weight: a type with a block layout but
 # no kernel (IQ*, MXFP4, Q8_1, the integers, F64 as a matmul weight) would otherwise load and fail deep in
 # the first forward pass
-MUL_MAT_TYPES = frozenset(VEC_DOT_TYPE)                 # backends/cpu/quants.py mul_mat: every 2-d weight
+MUL_MAT_TYPES = HOST_MUL_MAT_TYPES                       # the host backend's MUL_MAT: every 2-d weight
 GET_ROWS_TYPES = MUL_MAT_TYPES | {GGMLType.Q8_K}        # backends/cpu/quants.py dequantize: token_embd
 
 

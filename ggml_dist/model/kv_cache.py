@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from ..backends.base import Buffer, BufferType, tensor_array, tensor_get, tensor_set
-from ..backends.cpu.kv_inputs import attn_inputs
+from ..backends.host import attn_inputs
 from ..core import ops
 from ..core.context import Context
 from ..core.tensor import Tensor
@@ -414,7 +414,7 @@ class KVCache:
                          k_idxs: np.ndarray, v_idxs: np.ndarray) -> None:
         """KVCells.kq_mask (and with n_swa its sliding-window mask), k_idxs and v_idxs written into the
         given arrays (f32 [n_tokens, n_kv] each mask, int64 [n_tokens] and [n_tokens * n_embd_v_gqa]) by
-        one compiled call (backends/cpu/kv_inputs.py; the same numbers). pos int32, slot int64."""
+        one compiled call of the host backend (backends/host.py; the same numbers). pos int32, slot int64."""
         cells = self.cells
         unified = cells.n_stream == 1
         attn_inputs(mask, _NO_SWA_MASK if mask_swa is None else mask_swa, n_swa, cells.pos, cells.seq,

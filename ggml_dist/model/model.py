@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.tensor import Tensor
+from . import layout
 from .gguf import GGUFFile, load_gguf
 from .hparams import LlamaHParams, check_tensors, hparams_from_gguf
 from .tokenizer import Tokenizer
@@ -25,7 +26,7 @@ class LlamaModel:
         f = load_gguf(path)
         hp = hparams_from_gguf(f)
         check_tensors(f, hp)
-        names = None if layers is None else [n for n in f.tensors if _wanted(n, layers)]
+        names = None if layers is None else layout.stage_tensors(f.tensors, layers, True, True, hp.tie_word_embeddings)
         weights = load_weights(f, names, MappedBuffer(str(f.path)))
         return cls(Path(path), f, hp, weights, Tokenizer.from_gguf(f))
 
@@ -35,9 +36,3 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.weights.values())
-
-
-def _wanted(name: str, layers: range) -> bool:
-    if name.startswith("blk."):
-        return int(name.split(".")[1]) in layers
-    return True

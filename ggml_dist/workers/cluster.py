@@ -25,6 +25,7 @@ from a thread that lives until shutdown_local, which stops it and then ends what
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import signal
@@ -42,9 +43,9 @@ from ..model.context import ContextParams, LlamaContext, StageLostError
 from ..model.model import LlamaModel
 from .compiled import CompiledChain
 from .direct import DirectChain, fall_back_line
-from .driver import default_copies, driver_context, kv_plan, plan_on_nodes
+from .driver import default_copies, driver_context, plan_stages
 from .health import HealthServer, StageWatch
-from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError, place
+from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError
 from .proxy import Call, StageDevice, StageProxy
 from .resources import cluster_nodes, stage_options
 from .shipping import WeightManifest, manifest, ship
@@ -76,8 +77,17 @@ _local: _LocalRay | None = None
 
 
 def connect(address: str | None = None, num_cpus: int | None = None,
-            object_store_mb: int = 512) -> str:
-    """Join a cluster (address, or RAY_ADDRESS inside `ray job submit`), else start a local Ray."""
+            object_store_mb: int = 512, verbose: bool | None = None) -> str:
+    """Join a cluster (address, or RAY_ADDRESS inside `ray job submit`), else start a local Ray.
+
+    Joining reads Ray's token as `ray start` does (_token_auth: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token turn token auth on where RAY_AUTH_MODE is unset; a bare ray.init(address) does
+    not, and a cluster with token auth then refuses it), and joins a loopback head (127.0.0.1) in Ray's
+    local-only mode, as it was started (_loopback_only; else Ray rewrites the address to the machine's
+    own and finds no GCS there). Ray's own notices (its token-auth notice, "Connecting to existing Ray
+    cluster", the packaging of the code it ships, the SIGTERM handler it cannot set from a thread, and
+    the C++ failure handler's "*** SIGTERM received ... PC: @" report of a clean stop) stay out of the
+    output unless verbose (default: $GGML_DIST_VERBOSE, which `--verbose` sets)."""
     global _started_local
     try:
         import ray
@@ -86,24 +96,79 @@ def connect(address: str | None = None, num_cpus: int | None = None,
                             "(pip install ggml-dist)") from e
     if ray.is_initialized():
         return "already connected"
+    if verbose is None:
+        verbose = os.environ.get("GGML_DIST_VERBOSE", "") in ("1", "true", "yes")
     shutdown_local()                 # what is left of a local Ray that a bare ray.shutdown() stopped
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     target = address or os.environ.get("RAY_ADDRESS")
     try:
-        if target:
-            ray.init(address=target, log_to_driver=True, runtime_env=_code_runtime_env())
-            _started_local = False
-            return f"joined {target}"
-        # address "local": a new instance, even where a `ray start` this process was not asked to join
-        # runs here (a bare ray.init() would join it, and refuse num_cpus)
-        _start_local(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-                     object_store_memory=object_store_mb * 2**20, _node_ip_address="127.0.0.1",
-                     log_to_driver=True, configure_logging=False)
+        with _quiet_ray(verbose):
+            if target:
+                token = _token_auth()
+                with _loopback_only() if _loopback_target(target) else contextlib.nullcontext():
+                    ray.init(address=target, log_to_driver=True, runtime_env=_code_runtime_env(),
+                             configure_logging=verbose)
+                _started_local = False
+                return f"joined {target}{' (token auth)' if token else ''}"
+            # address "local": a new instance, even where a `ray start` this process was not asked to join
+            # runs here (a bare ray.init() would join it, and refuse num_cpus)
+            _start_local(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2),
+                         include_dashboard=False, object_store_memory=object_store_mb * 2**20,
+                         _node_ip_address="127.0.0.1", log_to_driver=True, configure_logging=False)
         _started_local = True
         return "started a local Ray (loopback)"
     except Exception as e:
+        hint = ""
+        if target and "uthentication" in str(e):
+            hint = ("; the cluster uses token auth: put its token in ~/.ray/auth_token (or RAY_AUTH_TOKEN_PATH, "
+                    "RAY_AUTH_TOKEN) here and set RAY_AUTH_MODE=token")
         raise RayStartError(f"could not {'join ' + target if target else 'start a local Ray'}: "
-                            f"{e}; check `ray status`, or run without --address for a local instance") from e
+                            f"{e}{hint}; check `ray status`, or run without --address for a local instance") from e
+
+
+def _token_auth() -> bool:
+    """Ray's token auth for a join, as its CLI's `ray start` decides it: RAY_AUTH_MODE as set, else on
+    where a token is found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token). A Ray without token
+    auth: off. The mode goes into os.environ, so the processes this one starts inherit it."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:
+        return mode.lower() == "token"
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:                          # a Ray before token auth (2.60's)
+        return False
+    return bool(maybe_enable_token_auth_if_token_available(warn_if_disabled=False))
+
+
+def _loopback_target(target: str) -> bool:
+    host = target.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+@contextmanager
+def _quiet_ray(verbose: bool) -> Iterator[None]:
+    """While Ray starts or joins: its Python loggers at ERROR (the notices are info lines and warnings,
+    and the log records of a ray.init with configure_logging=False reach only Python's last-resort
+    handler, which prints warnings), and no C++ failure-signal handler in this process (with it a clean
+    SIGTERM prints a stack report that reads as a crash, and it aborts the process 3 s later). verbose:
+    Ray as it is."""
+    if verbose:
+        yield
+        return
+    import logging
+
+    from ray._private import ray_constants
+    lg = logging.getLogger("ray")
+    level, handler = lg.level, ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    lg.setLevel(logging.ERROR)
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True     # read when this process's core worker starts
+    try:
+        yield
+    finally:
+        lg.setLevel(level)
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = handler
 
 
 @contextmanager
@@ -267,6 +332,25 @@ def _code_runtime_env() -> dict | None:
     import ggml_dist
     return {"py_modules": [os.path.dirname(os.path.abspath(ggml_dist.__file__))],
             "excludes": ["__pycache__", "*.pyc", "*.nbi", "*.nbc"]}
+
+
+def local_ray_cpu_s() -> dict[int, float]:
+    """pid -> CPU seconds (user + system, every thread) of each live process of the local Ray this process
+    started: its daemons, agents and workers (the stage actors among them). Empty when it joined a
+    cluster."""
+    if _local is None:
+        return {}
+    table = _proc_table()
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in _descendants(list(_local.procs), table):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def started_local() -> bool:
@@ -458,13 +542,11 @@ class Pipeline:
         model = LlamaModel.load(model_path)
         if nodes is None and not node_ids and not _started_local and budgets is None:
             nodes = cluster_nodes()
-        if nodes is not None:
-            placement = plan_on_nodes(model, params, nodes, n_stages, threads_per_stage, layers)
-        else:
-            n_kv, kv_size = kv_plan(params)
-            placement = place(model.file, model.hp, n_stages or 1, n_kv, kv_size, 0, 1, budgets, layers)
-            if node_ids:                         # stage k on node_ids[k], as the caller says
-                placement = _pinned(placement, node_ids, STAGE_OVERHEAD_BYTES)
+        # the one memory account (driver.plan_stages): what `plan` prints, and run's table and --json
+        placement = plan_stages(model, params, n_stages if nodes is not None else n_stages or 1, nodes=nodes,
+                                budgets=budgets, layers=layers, threads=threads_per_stage)
+        if nodes is None and node_ids:           # stage k on node_ids[k], as the caller says
+            placement = _pinned(placement, node_ids, STAGE_OVERHEAD_BYTES)
         if on_plan is not None:
             on_plan(placement)
         n = len(placement.stages)
@@ -484,7 +566,8 @@ class Pipeline:
             pl.specs.append(StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
                                       sp.stage == n - 1, params.n_ctx, model.hp.n_embd_k_gqa,
                                       model.hp.n_embd_v_gqa, int(params.type_k), params.n_seq_max, params.exact,
-                                      threads_per_stage, params.kv_unified, params.background_compile))
+                                      threads_per_stage, params.kv_unified, params.background_compile,
+                                      params.batch_invariant))
             pl.actors.append(actor_cls.options(**stage_options(sp, threads_per_stage)).remote(pl.specs[-1]))
             pl.proxies.append(StageProxy(sp.stage, sp.layers, pl._call(sp.stage), StageDevice(f"stage{sp.stage}")))
         pl.infos = [{}] * n
@@ -493,9 +576,6 @@ class Pipeline:
             pl._await_stage(k, pl.launch_timeout_s)
         pl._connect_direct()
         pl.ctx = driver_context(model, params, placement, pl.proxies, n_copies or default_copies(n))
-        if nodes is None:      # the driver's allocator planned each stage's splits: its compute buffer
-            pl.placement = Placement([dataclasses.replace(sp, compute_bytes=pl.ctx.sched.get_buffer_size(p))
-                                      for sp, p in zip(placement.stages, pl.proxies)])
         pl.ctx.recovery = pl.recover_stages
         return pl
 
@@ -550,7 +630,7 @@ class Pipeline:
     def _give_weights(self, k: int) -> None:
         spec = self.specs[k]
         if k not in self.manifests:
-            names = spec.weight_names(list(self.model.weights), "output.weight" not in self.model.weights)
+            names = spec.weight_names(list(self.model.weights), self.model.hp.tie_word_embeddings)
             self.manifests[k] = (names, manifest(self.model.weights, names))
         names, m = self.manifests[k]
         ship(self.model.weights, names, m, self.actors[k], self._describe(k))

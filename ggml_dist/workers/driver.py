@@ -3,15 +3,22 @@
     driver_context(model, params, placement, proxies, n_copies)
         weights bound to their stage's remote buffer type (so the scheduler's weight rule sends each
         layer's ops to its stage), the KV layers on their stage, exports bound after each allocation
-    planned_compute(model, params, n_stages)
-        the compute buffer the scheduler plans for each stage of a balanced k-stage split, on proxies
-        that are never called: what placement counts before any actor exists, and what the stage
-        allocates (its largest split's plan: a stage's plans share one buffer)
+    planned_compute(model, params, n_stages, layers=None)
+        the compute buffer the scheduler plans for each stage of a k-stage split (balanced, or the
+        given layer ranges), on proxies that are never called: what placement counts before any
+        actor exists, and what the stage allocates (its largest split's plan: a stage's plans share
+        one buffer)
     plan_on_nodes(model, params, nodes, n_stages, ...)
         placement.place_on_nodes with those compute figures and the model's sizes at params' context
+    plan_stages(model, params, n_stages, nodes=None, ...)
+        the one memory account: what `ggml-dist plan` prints, what `run` prints on stderr and reports
+        in `run --json`'s plan, and what Pipeline.launch places and reserves (plan_on_nodes on a
+        cluster's nodes, else place() with the same compute and stage-process figures)
 
-The stage's own allocator replans each split it receives; its buffer is what the driver planned for it
-(the driver's plan of that stage's splits, with their n_copies input copies).
+The stage's own allocator replans each split it receives; its buffer is what the driver plans for it
+with one copy (planned_compute): the n_copies input copies live in the driver's plan only. That figure
+is the account's compute_bytes, before launch as after it (Pipeline.launch used to put the driver's
+figure with its n_copies copies in its place on a local Ray: 58.4 MiB where plan said 44.1).
 """
 from __future__ import annotations
 
@@ -23,31 +30,37 @@ from ..core.context import Context
 from ..core.graph import Graph
 from ..core.tensor import Tensor
 from ..core.types import GGMLType
+from ..model import layout
 from ..model.context import ContextParams, LlamaContext
 from ..model.kv_cache import kv_cells
 from ..model.model import LlamaModel
-from .placement import STAGE_OVERHEAD_BYTES, ModelSizes, NodeInfo, Placement, place, place_on_nodes
-from .proxy import Call, Exports, RemoteBuffer, StageDevice, StageProxy
-from .stage import EVERY_STAGE
+from .placement import STAGE_OVERHEAD_BYTES, ModelSizes, NodeInfo, Placement, PlacementError, place, place_on_nodes
+from .proxy import Call, Exports, PipelineOutputs, RemoteBuffer, StageDevice, StageProxy
 
 
 def driver_context(model: LlamaModel, params: ContextParams, placement: Placement,
                    proxies: list[StageProxy], n_copies: int) -> LlamaContext:
     cpu = CPUDevice("driver").init_backend(opts=params.compute_options())
     stage_of = {il: p for p in proxies for il in range(*p.layers)}
-    return LlamaContext(model, params, backends=[*proxies, cpu], n_copies=n_copies,
-                        weights=driver_weights(model, placement, proxies),
-                        layer_buft=lambda il: stage_of[il].device.buft,
-                        after_alloc=lambda sched, g: bind_exports(sched, g, proxies))
+    ctx = LlamaContext(model, params, backends=[*proxies, cpu], n_copies=n_copies,
+                       weights=driver_weights(model, placement, proxies),
+                       layer_buft=lambda il: stage_of[il].device.buft,
+                       after_alloc=lambda sched, g: bind_exports(sched, g, proxies),
+                       outputs=PipelineOutputs(proxies))
+    # a stage takes its inputs by value (snapshotted when sent), so no copy slot is reused while in use:
+    # up to two micro-batches per stage in flight (every group of a --parallel run, a step queued ahead)
+    ctx.max_inflight = max(n_copies, 2 * len(proxies))
+    return ctx
 
 
-def planned_compute(model: LlamaModel, params: ContextParams, n_stages: int, n_copies: int = 1) -> list[int]:
-    """Per stage of a balanced n_stages split: the compute buffer the driver plans for it. The figure
-    hardly depends on where the split falls (a layer's activations; the head's logits on the last).
-    With one copy it is what the stage itself allocates (tests/workers/test_stage_local.py): the
-    driver's n_copies input copies live in the driver's plan only, since a stage receives each
-    micro-batch's inputs in its call."""
-    pl = place(model.file, model.hp, n_stages, params.n_ctx)
+def planned_compute(model: LlamaModel, params: ContextParams, n_stages: int, n_copies: int = 1,
+                    layers: list[tuple[int, int]] | None = None) -> list[int]:
+    """Per stage of an n_stages split (balanced, or `layers`): the compute buffer the driver plans for
+    it. The figure hardly depends on where the split falls (a layer's activations; the head's logits
+    on the last). With one copy it is what the stage itself allocates
+    (tests/workers/test_stage_local.py): the driver's n_copies input copies live in the driver's plan
+    only, since a stage receives each micro-batch's inputs in its call."""
+    pl = place(model.file, model.hp, n_stages, params.n_ctx, layers=layers)
 
     def never(*_: Any) -> Any:
         raise RuntimeError("a sizing proxy is never called")
@@ -88,6 +101,24 @@ def plan_on_nodes(model: LlamaModel, params: ContextParams, nodes: list[NodeInfo
                           STAGE_OVERHEAD_BYTES, threads, layers)
 
 
+def plan_stages(model: LlamaModel, params: ContextParams, n_stages: int | None, *,
+                nodes: list[NodeInfo] | None = None, budgets: list[int] | None = None,
+                layers: list[tuple[int, int]] | None = None, threads: int = 1) -> Placement:
+    """The placement and memory account of a pipeline, the one function behind `plan`, `run`'s table,
+    `run --json`'s plan and Pipeline.launch: per stage its weights, KV cache, the compute buffer it
+    allocates (planned_compute, one copy) and the stage process (STAGE_OVERHEAD_BYTES). nodes: one
+    stage per node (n_stages None: the fewest that fit); else n_stages stages against the optional
+    budgets (one machine, or stages pinned by the caller)."""
+    if nodes is not None:
+        return plan_on_nodes(model, params, nodes, n_stages, threads, layers)
+    if n_stages is None:
+        raise PlacementError("--stages auto needs a cluster's nodes (--address, or a ray job) or one budget")
+    n_kv, kv_size = kv_plan(params)
+    ranges = [s.layers for s in place(model.file, model.hp, n_stages, n_kv, kv_size, layers=layers).stages]
+    return place(model.file, model.hp, n_stages, n_kv, kv_size, planned_compute(model, params, n_stages,
+                 layers=ranges), 1, budgets, ranges, STAGE_OVERHEAD_BYTES)
+
+
 def bind_exports(sched: Any, graph: Graph, proxies: list[StageProxy]) -> None:
     ex = Exports.of(sched, graph)
     for p in proxies:
@@ -103,24 +134,20 @@ def driver_weights(model: LlamaModel, placement: Placement, proxies: list[StageP
     owner = {il: k for k, s in enumerate(placement.stages) for il in range(*s.layers)}
     out: dict[str, Tensor] = {}
     for name, w in model.weights.items():
-        if name.startswith("blk."):
-            k = owner[int(name.split(".")[1])]
-        elif name == "token_embd.weight":
-            k = 0
-        else:
-            k = n - 1
+        role, il = layout.tensor_role(name)         # a tensor every stage maps: the last's, for the graph
+        k = owner[il] if role == "layer" else 0 if role == "embd" else n - 1
         t = ctx.new_tensor(w.type, w.ne).set_name(name)
         t.buffer, t.data = bufs[k], w.data
         out[name] = t
-    for name in EVERY_STAGE & set(model.weights):  # each layer's own copy, on its stage (llama.cpp's)
+    for name in layout.EVERY_STAGE & set(model.weights):  # each layer's own copy, on its stage (llama.cpp's)
         w = model.weights[name]
         for il, k in owner.items():
             t = ctx.new_tensor(w.type, w.ne).set_name(f"blk.{il}.{name}")
             t.buffer, t.data = bufs[k], w.data
             out[t.name] = t
-    if "output.weight" not in out:                # tied head: the last stage's own mapping of it
-        w = model.weights["token_embd.weight"]
-        t = ctx.new_tensor(w.type, w.ne).set_name("output.weight")
+    if layout.HEAD not in out:                    # tied head: the last stage's own mapping of it
+        w = model.weights[layout.EMBD]
+        t = ctx.new_tensor(w.type, w.ne).set_name(layout.HEAD)
         t.buffer, t.data = bufs[n - 1], w.data
-        out["output.weight"] = t
+        out[layout.HEAD] = t
     return out

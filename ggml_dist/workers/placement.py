@@ -13,6 +13,11 @@ input copies live in the driver's plan only) + the fixed overhead of a stage pro
 
 Bytes read per token are a stage's layer weights plus, on the last stage, the head: the embeddings
 are only gathered from.
+
+Layer ranges are written one way everywhere a user reads or writes them: `first:end`, end exclusive, as
+Python's slices and as the `[first, end]` pairs of the JSON (`0:17` is layers 0 to 16). `--layers`
+takes them comma-separated (`0:15,15:30`), and still takes the older inclusive `0-14,15-29`
+(parse_layers; layers_text writes one).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from ..model import layout
 from ..model.gguf import GGUFFile
 from ..model.hparams import LlamaHParams
 
@@ -43,6 +49,29 @@ LAYER_DISPATCH_BYTES = 6 * MIB
 
 class PlacementError(RuntimeError):
     """The model does not fit the stages' budgets or the cluster's nodes."""
+
+
+def layers_text(layers: tuple[int, int]) -> str:
+    """A layer range [first, end) as the user sees it: "first:end"."""
+    return f"{layers[0]}:{layers[1]}"
+
+
+def parse_layers(spec: str) -> list[tuple[int, int]]:
+    """`--layers`: comma-separated ranges `first:end` (end exclusive), or the older inclusive
+    `first-last`; [(first, end)] half-open. Whether they cover the model is checked by the placement."""
+    out = []
+    for part in spec.split(","):
+        try:
+            if ":" in part:
+                a, b = part.split(":")
+                out.append((int(a), int(b)))
+            else:
+                a, b = part.split("-")
+                out.append((int(a), int(b) + 1))
+        except ValueError:
+            raise PlacementError(f"--layers takes ranges first:end (end exclusive), comma-separated, e.g. "
+                                 f"0:15,15:30 (or the inclusive 0-14,15-29), got '{spec}'") from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -83,7 +112,7 @@ class Placement:
         for s in self.stages:
             cap = s.node_memory_bytes if s.node_memory_bytes is not None else s.budget_bytes
             c = f"{cap / MIB:16.1f}" if cap else f"{'-':>16}"
-            rows.append(f"{s.stage:>5} {s.node_ip or '-':<15} {s.layers[0]:>3}..{s.layers[1] - 1:<4} "
+            rows.append(f"{s.stage:>5} {s.node_ip or '-':<15} {layers_text(s.layers):<9} "
                         f"{s.weight_bytes / MIB:12.1f} {s.kv_bytes / MIB:8.1f} "
                         f"{s.compute_bytes / MIB:12.1f} {s.overhead_bytes / MIB:13.1f} "
                         f"{s.total_bytes / MIB:10.1f} {c}")
@@ -105,6 +134,7 @@ class ModelSizes:
     last: int                      # output norm + head (+ the embeddings again when the head is tied)
     tied: bool
     kv_per_layer: int              # KV cache bytes of one layer at the planned context
+    every: int = 0                 # what each stage maps whatever its layers (layout.EVERY_STAGE)
 
     def __post_init__(self) -> None:
         acc = [0]
@@ -117,16 +147,16 @@ class ModelSizes:
 
     @classmethod
     def of(cls, f: GGUFFile, hp: LlamaHParams, n_ctx: int, kv_type_size: int = 2) -> ModelSizes:
-        per, first, last = layer_weight_bytes(f, hp.n_layer)
-        return cls(per, first, last, "output.weight" not in f.tensors,
-                   (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size)
+        per, first, last, every = layer_weight_bytes(f, hp.n_layer)
+        return cls(per, first, last, hp.tie_word_embeddings,
+                   (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size, every)
 
     @property
     def n_layer(self) -> int:
         return len(self.per_layer)
 
     def weights(self, lo: int, hi: int, first: bool, last: bool) -> int:
-        w = self.layer_bytes(lo, hi) + (self.first if first else 0) + (self.last if last else 0)
+        w = self.layer_bytes(lo, hi) + (self.first if first else 0) + (self.last if last else 0) + self.every
         if first and last and self.tied:
             w -= self.first                           # one stage maps the tied embeddings once
         return w
@@ -137,21 +167,25 @@ class ModelSizes:
         return self.layer_bytes(lo, hi) + (hi - lo) * LAYER_DISPATCH_BYTES + (self.last if last else 0)
 
 
-def layer_weight_bytes(f: GGUFFile, n_layer: int) -> tuple[list[int], int, int]:
-    """Bytes per layer, of the first stage's extras (embeddings), of the last's (norm + head)."""
+def layer_weight_bytes(f: GGUFFile, n_layer: int) -> tuple[list[int], int, int, int]:
+    """Bytes per layer, of the first stage's extras (embeddings), of the last's (norm + head), of what
+    every stage maps (model/layout.py says which is which)."""
     per = [0] * n_layer
-    first = last = 0
-    tied = "output.weight" not in f.tensors
+    first = last = every = 0
+    tied = layout.tied_head(f)
     for name, info in f.tensors.items():
-        if name.startswith("blk."):
-            per[int(name.split(".")[1])] += info.nbytes
-        elif name == "token_embd.weight":
+        role, il = layout.tensor_role(name)
+        if role == "layer":
+            per[il] += info.nbytes
+        elif role == "embd":
             first += info.nbytes
             if tied:
                 last += info.nbytes        # the last stage maps the embeddings too, as its head
+        elif role == "every":
+            every += info.nbytes
         else:
             last += info.nbytes
-    return per, first, last
+    return per, first, last, every
 
 
 def _stage(m: ModelSizes, k: int, n: int, rng: tuple[int, int], compute: int, overhead: int,
@@ -162,7 +196,7 @@ def _stage(m: ModelSizes, k: int, n: int, rng: tuple[int, int], compute: int, ov
 
 
 def _need_text(s: StagePlan) -> str:
-    return (f"stage {s.stage} (layers {s.layers[0]}..{s.layers[1] - 1}) needs {s.total_bytes / MIB:.1f} MiB "
+    return (f"stage {s.stage} (layers {layers_text(s.layers)}) needs {s.total_bytes / MIB:.1f} MiB "
             f"(weights {s.weight_bytes / MIB:.1f}, KV {s.kv_bytes / MIB:.1f}, compute "
             f"{s.compute_bytes / MIB:.1f}, process {s.overhead_bytes / MIB:.1f})")
 

@@ -26,6 +26,7 @@ from ..backends.cpu.backend import CPUBuffer, CPUDevice, compute_graph
 from ..backends.cpu.ops import ComputeOptions, resolve
 from ..core.tensor import Tensor, nbytes
 from ..core.types import GGMLType
+from ..model import layout
 from ..model.gguf import load_gguf
 from ..model.kv_cache import KVCache
 from ..model.warmup import Warmup, background_compile
@@ -35,9 +36,6 @@ from .shipping import WeightManifest, WeightReceiver
 from .wire import Message, WireTensor, decode, encode
 
 MAX_PLANS = 32           # plans a stage keeps (LRU); its proxy mirrors the same LRU
-# non-layer tensors every stage's layers read: llama3 rope scaling's frequency factors (llama.cpp gives
-# each layer its own copy, blk.{il}.rope_freqs.weight, so that it lives with the layer's backend)
-EVERY_STAGE = frozenset({"rope_freqs.weight"})
 
 
 class PlanMissingError(RuntimeError):
@@ -72,20 +70,10 @@ class StageSpec:
     n_threads: int = 0
     kv_unified: bool = True
     background_compile: bool = False        # model/warmup.py: numpy kernels while the cache fills
+    batch_invariant: bool = False           # ComputeOptions.batch_invariant (--deterministic)
 
     def weight_names(self, all_names: list[str], tied: bool) -> list[str]:
-        lo, hi = self.layers
-        out = []
-        for n in all_names:
-            if n.startswith("blk."):
-                if lo <= int(n.split(".")[1]) < hi:
-                    out.append(n)
-            elif n == "token_embd.weight":
-                if self.first or (self.last and tied):
-                    out.append(n)
-            elif self.last or n in EVERY_STAGE:
-                out.append(n)
-        return out
+        return layout.stage_tensors(all_names, self.layers, self.first, self.last, tied)
 
 
 class StageArena:
@@ -140,7 +128,7 @@ class StageWorker:
         self._receiver = WeightReceiver()
         if os.access(spec.model_path, os.R_OK):      # map our layers from the file, zero-copy
             f = load_gguf(spec.model_path)
-            names = spec.weight_names(list(f.tensors), "output.weight" not in f.tensors)
+            names = spec.weight_names(list(f.tensors), layout.tied_head(f))
             self._set_weights(load_weights(f, names, MappedBuffer(str(f.path))))
         self.device = CPUDevice(f"stage{spec.stage_id}")
         self.buft = self.device.get_buffer_type()
@@ -149,7 +137,7 @@ class StageWorker:
         self.kv.allocate(self.buft)
         self.arena = StageArena(f"stage{spec.stage_id}-compute", self.buft.alignment)
         self.kv_tensors = {t.name: t for t in self.kv.tensors()}
-        self.opts = resolve(ComputeOptions(exact=spec.exact))      # the host's kernels, chosen once
+        self.opts = resolve(ComputeOptions(exact=spec.exact, batch_invariant=spec.batch_invariant))  # chosen once
         self.warmup: Warmup | None = None
         if spec.background_compile and self.opts.numba and os.access(spec.model_path, os.R_OK):
             self.warmup = background_compile(spec.model_path)
@@ -162,9 +150,9 @@ class StageWorker:
 
     def _set_weights(self, weights: dict[str, Tensor]) -> None:
         self.weights = weights
-        if self.spec.last and "output.weight" not in weights:   # tied head: token_embd under its name
-            self.weights["output.weight"] = weights["token_embd.weight"]
-        for name in EVERY_STAGE & set(weights):                  # each layer's copy, under its own name
+        if self.spec.last and layout.HEAD not in weights:        # tied head: token_embd under its name
+            self.weights[layout.HEAD] = weights[layout.EMBD]
+        for name in layout.EVERY_STAGE & set(weights):           # each layer's copy, under its own name
             for il in range(*self.spec.layers):
                 self.weights[f"blk.{il}.{name}"] = weights[name]
 

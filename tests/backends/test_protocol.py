@@ -55,8 +55,10 @@ def test_defaults_of_the_optional_slots():
     ctx = Context(1 << 12)
     t = ctx.new_tensor(F32, (10, 3))
     buf = _SizeOnlyBuffer(64)
-    slots = (buf.usage, buf.base, buf.get_tensor_async, buf.set_sampling, buf.feed)
-    assert slots == (BufferUsage.ANY, None, None, None, None)
+    slots = (buf.usage, buf.base, buf.get_tensor_async)
+    assert slots == (BufferUsage.ANY, None, None)
+    # the device layer knows devices only: sampling and token feedback are a pipeline's (StageOutputs)
+    assert not hasattr(buf, "set_sampling") and not hasattr(buf, "feed")
     assert buf.init_tensor(t) is None and buf.reset() is None and buf.release_pages(0, 64) is None
     buft = _MinimalBufferType()
     assert not buft.is_host and buft.get_alloc_size(t) == t.nbytes
@@ -84,15 +86,14 @@ def test_implementations_declare_their_slots():
         assert be.event_record is not None and be.event_wait is not None
         assert be.cpy_tensor_async is None and not be.inputs_by_value
     cb = CPUBuffer(CPUBufferType(), 16)
-    assert cb.base is not None and cb.get_tensor_async is None and cb.set_sampling is None and cb.feed is None
+    assert cb.base is not None and cb.get_tensor_async is None
     dev = StageDevice("stage0")
     proxy = StageProxy(0, (0, 1), Call(lambda *a: None, lambda hs: [], lambda hs: None), dev)
     assert proxy.inputs_by_value
     assert proxy.cpy_tensor_async is not None and proxy.event_record is not None
     rb = dev.buft.alloc_buffer(16)
     assert not dev.buft.is_host
-    assert rb.base is None and rb.get_tensor_async is not None and rb.set_sampling is not None
-    assert rb.feed is not None
+    assert rb.base is None and rb.get_tensor_async is not None
     assert MappedBuffer.release_pages is not Buffer.release_pages        # a mapping has pages to drop
 
 

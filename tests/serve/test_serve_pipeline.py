@@ -14,16 +14,8 @@ import openai  # noqa: E402
 
 ray = pytest.importorskip("ray")
 
-from ggml_dist.workers.cluster import connect  # noqa: E402
 
 from .test_app import PROMPTS, reference  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 # --stages 2: micro-batches of the active sequences overlap on the stages; tokens match single runs
@@ -73,7 +65,26 @@ def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
         with ThreadPoolExecutor(4) as ex:
             assert list(ex.map(one, range(4))) == want
         assert srv.engine.n_fed > 0
-        assert srv.engine.ctx.kv.cells.used == 0                   # every slot's cells freed
+        # every cell a queued step took past a stop is freed: a slot holds only its cached tokens
+        assert srv.engine.ctx.kv.cells.used == sum(len(c) for c in srv.engine._cached) > 0
+
+
+# a slot's finished request stays in the shared cache of the stages: the same prompt again evaluates only
+# its last token (/metrics counts the rest as cached), with the tokens of a fresh run
+def test_pipeline_server_caches_prompts(local_ray, serve_model):
+    from ggml_dist.model.model import LlamaModel
+    from ggml_dist.serve import EngineConfig, ServerThread
+    model = LlamaModel.load(serve_model)
+    want = reference(model, PROMPTS[1], 12)
+    n_prompt = len(model.tokenizer.encode(PROMPTS[1], add_special=True))
+    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=2, n_ctx=512)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = [c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+               for _ in range(2)]
+        text = httpx.get(srv.url + "/metrics").text
+        cached = float(re.search(r"^ggml_dist_prompt_tokens_cached_total (\S+)$", text, re.M)[1])
+    assert got[0] == want and got[1] == want
+    assert cached == n_prompt - 1
 
 
 # a stage killed while concurrent requests run: all complete, with the tokens of separate runs;

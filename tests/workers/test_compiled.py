@@ -14,14 +14,6 @@ from ggml_dist.workers.health import StageWatch
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    from ggml_dist.workers.cluster import connect
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
 class Adder:
     """A stage whose result is its input bytes plus (byte-wise) its upstream result, as bytes (as
     StageActor's), and which counts its calls (so a test sees that a call ran once)."""

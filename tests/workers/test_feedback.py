@@ -14,7 +14,7 @@ from ggml_dist.model.model import LlamaModel  # noqa: E402
 from ggml_dist.model.sampling import GREEDY, RowSampling  # noqa: E402
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E402
 from ggml_dist.model.ubatch import Batch  # noqa: E402
-from ggml_dist.workers.cluster import Pipeline, connect  # noqa: E402
+from ggml_dist.workers.cluster import Pipeline  # noqa: E402
 
 PROMPT = [1, 300, 17, 402]
 N = 10
@@ -24,13 +24,6 @@ N = 10
 def model_path(tmp_path_factory):
     return str(write_synthetic(tmp_path_factory.mktemp("feed") / "m.gguf",
                                SyntheticSpec(wtype="Q4_1", n_layer=4, tied=False, seed=21)))
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def _chain(ctx: LlamaContext, rows: list[RowSampling]) -> list:

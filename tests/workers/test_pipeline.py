@@ -13,7 +13,7 @@ from ggml_dist.model.generate import generate  # noqa: E402
 from ggml_dist.model.model import LlamaModel  # noqa: E402
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E402
 from ggml_dist.model.ubatch import Batch  # noqa: E402
-from ggml_dist.workers.cluster import Pipeline, connect  # noqa: E402
+from ggml_dist.workers.cluster import Pipeline  # noqa: E402
 
 SPEC = SyntheticSpec(wtype="Q4_1", embd_type="Q8_0", n_layer=4, tied=True, seed=21)
 TOKENS = [1, 300, 17, 402, 259, 260, 511, 299, 333, 42]
@@ -24,13 +24,6 @@ def model_path(tmp_path_factory):
     return write_synthetic(tmp_path_factory.mktemp("pipe") / "m.gguf", SPEC)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    connect(num_cpus=4)
-    yield
-    ray.shutdown()
-
-
 def _reference(path, tokens):
     ctx = LlamaContext(LlamaModel.load(path), ContextParams(n_ctx=256))
     batch = ctx.decode(Batch.from_tokens(tokens, all_outputs=True))
@@ -38,11 +31,11 @@ def _reference(path, tokens):
     return batch, steps
 
 
-# 2 and 3 stages, 1 or 2 copies, plain actor calls, a compiled graph or direct links: bitwise the
-# single-process logits, prompt and one-token steps
+# 2, 3 and 4 stages (one layer each), 1 to 4 copies, plain actor calls, a compiled graph or direct links:
+# bitwise the single-process logits, prompt and one-token steps
 @pytest.mark.parametrize("stages,n_copies,calls", [(2, 1, "plain"), (2, 2, "plain"), (3, 3, "plain"),
                                                    (2, 2, "compiled"), (3, 3, "compiled"),
-                                                   (2, 1, "direct"), (3, 3, "direct")])
+                                                   (2, 1, "direct"), (3, 3, "direct"), (4, 4, "direct")])
 def test_pipeline_bitwise(local_ray, model_path, stages, n_copies, calls):
     ref_batch, ref_steps = _reference(model_path, TOKENS)
     pl = Pipeline.launch(str(model_path), stages, ContextParams(n_ctx=256), n_copies=n_copies, calls=calls)
@@ -61,6 +54,24 @@ def test_pipeline_bitwise(local_ray, model_path, stages, n_copies, calls):
         assert pl.calls_used() == calls
         if calls == "direct":                                     # every call over the links
             assert pl.direct is not None and pl.direct.n_calls == 4 * stages
+    finally:
+        pl.shutdown()
+
+
+# the stages take batch-invariant numerics (--deterministic): a prompt a token at a time over 2 stages gives
+# the logits of one process that takes it whole, bit for bit (F16 weights: without the mode the two differ)
+def test_pipeline_batch_invariant(local_ray, tmp_path):
+    path = write_synthetic(tmp_path / "f16.gguf", SyntheticSpec(wtype="F16", embd_type="Q8_0", n_layer=4, seed=21))
+    tokens = (TOKENS * 2)[:17]
+    m = LlamaModel.load(path)
+    whole = LlamaContext(m, ContextParams(n_ctx=256)).decode(Batch.from_tokens(tokens, all_outputs=True))
+    single = LlamaContext(m, ContextParams(n_ctx=256, n_ubatch=1)).decode(Batch.from_tokens(tokens, all_outputs=True))
+    assert not np.array_equal(whole, single)                     # the default numerics depend on the ubatch
+    one = LlamaContext(m, ContextParams(n_ctx=256, batch_invariant=True))
+    want = one.decode(Batch.from_tokens(tokens, all_outputs=True))
+    pl = Pipeline.launch(str(path), 2, ContextParams(n_ctx=256, n_ubatch=1, batch_invariant=True))
+    try:
+        assert np.array_equal(pl.ctx.decode(Batch.from_tokens(tokens, all_outputs=True)), want)
     finally:
         pl.shutdown()
 
@@ -245,3 +256,24 @@ def test_bench_pipeline_reports_the_study(local_ray, model_path, tmp_path):
     assert {e["cat"] for e in events if e["ph"] == "X"} >= {"inputs", "compute", "outputs", "transfer"}
     hops = [e for e in events if e.get("cat") in ("transfer", "queue")]
     assert hops and {e["tid"] for e in hops} == {2} and all(e["dur"] >= 0 for e in hops)   # stage0 -> stage1
+
+
+# bench pipeline's CPU account: every process of the run, Ray's daemons included, and no bound where a
+# waiter may spin (a compiled graph's channel readers count their waiting as CPU)
+def test_bench_pipeline_cpu_account(local_ray, model_path):
+    from ggml_dist.bench.pipeline import run_one
+    from ggml_dist.workers.cluster import local_ray_cpu_s
+    r = run_one(str(model_path), 2, 2, 2, 8, "decode", 4, 1, calls="direct")
+    cpu = r["cpu_ms_per_token"]
+    assert cpu["driver"] > 0 and all(c > 0 for c in cpu["stages"]) and cpu["ray_other"] >= 0
+    names = set()
+    for pid in local_ray_cpu_s():                              # what ray_other sums: the daemons too
+        with open(f"/proc/{pid}/comm") as f:
+            names.add(f.read().strip())
+    assert {"raylet", "gcs_server"} <= names, names
+    share = r["machine_cpu_share"]
+    assert 0 < share <= 1.1                                    # of this machine's cores, over the run
+    assert r["cpu_bound_tok_s"] == pytest.approx(r["tok_s"] / share, rel=0.02)
+    assert r["efficiency"] == pytest.approx(r["tok_s"] / r["ideal_tok_s"], abs=0.002)
+    spun = run_one(str(model_path), 2, 2, 2, 8, "decode", 4, 1, calls="compiled")
+    assert spun["calls"] == "compiled" and spun["cpu_bound_tok_s"] is None and "spinning" in spun["cpu_bound_note"]
