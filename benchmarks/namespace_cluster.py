@@ -40,7 +40,8 @@ def _cut_run(c: NamespaceCluster, model: str, a: argparse.Namespace) -> dict:
                               "--ctx", str(a.ctx), "--ubatch", str(a.ubatch), "--prompt", PROMPT, "-n", str(a.n),
                               "--temp", "0"], after_chars=12)
     return {"returncode": r.returncode, "text": r.text, "victim_ip": c.ips[r.victim] if r.victim else None,
-            "recoveries": r.recoveries, "recovery_s": r.recovery_s, "cut_to_end_s": r.cut_to_end_s,
+            "recoveries": r.recoveries, "detect_s": r.detect_s, "restore_s": r.restore_s,
+            "first_token_s": r.first_token_s, "cut_to_end_s": r.cut_to_end_s,
             "log_tail": r.log[-1500:]}
 
 

@@ -1,13 +1,19 @@
 """bench decode: the SIMD both sides ran (the host's flags, our kernel path, the llama.cpp build's), the
-flash-attention setting llama.cpp ran with, and short real runs on a tiny synthetic model."""
+flash-attention setting llama.cpp ran with, the greedy tokens both chose (the same, or where they part),
+a crashed llama.cpp child explained, and short real runs on a tiny synthetic model and on SmolLM2."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
+import sys
 
 import pytest
 
 from ggml_dist.bench import decode
+
+needs_llamacpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                    reason="llama-cpp-python (a dev-only extra) is not installed")
 
 # llama_print_system_info() of the portable wheel in ../shared/wheels (llama-cpp-python 0.3.36)
 AVX2_BUILD = (b"CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
@@ -176,6 +182,7 @@ def test_rounds_alternate_and_take_medians(monkeypatch, tiny_model):
     assert m["decode_ratios"] == [2.0, 0.75, 2.0] and m["decode_ratio"] == 2.0
     assert m["prompt_ratios"] == [1.0, 3.0, 2.0] and m["prompt_ratio"] == 2.0
     assert m["decode_gb_s"] == 20.0
+    assert m["tokens_match"] is None                    # these children report no tokens: not compared
 
 
 @pytest.mark.parametrize("setting", ["default", "on", "off"])
@@ -251,10 +258,125 @@ def test_paired_run_model_reports_ratios(monkeypatch, tiny_model):
                            "peak_rss_mb": 123.4}
 
 
-def test_paired_with_llamacpp(tiny_model):
+@needs_llamacpp                                         # before the fixture, which may download SmolLM2
+def test_paired_with_llamacpp(smollm2_path):
+    """SmolLM2, paired: both engines decode the same sequence and choose the same greedy tokens in every
+    round (llama.cpp's own logits, not Llama.scores, which llama-cpp-python leaves at 0 without
+    logits_all: its side used to feed back token 0 at every step). llama.cpp without flash attention,
+    the graph ours runs (with it, a 128-token prompt's tokens part at step 1), in the AVX2 build whose
+    logits ours equals bit for bit (docs/numerics.md)."""
     pytest.importorskip("llama_cpp")
-    res = decode.measure_paired(tiny_model, 16, 2 * decode.PAIRED_CHUNK, 1, rounds=2)
+    gen = 2 * decode.PAIRED_CHUNK
+    res = decode.measure_paired(smollm2_path, 32, gen, 1, "off", rounds=2)
     assert len(res["runs"]) == 2 and len(res["decode_chunk_ratios"]) == 4
     for ours, ref in res["runs"]:
         assert ours["decode_tok_s"] > 0 and ref["decode_tok_s"] > 0
-        assert ref["llamacpp"]["flash_attn"]["setting"] == "default"
+        assert ref["llamacpp"]["flash_attn"]["resolved"] == "disabled"
+        assert len(ours["tokens"]) == gen + 1 and ours["tokens"] == ref["tokens"]
+        assert len(set(ours["tokens"])) > 1                  # a real continuation, not one token repeated
+    assert decode.token_check([(o["tokens"], r["tokens"]) for o, r in res["runs"]]) == \
+        {"tokens_match": True, "tokens_compared": 2 * (gen + 1)}
+
+
+def test_llamacpp_reads_its_own_logits(tiny_model):
+    """_LlamaCpp.run's token is the argmax of llama.cpp's logits for the batch's last token: the same row a
+    logits_all=True Llama writes into its scores, for the prompt and for a decode step after it."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+    ll = decode._LlamaCpp(tiny_model, 64, 1)
+    toks = decode._prompt(ll.n_vocab, 16)
+    first = ll.run(toks)
+    second = ll.run([first])
+    ref = llama_cpp.Llama(tiny_model, n_ctx=64, n_batch=512, n_threads=1, logits_all=True, verbose=False)
+    ref.eval(toks)
+    assert first == int(np.argmax(ref.scores[len(toks) - 1]))
+    ref.eval([first])
+    assert second == int(np.argmax(ref.scores[len(toks)]))
+
+
+def test_separate_rounds_check_tokens(tiny_model):
+    """--rounds without --paired: the ours and llama.cpp children each report their greedy tokens and
+    run_model compares them."""
+    pytest.importorskip("llama_cpp")
+    m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0, rounds=1)
+    assert m["tokens_match"] is True and m["tokens_compared"] == 5, m
+
+
+def test_token_check():
+    assert decode.token_check([([1, 2, 3], [1, 2, 3]), ([4, 5], [4, 5])]) == \
+        {"tokens_match": True, "tokens_compared": 5}
+    bad = decode.token_check([([1, 2, 3], [1, 2, 3]), ([4, 5, 6, 7, 8, 9], [4, 5, 6, 0, 0, 0])])
+    assert bad == {"tokens_match": False, "first_mismatch": {"round": 1, "step": 3, "from_step": 1,
+                                                             "ours": [5, 6, 7, 8, 9], "llamacpp": [5, 6, 0, 0, 0]}}
+    short = decode.token_check([([1, 2, 3], [1, 2])])
+    assert short["tokens_match"] is False and short["first_mismatch"]["step"] == 2
+    assert decode.token_check([([1], None)])["tokens_match"] is None
+    assert decode.token_check([])["tokens_match"] is None
+
+
+def test_run_model_reports_a_token_mismatch(monkeypatch, tiny_model, capsys):
+    """A mismatch is reported (the entry and stderr), its ratios still given: not hidden, not fatal."""
+    def child(which, *args):
+        info = {"ours": {"kernels": "avx2"}} if which == "ours" else \
+            {"llamacpp": {"flash_attn": {"resolved": "enabled"}}}
+        toks = [7, 8, 9, 10, 11] if which == "ours" else [7, 8, 0, 0, 0]
+        return {"prompt_tok_s": 100, "decode_tok_s": 10, "peak_rss_mb": 1.0, "weight_bytes": 10**9,
+                "tokens": toks, **info}
+    monkeypatch.setattr(decode, "_child", child)
+    m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0)
+    assert m["tokens_match"] is False and m["decode_ratio"] == 1.0
+    assert m["first_mismatch"] == {"round": 0, "step": 2, "from_step": 0, "ours": [7, 8, 9, 10, 11],
+                                   "llamacpp": [7, 8, 0, 0, 0]}
+    assert m["mismatch_notes"] == [decode.mismatch_notes({"flash_attn": {"resolved": "enabled"}})[0]]
+    err = capsys.readouterr().err
+    assert "tiny: ours and llama.cpp chose different greedy tokens, first in round 0 at step 2" in err
+    assert "--llamacpp-flash-attn off runs the graph ours runs" in err
+
+
+def test_mismatch_notes():
+    """Why llama.cpp's tokens can part from ours: its flash attention, a build wider than AVX2."""
+    avx2 = decode.parse_system_info(AVX2_BUILD)
+    assert decode.mismatch_notes({**avx2, "flash_attn": {"resolved": "disabled"}}) == []
+    fa, wide = decode.mismatch_notes({**decode.parse_system_info(VNNI_BUILD), "flash_attn": {"resolved": "enabled"}})
+    assert "flash attention" in fa and "AMX_INT8, not AVX2" in wide
+
+
+SEGV = [sys.executable, "-X", "faulthandler", "-c", "import ctypes; ctypes.string_at(0)"]
+AMX_HOST = ["avx2", "avx512f", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8"]
+
+
+def test_child_killed_by_sigsegv_is_diagnosed():
+    """A child that really dies by SIGSEGV: its exit and signal named; on a CPU whose flags list AMX, from
+    a build with AMX_INT8 (or one that could not be read), the AMX cause and the build without it."""
+    res = decode.run_child(SEGV)
+    assert res == {"error": "exit -11 (SIGSEGV)", "returncode": -11, "in_llama_cpp": False}
+    vnni = decode.parse_system_info(VNNI_BUILD)["simd"]
+    diag = decode.crash_diagnosis(res, AMX_HOST, vnni)
+    assert diag["signal"] == "SIGSEGV" and diag["host_amx_flags"] == ["amx_tile", "amx_int8", "amx_bf16"]
+    assert diag["build_amx"] is True and "AMX" in diag["cause"]
+    assert "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in diag["fix"] and "--no-binary :all:" in diag["fix"]
+    assert "cause" in decode.crash_diagnosis(res, AMX_HOST, None)           # the build unread: still likely
+    no_amx_build = decode.crash_diagnosis(res, AMX_HOST, decode.parse_system_info(AVX2_BUILD)["simd"])
+    assert no_amx_build["build_amx"] is False and "cause" not in no_amx_build
+    assert "cause" not in decode.crash_diagnosis(res, ["avx2", "avx512f"], vnni)
+    failed = decode.run_child([sys.executable, "-c", "raise SystemExit('bad model')"])
+    assert failed == {"error": "bad model", "returncode": 1}
+    assert decode.crash_diagnosis(failed, AMX_HOST, vnni) is None
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_run_model_explains_an_amx_crash(monkeypatch, tiny_model, capsys, paired):
+    """The llama.cpp child (or the paired one) killed by SIGSEGV on an AMX host: "llamacpp_crash" in the
+    entry and the fix on stderr (the old report was a bare "exit -11"). The crash is a real child's."""
+    real_child, crash = decode._child, decode.run_child(SEGV)
+    monkeypatch.setattr(decode, "_child", lambda which, *a: crash if which != "ours" else real_child(which, *a))
+    monkeypatch.setattr(decode, "llamacpp_build_simd", lambda env=None: decode.parse_system_info(VNNI_BUILD)["simd"])
+    m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0, paired=paired, host_flags=AMX_HOST)
+    assert m["llamacpp_crash"]["signal"] == "SIGSEGV" and "fix" in m["llamacpp_crash"]
+    if paired:
+        assert m["error"] == "exit -11 (SIGSEGV)"
+    else:
+        assert m["decode_tok_s"] > 0 and m["llamacpp_note"] == "llama.cpp not measured: exit -11 (SIGSEGV)"
+    err = capsys.readouterr().err
+    assert "died by SIGSEGV on a CPU whose flags list AMX (amx_tile amx_int8 amx_bf16)" in err
+    assert "-mno-amx-tile" in err

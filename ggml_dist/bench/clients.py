@@ -22,8 +22,8 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(float(np.percentile(xs, q)), 4) if xs else None
 
 
-def stream_one(conn: http.client.HTTPConnection, prompt: str,
-                max_tokens: int) -> tuple[float, list[float], int]:
+def stream_one(conn: http.client.HTTPConnection, prompt: str, max_tokens: int,
+               api_key: str | None = None) -> tuple[float, list[float], int]:
     """(start, chunk arrival times, tokens) of one streaming completion; raises on any failure.
 
     The client is the standard library's http.client, reading the SSE stream a network read at a time:
@@ -34,7 +34,10 @@ def stream_one(conn: http.client.HTTPConnection, prompt: str,
     n_tokens = 0
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}})
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    conn.request("POST", "/v1/completions", body, headers)
     r = conn.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
@@ -57,7 +60,7 @@ def stream_one(conn: http.client.HTTPConnection, prompt: str,
     return t0, times, n_tokens
 
 
-def run_clients(url: str, n_clients: int, duration: float, max_tokens: int) -> dict:
+def run_clients(url: str, n_clients: int, duration: float, max_tokens: int, api_key: str | None = None) -> dict:
     """n_clients closed-loop streaming clients for `duration` s. aggregate_tok_s counts the tokens that
     arrived within those seconds (a request running at the deadline counts the share of its chunks that
     came before it): the rate while n_clients are active. The requests running at the deadline still
@@ -78,7 +81,7 @@ def run_clients(url: str, n_clients: int, duration: float, max_tokens: int) -> d
         i = k
         while time.perf_counter() < deadline:
             try:
-                t0, times, n = stream_one(conn, PROMPTS[i % len(PROMPTS)], max_tokens)
+                t0, times, n = stream_one(conn, PROMPTS[i % len(PROMPTS)], max_tokens, api_key)
                 inside = sum(t <= deadline for t in times) / len(times)
                 with lock:
                     ttft.append(times[0] - t0)

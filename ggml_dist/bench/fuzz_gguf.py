@@ -31,10 +31,20 @@ runs under RLIMIT_AS (its address space after imports + --as-headroom-mb) so an 
 tracing still fails (MemoryError) instead of exhausting the machine; the workers' maxrss growth is
 reported as a second, independent number.
 
-Failing inputs are written to --failures-dir as case-NNNNN-<mutation>.gguf with a .txt beside each;
-`--replay PATH` reloads one file (or every .gguf in a directory) and prints the outcome.
+The workers run the numpy reference kernels, which check every index. --compiled-share F runs that
+share of the cases (drawn per case) through the compiled numba kernels instead, the ones users run,
+which check no bounds: the workers are then spawned (fresh interpreters with their own OpenMP, one
+kernel thread each), so a kernel that crashes takes down a worker, not the run. Such a case is a failure
+of kind "crash" (counted in `crashes`), saved like any other, and the worker is started again; `by_path`
+gives every outcome per kernel path. A compiled case that meets a kernel the warm-up did not compile,
+and is slow or too big only on that account, is measured again (`jit_reruns`).
+
+Failing inputs are written to --failures-dir as case-NNNNN-<mutation>.gguf with a .txt beside each (its
+kernel path included); `--replay PATH` reloads one file (or every .gguf in a directory) in this process,
+with the compiled kernels, and prints the outcome.
 
     ggml-dist bench fuzz-gguf --cases 10000 --json
+    ggml-dist bench fuzz-gguf --cases 2000 --compiled-share 0.25 --json
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ import multiprocessing as mp
 import os
 import random
 import resource
+import signal
 import struct
 import sys
 import tempfile
@@ -502,11 +513,12 @@ PROBE_N_PROMPT = 8          # prompt tokens decoded as one batch
 PROBE_N_DECODE = 2          # then this many single-token steps
 
 
-def forward_probe(model: Any, tokens: list[int]) -> None:
+def forward_probe(model: Any, tokens: list[int], compiled: bool = True) -> None:
     """A model that loads must also run: decode the probe's prompt (its first PROBE_N_PROMPT tokens, or
     token 0 when the text gave none), then PROBE_N_DECODE greedy steps, each chosen token turned back into
-    text. The logits must have the model's shape; their values are the file's business (random bytes in
-    the data section give NaNs, and that is no error)."""
+    text, with the compiled (numba) kernels or the numpy reference ones. The logits must have the model's
+    shape; their values are the file's business (random bytes in the data section give NaNs, and that is
+    no error)."""
     import numpy as np
 
     from ggml_dist.model.context import ContextParams, LlamaContext
@@ -515,7 +527,7 @@ def forward_probe(model: Any, tokens: list[int]) -> None:
     n_vocab = model.hp.n_vocab
     prompt = list(tokens[:PROBE_N_PROMPT]) or [0]
     lctx = LlamaContext(model, ContextParams(n_ctx=PROBE_N_CTX, n_batch=PROBE_N_CTX, n_ubatch=PROBE_N_CTX,
-                                             numba=_probe_numba))
+                                             numba=compiled))
     logits = lctx.decode(Batch.from_tokens(prompt, all_outputs=True))
     if logits.shape != (len(prompt), n_vocab):
         raise AssertionError(f"logits of shape {logits.shape} for {len(prompt)} tokens, n_vocab {n_vocab}")
@@ -527,35 +539,57 @@ def forward_probe(model: Any, tokens: list[int]) -> None:
             raise AssertionError(f"logits of shape {logits.shape} for one token, n_vocab {n_vocab}")
 
 
-_warmed = False
-_probe_numba = True         # False in a forked worker (_worker)
+_warmed: set[bool] = set()         # the kernel paths (compiled or not) warm_up has run in this process
 
 
-def warm_up() -> None:
-    """Load and run the seed model once per process, outside any case's time and memory: the first
-    forward pass loads (or compiles) the numba kernels, which is not the case's cost."""
-    global _warmed
-    if _warmed:
+def warm_up(compiled: bool = True) -> None:
+    """Load and run the seed model once per process and kernel path, outside any case's time and memory:
+    the first forward pass loads (or compiles) the numba kernels, which is not the case's cost. The numpy
+    path compiles nothing: either path's warm-up (its imports, first allocations) serves it."""
+    if compiled in _warmed or (not compiled and _warmed):
         return
     from ggml_dist.model.model import LlamaModel
     with tempfile.TemporaryDirectory(prefix="gguf-fuzz-warm-") as d:
         model = LlamaModel.load(seed_file(os.path.join(d, "seed.gguf")))
-        forward_probe(model, model.tokenizer.encode(PROBE_TEXT))
+        forward_probe(model, model.tokenizer.encode(PROBE_TEXT), compiled=compiled)
         del model
-    _warmed = True
+    _warmed.add(compiled)
 
 
 def run_case(path: str, case_time_limit: float = 2.0, mem_overhead: int = 64 << 20,
-             strict_path: bool = False) -> dict[str, Any]:
-    """Load one file, encode PROBE_TEXT and run forward_probe; classify the outcome (module docstring).
+             strict_path: bool = False, compiled: bool = True) -> dict[str, Any]:
+    """Load one file, encode PROBE_TEXT and run forward_probe (with the compiled kernels or the numpy
+    reference ones); classify the outcome (module docstring).
 
     Traces memory itself when tracemalloc is not already on. With strict_path an unclear error (one of
-    project_errors() whose message does not name the file) is a failure.
+    project_errors() whose message does not name the file) is a failure. A compiled case can reach a
+    kernel (or a specialisation of one) that the warm-up did not, and numba then compiles it inside the
+    case (seconds, and the compiler's memory): a case that compiled and was judged slow or too big on
+    that account alone is run once more, now compiled, and that run is its result ("jit_rerun": the
+    compiles the first run made; its CPU seconds in "jit_first_elapsed").
     """
+    warm_up(compiled)
+    if not compiled:
+        return _run_case_once(path, case_time_limit, mem_overhead, strict_path, compiled)
+    try:
+        from numba.core import event
+    except ImportError:                 # no numba: the compiled path is the numpy one (NUMBA_DEFAULT)
+        return _run_case_once(path, case_time_limit, mem_overhead, strict_path, compiled)
+    with event.install_recorder("numba:compile") as rec:
+        res = _run_case_once(path, case_time_limit, mem_overhead, strict_path, compiled)
+    n_compiles = sum(1 for _, ev in rec.buffer if ev.is_start)
+    if n_compiles and res["kind"] in ("slow", "memory"):
+        first = res
+        res = _run_case_once(path, case_time_limit, mem_overhead, strict_path, compiled)
+        res["jit_rerun"], res["jit_first_elapsed"] = n_compiles, first["elapsed"]
+    return res
+
+
+def _run_case_once(path: str, case_time_limit: float, mem_overhead: int, strict_path: bool,
+                   compiled: bool) -> dict[str, Any]:
     from ggml_dist.model.gguf import load_gguf
     from ggml_dist.model.model import LlamaModel
 
-    warm_up()
     own = project_errors()
     started = not tracemalloc.is_tracing()
     if started:
@@ -572,7 +606,7 @@ def run_case(path: str, case_time_limit: float = 2.0, mem_overhead: int = 64 << 
         stage = "encode"
         tokens = model.tokenizer.encode(PROBE_TEXT)          # the vocabulary is usable
         stage = "forward"
-        forward_probe(model, tokens)                         # and so are the weights
+        forward_probe(model, tokens, compiled=compiled)      # and so are the weights
         del model
     except own as e:
         kind, msg = type(e).__name__, str(e)
@@ -611,14 +645,54 @@ def _vm_size() -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class _CaseDone:
+    """Worker -> parent: the case's result (run_case's dict)."""
+    index: int
+    res: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _JitStarted:
+    """Worker -> parent: numba started compiling a kernel inside a case (a kernel or specialisation the
+    warm-up did not reach): seconds to minutes of wall time on a busy host that are not a hang."""
+    index: int
+
+
+def _notify_jit(conn: Any, index: list[int]) -> Any:
+    """Send _JitStarted for each compile numba starts from now on in this process (index[0]: the case);
+    returns the listener (numba.core.event.unregister takes it off)."""
+    from numba.core import event
+
+    class Notice(event.Listener):
+        def on_start(self, ev: Any) -> None:
+            conn.send(_JitStarted(index[0]))
+
+        def on_end(self, ev: Any) -> None:
+            pass
+
+    listener = Notice()
+    event.register("numba:compile", listener)
+    return listener
+
+
 def _worker(conn: Any, tmpdir: str, case_time_limit: float, mem_overhead: int, as_headroom: int,
-            strict_path: bool) -> None:
-    # a forked worker must not start numba's OpenMP threads: after a parent that ran kernels (bench
-    # faults decodes first, pytest ran other tests) GNU OpenMP terminates the child ("fork() called from
-    # a process already using GNU OpenMP"); the numpy reference kernels compute the same bits
-    global _probe_numba
-    _probe_numba = False
-    warm_up()                     # imports and first allocations before the address-space limit
+            strict_path: bool, compiled: bool) -> None:
+    """A fuzz worker: (index, file bytes, compiled) in, _CaseDone out (and _JitStarted during a compiled
+    case whose kernels numba compiles). A forked worker (compiled False) must not start numba's OpenMP
+    threads: after a parent that ran kernels (bench faults decodes first, pytest ran other tests) GNU
+    OpenMP terminates the child ("fork() called from a process already using GNU OpenMP"), so it runs
+    the numpy reference kernels only. A spawned worker (compiled True) is a fresh interpreter with its
+    own OpenMP and one kernel thread (the workers are the parallelism, and a second thread spinning
+    would count as the case's CPU time), and runs either path, as each case says."""
+    if compiled:
+        os.environ["NUMBA_NUM_THREADS"] = "1"          # before numba is imported (warm_up imports it)
+    warm_up(False)                # imports and first allocations before the address-space limit
+    kernels = "numpy"
+    if compiled:
+        warm_up(True)
+        from ggml_dist.backends.cpu import qpack
+        kernels = qpack.default_kernels().value
     # a corrupt file's weights overflow and its special ids are "bad": numpy's warnings and the
     # tokenizer's log lines are expected here, once per case, and say nothing the outcome does not
     warnings.simplefilter("ignore")
@@ -631,7 +705,10 @@ def _worker(conn: Any, tmpdir: str, case_time_limit: float, mem_overhead: int, a
             pass
     tracemalloc.start()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    conn.send(("ready", rss0))
+    current = [-1]
+    if compiled:
+        _notify_jit(conn, current)
+    conn.send(("ready", rss0, kernels))
     while True:
         try:
             msg = conn.recv()
@@ -639,20 +716,22 @@ def _worker(conn: Any, tmpdir: str, case_time_limit: float, mem_overhead: int, a
             return
         if msg is None:
             return
-        index, data = msg
+        index, data, case_compiled = msg
+        current[0] = index
+        assert compiled or not case_compiled, "a forked worker runs the numpy reference kernels only"
         path = os.path.join(tmpdir, f"fuzz-{os.getpid()}-{index:06d}.gguf")
         with open(path, "wb") as fh:
             fh.write(data)
-        res = run_case(path, case_time_limit, mem_overhead, strict_path)
+        res = run_case(path, case_time_limit, mem_overhead, strict_path, compiled=case_compiled)
         os.unlink(path)
         res["maxrss_growth_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
-        conn.send((index, res))
+        conn.send(_CaseDone(index, res))
 
 
 class _Worker:
-    def __init__(self, ctx: Any, tmpdir: str, args: tuple) -> None:
+    def __init__(self, ctx: Any, tmpdir: str, args: tuple, compiled: bool) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, tmpdir, *args), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, tmpdir, *args, compiled), daemon=True)
         # a forked worker must never collect the parent's objects: after `bench faults` the parent holds
         # Ray handles in garbage cycles, whose finalizers, run by the child's first full collection (a
         # forward pass allocates enough), write to the parent's GCS connection and break it ("Missing
@@ -663,13 +742,19 @@ class _Worker:
         finally:
             gc.unfreeze()
         child.close()
-        _, self.rss0 = self.conn.recv()
-        self.case: tuple[int, str, bytes, list[str]] | None = None
-        self.t0 = 0.0
+        try:
+            _, self.rss0, self.kernels = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(f"a fuzz worker died while starting (exit code {self.proc.exitcode}); run "
+                               f"`ggml-dist bench fuzz-gguf --cases 1 --jobs 1` to see its error") from None
+        self.case: tuple[int, str, bytes, list[str], bool] | None = None
+        self.t0 = self.deadline = 0.0
 
-    def submit(self, case: tuple[int, str, bytes, list[str]]) -> None:
+    def submit(self, case: tuple[int, str, bytes, list[str], bool], hard_timeout: float) -> None:
         self.case, self.t0 = case, time.perf_counter()
-        self.conn.send((case[0], case[2]))
+        self.deadline = self.t0 + hard_timeout
+        self.conn.send((case[0], case[2], case[4]))
 
     def kill(self) -> None:
         self.proc.kill()
@@ -677,13 +762,33 @@ class _Worker:
         self.conn.close()
 
 
+def _death(exitcode: int | None) -> str:
+    """How a worker ended, for a crash's message: "killed by SIGSEGV (exit code -11)"."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"
+
+
 # ---------------------------------------------------------------------------------------------------
 # the run
+
+PATHS = ("numpy", "compiled")       # the kernel paths a case can run: the numpy reference, numba's
+
+
+def compiled_case(seed: int, index: int, share: float) -> bool:
+    """Whether the index-th case of a run takes the compiled kernels: a draw of its own (not the case's
+    mutation stream, so a case's bytes do not depend on the share), a pure function of its args."""
+    return share >= 1.0 or (share > 0.0 and random.Random(f"compiled {seed} {index}").random() < share)
+
 
 @dataclass
 class FuzzReport:
     fuzz_cases: int = 0
-    fuzz_failures: int = 0
+    fuzz_failures: int = 0                  # every failure, crashes included
+    crashes: int = 0                        # failures where the worker died (a signal: SIGSEGV, SIGBUS...)
     ok: int = 0
     clean_errors: int = 0                   # one of project_errors(), its message naming the file
     unclear_errors: int = 0                 # one of project_errors(), its message not naming the file
@@ -694,6 +799,11 @@ class FuzzReport:
     seed: int = 0
     seed_file_bytes: int = 0
     wall_s: float = 0.0
+    compiled_share: float = 0.0             # the share of cases drawn for the compiled kernels
+    jit_reruns: int = 0                     # compiled cases measured again after a JIT compile (run_case)
+    # per kernel path ("numpy", "compiled"): cases, each outcome, crashes, and the kernels it ran
+    # ("numpy"; "vnni", "avx2" or "float": qpack's choice on this host)
+    by_path: dict[str, dict[str, Any]] = field(default_factory=dict)
     by_mutation: dict[str, dict[str, int]] = field(default_factory=dict)
     failure_kinds: dict[str, int] = field(default_factory=dict)
     unclear_messages: dict[str, int] = field(default_factory=dict)  # stage: type: message head -> count
@@ -719,26 +829,52 @@ def seed_file(path: str | Path) -> Path:
 
 def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Path | None = None,
              case_time_limit: float = 2.0, hard_timeout: float = 20.0, mem_overhead_mb: float = 64.0,
-             as_headroom_mb: float = 2048.0, strict_path: bool = False, progress: bool = False) -> FuzzReport:
+             as_headroom_mb: float = 2048.0, strict_path: bool = False, progress: bool = False,
+             compiled_share: float = 0.0, jit_timeout: float = 600.0) -> FuzzReport:
+    """Run n_cases cases over `jobs` worker processes. compiled_share > 0 draws that share of the cases
+    (compiled_case) for the compiled kernels, the ones users run, which have no bounds checks: the workers
+    are then spawned, fresh interpreters that run either path, so that a kernel that crashes (SIGSEGV)
+    takes down a worker, not the run; the case is a failure of kind "crash" (counted in `crashes` and per
+    path), saved to failures_dir like any other, and the worker is started again. A compiled case in
+    which numba starts compiling a kernel has jit_timeout wall seconds from that start instead of
+    hard_timeout (a compile on a busy 2-core host took over 20 s). With compiled_share 0 the workers are
+    forked and run the numpy reference only."""
+    if not 0.0 <= compiled_share <= 1.0:
+        raise ValueError(f"compiled_share = {compiled_share}: must be in [0, 1]")
     t_start = time.perf_counter()
-    rep = FuzzReport(seed=seed)
+    rep = FuzzReport(seed=seed, compiled_share=compiled_share)
     by_mut: dict[str, Counter] = defaultdict(Counter)
+    by_path: dict[str, Counter] = {k: Counter() for k in PATHS}
+    path_kernels = {"numpy": "numpy"}
     kinds: Counter = Counter()
     unclear: Counter = Counter()
     mem_overhead = int(mem_overhead_mb * (1 << 20))
+    spawned = compiled_share > 0.0
     with tempfile.TemporaryDirectory(prefix="gguf-fuzz-") as tmpdir:
         lay = Layout.walk(seed_file(os.path.join(tmpdir, "seed.gguf")).read_bytes())
         rep.seed_file_bytes = len(lay.raw)
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        method = "spawn" if spawned or "fork" not in mp.get_all_start_methods() else "fork"
+        ctx = mp.get_context(method)
         wargs = (case_time_limit, mem_overhead, int(as_headroom_mb * (1 << 20)), strict_path)
-        workers = [_Worker(ctx, tmpdir, wargs) for _ in range(max(1, jobs))]
+
+        def new_worker() -> _Worker:
+            w = _Worker(ctx, tmpdir, wargs, spawned)
+            if spawned:
+                path_kernels["compiled"] = w.kernels
+            return w
+
+        workers = [new_worker() for _ in range(max(1, jobs))]
         next_index = 0
 
         def record(w: _Worker, res: dict[str, Any]) -> None:
-            index, name, data, descs = w.case  # type: ignore[misc]
+            index, name, data, descs, compiled = w.case  # type: ignore[misc]
+            path = PATHS[compiled]
             w.case = None
             rep.fuzz_cases += 1
             by_mut[name][res["outcome"]] += 1
+            by_path[path]["cases"] += 1
+            by_path[path][res["outcome"]] += 1
+            rep.jit_reruns += bool(res.get("jit_rerun"))
             rep.max_case_s = max(rep.max_case_s, res.get("elapsed", 0.0))
             rep.max_case_wall_s = max(rep.max_case_wall_s, res.get("wall", res.get("elapsed", 0.0)))
             rep.peak_mem_over_file_mb = max(rep.peak_mem_over_file_mb, res.get("peak_over_file", 0) / 2**20)
@@ -753,8 +889,11 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
             else:
                 rep.fuzz_failures += 1
                 kinds[res["kind"]] += 1
-                info = {"index": index, "mutation": name, "mutations": descs, "kind": res["kind"], "msg": res["msg"],
-                        "stage": res.get("stage"), "elapsed": round(res.get("elapsed", 0.0), 3)}
+                if res["kind"] == "crash":
+                    rep.crashes += 1
+                    by_path[path]["crash"] += 1
+                info = {"index": index, "mutation": name, "mutations": descs, "path": path, "kind": res["kind"],
+                        "msg": res["msg"], "stage": res.get("stage"), "elapsed": round(res.get("elapsed", 0.0), 3)}
                 if failures_dir is not None:
                     d = Path(failures_dir)
                     d.mkdir(parents=True, exist_ok=True)
@@ -766,12 +905,30 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
             if progress and rep.fuzz_cases % 1000 == 0:
                 print(f"{rep.fuzz_cases} cases, {rep.fuzz_failures} failures", file=sys.stderr)
 
+        def crashed(i: int, now: float) -> None:
+            """Worker i died with a case: record the crash, start another worker."""
+            w = workers[i]
+            w.proc.join(5)
+            record(w, {"outcome": "failure", "kind": "crash", "msg": f"worker {_death(w.proc.exitcode)}",
+                       "elapsed": now - w.t0})
+            w.kill()
+            workers[i] = new_worker()
+
+        def feed(i: int) -> None:
+            """Give worker i the next case, if any (a worker found dead on sending crashed with it)."""
+            nonlocal next_index
+            while next_index < n_cases and workers[i].case is None:
+                name, data, descs = make_case(seed, next_index, lay)
+                case = (next_index, name, data, descs, spawned and compiled_case(seed, next_index, compiled_share))
+                next_index += 1
+                try:
+                    workers[i].submit(case, hard_timeout)
+                except OSError:                         # it died after its last answer
+                    crashed(i, time.perf_counter())
+
         try:
-            for w in workers:
-                if next_index < n_cases:
-                    name, data, descs = make_case(seed, next_index, lay)
-                    w.submit((next_index, name, data, descs))
-                    next_index += 1
+            for i in range(len(workers)):
+                feed(i)
             while any(w.case is not None for w in workers):
                 busy = [w for w in workers if w.case is not None]
                 ready = wait([w.conn for w in busy], timeout=0.5)
@@ -779,28 +936,26 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
                 for i, w in enumerate(workers):
                     if w.case is None:
                         continue
-                    res = None
                     if w.conn in ready:
                         try:
-                            _, res = w.conn.recv()
+                            msg = w.conn.recv()
                         except (EOFError, OSError):
-                            w.proc.join(5)
-                            res = {"outcome": "failure", "kind": "crash",
-                                   "msg": f"worker died, exit code {w.proc.exitcode}",
-                                   "elapsed": now - w.t0}
-                    elif now - w.t0 > hard_timeout:
-                        res = {"outcome": "failure", "kind": "hang", "msg": f"killed after {hard_timeout} s",
-                               "elapsed": now - w.t0}
-                    if res is None:
-                        continue
-                    record(w, res)
-                    if res["kind"] in ("crash", "hang"):
+                            crashed(i, now)
+                        else:
+                            if isinstance(msg, _JitStarted):
+                                w.deadline = max(w.deadline, now + jit_timeout)
+                                continue
+                            record(w, msg.res)
+                    elif now > w.deadline:
+                        record(w, {"outcome": "failure", "kind": "hang",
+                                   "msg": f"killed after {now - w.t0:.1f} s (hard timeout {hard_timeout} s, "
+                                          f"{jit_timeout} s after a JIT compile starts)",
+                                   "elapsed": now - w.t0})
                         w.kill()
-                        workers[i] = _Worker(ctx, tmpdir, wargs)
-                    if next_index < n_cases:
-                        name, data, descs = make_case(seed, next_index, lay)
-                        workers[i].submit((next_index, name, data, descs))
-                        next_index += 1
+                        workers[i] = new_worker()
+                    else:
+                        continue
+                    feed(i)
         finally:
             for w in workers:
                 try:
@@ -811,6 +966,7 @@ def run_fuzz(n_cases: int, seed: int = 0, jobs: int = 1, failures_dir: str | Pat
                 if w.proc.is_alive():
                     w.kill()
     rep.by_mutation = {k: dict(by_mut[k]) for k in MUTATIONS if k in by_mut}
+    rep.by_path = {k: {"kernels": path_kernels[k], **dict(by_path[k])} for k in PATHS if by_path[k]}
     rep.failure_kinds = dict(kinds)
     rep.unclear_messages = dict(unclear.most_common())
     rep.failures_dir = str(failures_dir) if failures_dir is not None and rep.fuzz_failures else None
@@ -845,6 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="RLIMIT_AS of a worker: its size after imports plus this (0: no limit)")
     ap.add_argument("--strict-path", action="store_true",
                     help="an unclear error (a project error not naming the file) is a failure")
+    ap.add_argument("--compiled-share", type=float, default=0.0,
+                    help="share of the cases (0..1) run through the compiled (numba) kernels, in spawned "
+                         "workers, where a crash is a counted failure; the rest run the numpy reference")
     ap.add_argument("--replay", help="re-run a saved failing input (file or directory) and exit")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -854,15 +1013,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rep = run_fuzz(args.cases, args.seed, args.jobs, args.failures_dir, args.case_time_limit,
                    args.hard_timeout, args.mem_overhead_mb, args.as_headroom_mb, args.strict_path,
-                   progress=not args.json)
+                   progress=not args.json, compiled_share=args.compiled_share)
     if args.json:
         print(json.dumps(rep.to_json()))
     else:
         print(f"{rep.fuzz_cases} cases: {rep.ok} ok, {rep.clean_errors} clean errors, "
-              f"{rep.unclear_errors} unclear errors (the file not named), {rep.fuzz_failures} failures; "
+              f"{rep.unclear_errors} unclear errors (the file not named), {rep.fuzz_failures} failures "
+              f"({rep.crashes} crashes); "
               f"max case {rep.max_case_s:.3f} s, traced peak over file "
               f"{rep.peak_mem_over_file_mb:.2f} MB, maxrss growth {rep.maxrss_growth_mb:.1f} MB, "
               f"{rep.wall_s:.0f} s")
+        for k, v in rep.by_path.items():
+            print(f"  {k + ' kernels':18s} {v}")
         for k, v in rep.by_mutation.items():
             print(f"  {k:18s} {v}")
         for m, n in list(rep.unclear_messages.items())[:20]:

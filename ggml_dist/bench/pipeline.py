@@ -25,9 +25,11 @@ itself (inflated by stages sharing cores). bubble_frac = 1 - (busy time summed o
 wall time), next to the GPipe formula (p - 1) / (m + p - 1) for m micro-batches in flight; utilization is
 each stage's busy time / wall time. decode also reports TPOT (tpot_ms: the mean time between a sequence's
 tokens). --trace writes each run's Chrome/Perfetto trace.
-cpu_ms_per_token: CPU time (all threads) of the driver and of each stage process per token; with every
-stage on this host, cpu_bound_tok_s = this host's cores / that total (on a machine with fewer cores than
-stages + driver, the bound that binds).
+cpu_ms_per_token: CPU time (all threads) of the driver, of each stage process and of every other process of
+the local Ray (raylet, GCS, agents) per token; machine_cpu_share: their sum over the cores x the wall time
+(near 1: the run is CPU-bound on this machine); with every stage on this host, cpu_bound_tok_s = the cores /
+that total, given only where no waiter spins (plain or direct calls, one kernel thread per stage: a spinning
+wait is CPU time that is not work, and no CPU figure can tell them apart).
 bytes_per_hop: per token, driver -> each stage (its graph inputs) and each stage -> the next (the last:
 -> the driver); bytes_per_token is their sum, each hop counted once.
 """
@@ -57,7 +59,7 @@ def _ints(s: str) -> list[int]:
 def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: int, mode: str,
             n_steps: int, threads: int, trace: str | None = None, calls: str = "auto",
             lookahead: int = 1) -> dict[str, Any]:
-    from ..workers.cluster import Pipeline
+    from ..workers.cluster import Pipeline, local_ray_cpu_s
     n_tok = micro_batches * ubatch
     n_seq = micro_batches if mode == "decode" else 1
     params = ContextParams(n_ctx=max(512, n_tok + n_steps + 8), n_batch=max(n_tok, 8), n_ubatch=ubatch,
@@ -72,9 +74,9 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             ctx.decode(Batch.from_tokens(toks))                     # warm-up: plans, JIT, page cache
             ctx.clear()
             before = pl.stats()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, r0 = time.perf_counter(), time.process_time(), local_ray_cpu_s()
             ctx.decode(Batch.from_tokens(toks))
-            wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
+            wall, driver_cpu, r1 = time.perf_counter() - t0, time.process_time() - c0, local_ray_cpu_s()
             processed = n_tok
             latency: dict[str, Any] = {"ttft_ms": _pcts([wall])}
         else:
@@ -87,9 +89,9 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
             pos = [4] * n_seq
             _decode_continuous(ctx, last, pos, n_seq * lookahead, lookahead)    # warm-up: the plans
             before = pl.stats()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, r0 = time.perf_counter(), time.process_time(), local_ray_cpu_s()
             itl = _decode_continuous(ctx, last, pos, n_steps * n_seq, lookahead)
-            wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
+            wall, driver_cpu, r1 = time.perf_counter() - t0, time.process_time() - c0, local_ray_cpu_s()
             processed = n_steps * n_seq
             latency = {"ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl),
                        "tpot_ms": round(float(np.mean(itl)) * 1e3, 2) if itl else None}
@@ -97,6 +99,7 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
         if trace:
             pl.write_trace(trace)
         same_host = all(i["node"] == os.uname().nodename for i in pl.infos)
+        stage_pids = {i["pid"] for i in pl.infos}
         ran = pl.calls_used()
     finally:
         pl.shutdown()
@@ -110,8 +113,13 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
     moved = sum(hops)
     tok_s = processed / wall
     cpu = [driver_cpu] + [a["cpu_s"] - b["cpu_s"] for a, b in zip(after, before)]
-    # with every process on this host, its cores bound the throughput too: CPU seconds per token
-    cpu_bound = processed * len(os.sched_getaffinity(0)) / sum(cpu) if same_host and sum(cpu) > 0 else None
+    # every other process of the local Ray (raylet, GCS, agents, idle workers) counts too
+    ray_other = sum(c - r0.get(p, 0.0) for p, c in r1.items() if p not in stage_pids)
+    total = sum(cpu) + ray_other
+    # CPU time cannot tell work from waiting that spins: a compiled graph's channel readers spin, and so may
+    # kernel threads between launches (OpenMP); then no CPU figure bounds the throughput
+    spins = ran not in ("plain", "direct") or threads > 1
+    cpu_bound = processed * len(os.sched_getaffinity(0)) / total if same_host and total > 0 and not spins else None
     ideal_tok_s = processed / ideal if ideal > 0 else 0.0
     return {"_t_k": t_k, "_n_mb": n_mb, "_processed": processed, "ideal_inrun_tok_s": round(ideal_tok_s, 3),
             "stages": stages, "micro_batches": micro_batches, "n_copies": n_copies, "ubatch": ubatch, "calls": ran,
@@ -126,8 +134,13 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
                               "stage_out": [round(h / processed, 1) for h in hops[stages:]]},
             "stage_ms": [round(t * 1e3, 2) for t in t_k], **latency,
             "cpu_ms_per_token": {"driver": round(cpu[0] / processed * 1e3, 2),
-                                 "stages": [round(c / processed * 1e3, 2) for c in cpu[1:]]},
+                                 "stages": [round(c / processed * 1e3, 2) for c in cpu[1:]],
+                                 "ray_other": round(ray_other / processed * 1e3, 2)},
+            # the share of this machine's cores the run's processes used (near 1: CPU-bound here)
+            "machine_cpu_share": round(total / (len(os.sched_getaffinity(0)) * wall), 3) if same_host else None,
             "cpu_bound_tok_s": None if cpu_bound is None else round(cpu_bound, 1),
+            "cpu_bound_note": ("spinning waiters (compiled-graph channel readers or kernel threads) count as CPU: "
+                               "no bound" if spins else "this machine's cores over every process's CPU per token"),
             "wall_s": round(wall, 3)}
 
 

@@ -268,6 +268,14 @@ class HostGroup:
         p = self.dirs[""] / "memory.peak"
         return int(p.read_text()) if p.exists() else None
 
+    def reset_memory_peak(self) -> None:
+        """Start memory_peak_bytes over from the current usage (v1: write max_usage_in_bytes; v2: write
+        memory.peak, where the kernel allows it)."""
+        d = self.dirs.get("memory" if self.kind == "v1" else "")
+        if d is not None:
+            with contextlib.suppress(OSError):
+                (d / ("memory.max_usage_in_bytes" if self.kind == "v1" else "memory.peak")).write_text("0\n")
+
     def memory_oom_kills(self) -> int | None:
         """How many of the group's processes the OOM killer ended at its limit (v1 memory.oom_control,
         v2 memory.events)."""

@@ -820,7 +820,9 @@ class CutRun:
     victim: int | None            # the host whose link was cut
     cut_to_end_s: float | None    # from the cut to the run's exit
     recoveries: int               # from the run's closing line
-    recovery_s: float | None
+    detect_s: float | None        # from the cut to the run's detection of the loss (its detected_at)
+    restore_s: float | None       # the restart and the replay of the KV log
+    first_token_s: float | None   # from detection to the first token after it
 
 
 def run_with_link_cut(c: NamespaceCluster, argv: Sequence[str], after_chars: int,
@@ -836,7 +838,7 @@ def run_with_link_cut(c: NamespaceCluster, argv: Sequence[str], after_chars: int
     stderr = p.stderr
     reader = threading.Thread(target=lambda: err.extend(ln.decode() for ln in stderr), daemon=True)
     reader.start()
-    text, cut_at, victim = b"", None, None
+    text, cut_at, cut_wall, victim = b"", None, None, None
     try:
         while b := os.read(p.stdout.fileno(), 64):
             text += b
@@ -844,13 +846,16 @@ def run_with_link_cut(c: NamespaceCluster, argv: Sequence[str], after_chars: int
                 row = next(ln for ln in err if re.match(r"\s+1 ", ln))
                 victim = c.ips.index(row.split()[1])
                 c.link_down(victim)
-                cut_at = time.perf_counter()
+                cut_at, cut_wall = time.perf_counter(), time.time()
         p.wait(timeout=timeout)
         reader.join(10)
     finally:
         if victim is not None:
             c.link_up(victim)
     log = "".join(err)
-    m = re.search(r"recoveries (\d+), recovery_s \[([\d.]+)", log)
+    m = re.search(r"recoveries (\d+): detected after \S+ s \(at ([\d.]+)\), restored in ([\d.]+) s, first token "
+                  r"([\d.]+) s", log)
+    detect = float(m.group(2)) - cut_wall if m and cut_wall is not None else None
     return CutRun(p.returncode, text.decode(), log, victim, time.perf_counter() - cut_at if cut_at else None,
-                  int(m.group(1)) if m else 0, float(m.group(2)) if m else None)
+                  int(m.group(1)) if m else 0, None if detect is None else round(detect, 3),
+                  float(m.group(3)) if m else None, float(m.group(4)) if m else None)

@@ -197,7 +197,7 @@ def test_only_project_errors_naming_the_file_are_clean(monkeypatch: pytest.Monke
     if stage == "model":
         monkeypatch.setattr(model_mod, "hparams_from_gguf", lambda f: action(f.path))
     else:
-        monkeypatch.setattr(fz, "forward_probe", lambda model, tokens: action(model.file.path))
+        monkeypatch.setattr(fz, "forward_probe", lambda model, tokens, compiled=True: action(model.file.path))
     res = fz.run_case(seed)
     assert (res["stage"], res["outcome"]) == (stage, outcome), res
     assert ("does not name the file" in res["kind"]) == (outcome == "unclear")
@@ -223,6 +223,87 @@ def test_report_counts_unclear_errors_apart_from_failures(monkeypatch: pytest.Mo
     assert strict.fuzz_failures == rep.unclear_errors and strict.unclear_errors == 0
 
 
+def test_compiled_case_draw() -> None:
+    """--compiled-share: a draw per case, apart from the mutation's stream; every mutation gets its share."""
+    assert not any(fz.compiled_case(0, i, 0.0) for i in range(200))
+    assert all(fz.compiled_case(0, i, 1.0) for i in range(200))
+    drawn = [i for i in range(2000) if fz.compiled_case(0, i, 0.25)]
+    assert drawn == [i for i in range(2000) if fz.compiled_case(0, i, 0.25)]         # deterministic
+    assert 400 < len(drawn) < 600
+    assert {fz.MUTATIONS[i % len(fz.MUTATIONS)] for i in drawn} == set(fz.MUTATIONS)
+    assert drawn != [i for i in range(2000) if fz.compiled_case(1, i, 0.25)]          # per seed
+    with pytest.raises(ValueError, match="compiled_share"):
+        fz.run_fuzz(1, compiled_share=1.5)
+
+
+def test_compiled_share_runs_the_compiled_kernels(tmp_path: Path) -> None:
+    """A share of the cases runs through the compiled kernels (in spawned workers), the rest through the
+    numpy reference; both paths are reported apart, with the kernels each ran, and neither fails."""
+    from ggml_dist.backends.cpu import qpack
+    n = 2 * len(fz.MUTATIONS)
+    rep = fz.run_fuzz(n, seed=3, jobs=2, compiled_share=0.5, failures_dir=tmp_path / "failures")
+    assert rep.fuzz_failures == 0 and rep.crashes == 0, rep.failures[:5]
+    assert rep.unclear_errors == 0, rep.unclear_messages
+    want = sum(fz.compiled_case(3, i, 0.5) for i in range(n))
+    assert rep.by_path["compiled"]["cases"] == want and rep.by_path["numpy"]["cases"] == n - want
+    assert rep.by_path["compiled"]["kernels"] == qpack.default_kernels().value
+    assert rep.by_path["numpy"]["kernels"] == "numpy"
+    assert all(rep.by_path[k].get("ok", 0) > 0 for k in fz.PATHS)       # the seed-like cases ran forward
+    assert rep.to_json()["compiled_share"] == 0.5
+
+
+def test_compiled_worker_killed_by_sigsegv_is_a_counted_crash(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled-path worker that dies by SIGSEGV in a case (a real signal, sent while the case's file is
+    in the worker's hands, as a kernel's bad read raises it) is a failure of kind crash, counted in
+    crashes and in its path, its case saved; the run goes on with a new worker."""
+    import signal
+    import tempfile
+    import threading
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))       # where run_fuzz puts the cases' files
+    killed: list[str] = []
+
+    def kill_first_case() -> None:
+        deadline = time.monotonic() + 300
+        while not killed and time.monotonic() < deadline:
+            for f in tmp_path.glob("gguf-fuzz-*/fuzz-*-*.gguf"):     # fuzz-<worker pid>-<index>.gguf
+                os.kill(int(f.name.split("-")[1]), signal.SIGSEGV)
+                killed.append(f.name)
+                break
+            time.sleep(0.001)
+
+    t = threading.Thread(target=kill_first_case)
+    t.start()
+    try:
+        rep = fz.run_fuzz(6, seed=0, jobs=1, compiled_share=1.0, failures_dir=tmp_path / "failures")
+    finally:
+        killed.append("done")
+        t.join()
+    assert killed[0] != "done"
+    assert rep.fuzz_cases == 6 and rep.crashes == 1 and rep.fuzz_failures == 1, rep.failures
+    assert rep.failure_kinds == {"crash": 1}
+    assert rep.by_path["compiled"]["cases"] == 6 and rep.by_path["compiled"]["crash"] == 1
+    assert "numpy" not in rep.by_path
+    fail = rep.failures[0]
+    assert fail["path"] == "compiled" and "killed by SIGSEGV (exit code -11)" in fail["msg"]
+    saved = Path(fail["file"])
+    assert saved.exists() and json.loads(saved.with_suffix(".txt").read_text())["kind"] == "crash"
+
+
+def test_a_jit_compile_in_a_case_is_announced() -> None:
+    """A compiled worker tells the parent when numba starts compiling inside a case, so that the compile
+    (over 20 s of wall time on a busy host) gets jit_timeout, not the hard timeout of a hang."""
+    import numba
+    from numba.core import event
+    here, there = mp.Pipe()
+    listener = fz._notify_jit(there, [7])
+    try:
+        numba.njit(lambda x: x + 1)(1)                  # a function no cache holds: a real compile
+    finally:
+        event.unregister("numba:compile", listener)
+    assert here.poll(5) and here.recv() == fz._JitStarted(7)
+
+
 def test_bench_faults_reports_unclear_errors(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """`bench faults --json` reports fuzz_failures and unclear_errors as two numbers."""
     import ggml_dist.model.pull as pull
@@ -231,7 +312,7 @@ def test_bench_faults_reports_unclear_errors(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setattr(faults, "kill_study", lambda *a, **k: {"kills": 0})
     monkeypatch.setattr(fz, "run_fuzz", lambda n, jobs=1: fz.FuzzReport(fuzz_cases=n, fuzz_failures=1,
                                                                          unclear_errors=2))
-    assert faults.main(["--runs", "0", "--fuzz-cases", "7", "--json"]) == 0
+    assert faults.main(["--runs", "0", "--fuzz-cases", "7", "--sections", "kill,fuzz", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["fuzz_cases"], out["fuzz_failures"], out["unclear_errors"]) == (7, 1, 2)
 

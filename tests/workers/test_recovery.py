@@ -148,3 +148,25 @@ def test_unrecoverable_is_clear(model_path):
     with two_node_pipeline(model_path, 8, spare=False) as (pl, remove_victim):
         with pytest.raises(RecoveryError, match=r"stage 1 \(layers 2..3\).*MiB"):
             _run_with_fault(pl, 3, remove_victim)
+
+
+# `run --inject-fault`: the JSON names the three recovery figures apart (from the fault to its detection,
+# the restart and replay, detection to the next token) and the tokens are one process's; a wedged stage
+# is detected only after the watch's stall time, a killed one at the next call
+@pytest.mark.parametrize("fault", ["kill-stage:1:after-token:4", "wedge-stage:0:after-token:4"])
+def test_run_reports_recovery_figures(local_ray, model_path, fault, capsys, monkeypatch):
+    import json
+
+    from ggml_dist.cli import main
+    from ggml_dist.workers.health import StageWatch
+    monkeypatch.setattr(StageWatch, "STALL_S", 3.0)
+    base = ["run", "--model", model_path, "--prompt", "ab cd", "-n", "12", "--temp", "0", "--json", "--ctx", "256"]
+    assert main(base) == 0
+    want = json.loads(capsys.readouterr().out)["tokens"]
+    assert main([*base, "--stages", "2", "--inject-fault", fault]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == want and out["recoveries"] == 1
+    (r,) = out["recovery"]
+    assert r["detect_s"] is not None and r["restore_s"] > 0 and r["first_token_s"] >= r["restore_s"]
+    if fault.startswith("wedge"):
+        assert r["detect_s"] >= StageWatch.STALL_S
