@@ -27,7 +27,9 @@ quants.mul_mat(order="ggml") and qkernels.mul_mat_q with ggml's repack rule (Q4_
 * not repacked, vec_n < 8 rows: ggml_vec_dot_q{4,5,6}_K_q8_K's 8 lanes, HA (kquant_ir "lanes");
 * not repacked, vec_n >= 8 (quants.takes_tiled): the tiled kernel's per-superblock r, fma(r, dy, acc);
 * repacked Q4_K: ggml_gemm_q4_K_8x8_q8_K's four steps per superblock for rows 0 .. N - N % 4 - 1 when
-  N > 3, ggml_gemv_q4_K_8x8_q8_K's one step for the rest (two chains, acc - accm).
+  N > 3 (and vec_n, where given, > 3), ggml_gemv_q4_K_8x8_q8_K's one step for the rest (two chains,
+  acc - accm).
+vec_n = 1 (ComputeOptions.batch_invariant) gives every row the one-row order: lanes, or the gemv chain.
 mul_mat gives None (the caller then takes qkernels' path) for a non-finite activation.
 Kernels: VNNI where the CPU has AVX-512 VNNI, else AVX2 (also with GGML_DIST_FORCE_AVX2=1), as
 qpack.default_kernels(); without either, ``available()`` is False and K-quants stay on qkernels.
@@ -136,9 +138,10 @@ class PackedKWeight:
         self._entries: tuple[Callable[..., bool], Callable[..., bool]] = _ENTRIES[kernels][wtype]  # (serial, parallel)
 
     def _mode(self, N: int, vec_n: int | None) -> tuple[int, int]:
-        """(mode, ng): ng = the rows that take the repacked gemm order."""
+        """(mode, ng): ng = the rows that take the repacked gemm order (none where vec_n < 4: the gemv
+        chain for every row, as ggml runs a row alone)."""
         if self.repacked:
-            return _REPACKED, (N - N % 4 if N > 3 else 0)
+            return _REPACKED, Q.gemm_rows(N, vec_n)
         return (_TILED if Q.takes_tiled(self.type, False, N if vec_n is None else vec_n, "ggml") else _LANES), 0
 
     def _check(self, x: np.ndarray) -> None:

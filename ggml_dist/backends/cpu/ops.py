@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache, partial
 from types import ModuleType
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -49,11 +49,24 @@ class ComputeOptions:
     has, or "fast" (ULP-level off it; kept for the kernels' tests and studies).
     kernels: the kernels that read packed weights, qpack.Kernels' value ("vnni", "avx2", "float"; all
     give the same bits). None: the host's choice, made by resolve() when a CPU backend is created
-    (qpack.default_kernels(), where GGML_DIST_FORCE_AVX2 / GGML_DIST_NO_VNNI / GGML_DIST_NO_AVX2 count)."""
+    (qpack.default_kernels(), where GGML_DIST_FORCE_AVX2 / GGML_DIST_NO_VNNI / GGML_DIST_NO_AVX2 count).
+    batch_invariant: every MUL_MAT computes each row of its activations in the order ggml gives a row
+    alone (vec_n = 1, see row_count): the F16/F32/BF16 products (the attention's, on the KV cache) by
+    vec_dot, never tinyBLAS; the K-quants by their vec_dot lanes, never the tiled kernel; repacked Q4_K
+    by its gemv chain, never the gemm. A row's bits then do not depend on the rows beside it (the other
+    sequences of a step, a prompt's other tokens, the ubatch size). The other types' batched kernels
+    already reduce a row as their one-row kernel does (Q4_0..Q8_0 vec_dot and tinyBLAS_Q0, repacked
+    Q4_0's gemv and gemm), so they do not change. Not with exact (its float32 BLAS rounds by shape)."""
     exact: bool = False
     numba: bool = NUMBA_DEFAULT
     order: str = "ggml"
     kernels: str | None = None
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_invariant and self.exact:
+            raise ValueError("batch_invariant needs ggml's numerics: exact's float32 BLAS products round "
+                             "differently by shape")
 
 
 Kernel = Callable[[Tensor, np.ndarray, list, ComputeOptions], None]
@@ -86,11 +99,25 @@ def _fk(opts: ComputeOptions) -> ModuleType | None:
     return _compiled("fkernels", opts)
 
 
+@overload
+def row_count(opts: ComputeOptions, n: int) -> int: ...
+@overload
+def row_count(opts: ComputeOptions, n: None) -> int | None: ...
+
+
+def row_count(opts: ComputeOptions, n: int | None) -> int | None:
+    """The row count that picks a MUL_MAT's path (quants.mul_mat's vec_n: vec_dot or tinyBLAS, lanes or
+    tiled, gemv or gemm) for n rows per slice (None: all of the call's): 1 under batch_invariant, where
+    every row takes the path of a row alone."""
+    return 1 if opts.batch_invariant else n
+
+
 def weights_mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, opts: ComputeOptions,
                     vec_n: int | None = None) -> np.ndarray:
     """quants.mul_mat (ggml's repack rule) in opts' order, by its compiled twin qkernels.mul_mat_q (the same
     bits) where opts.numba and the type is covered. w: uint8 rows of blocks (F16/BF16 raw rows, F32 as
     float32); x: f32 [N, K]."""
+    vec_n = row_count(opts, vec_n)
     qk = None if opts.exact or x.shape[0] == 0 or w.shape[0] == 0 else _compiled("qkernels", opts)
     if qk is None or wtype not in qk.COVERED:
         return quants.mul_mat(wtype, w, x, exact=opts.exact, order=opts.order, vec_n=vec_n)
@@ -296,7 +323,7 @@ def _packed_product(mod: ModuleType, t, dst, srcs, opts: ComputeOptions) -> bool
     pw = mod.packed(a_t.type, srcs[0][0, 0], a_t, opts.kernels)
     xm = x.reshape(-1, x.shape[-1]) if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     direct = dst.flags.c_contiguous
-    r = pw.mul_mat(xm, dst.reshape(xm.shape[0], dst.shape[-1]) if direct else None)
+    r = pw.mul_mat(xm, dst.reshape(xm.shape[0], dst.shape[-1]) if direct else None, vec_n=row_count(opts, None))
     if r is None:
         return False
     if not direct:
@@ -353,13 +380,14 @@ def bind_packed_products(ts: list, dsts: list, srcss: list, opts: ComputeOptions
         parts.append(p)
     fallbacks = [partial(_mul_mat, t, d, s, opts) for t, d, s in zip(ts, dsts, srcss)]
     mod, pw, xm, out = parts[0]
+    vec_n = row_count(opts, None)
     if len(ts) == 1:
-        return pw.bind(xm, out, fallback=fallbacks[0])
+        return pw.bind(xm, out, vec_n=vec_n, fallback=fallbacks[0])
 
     def fallback() -> None:
         for f in fallbacks:
             f()
-    return mod.bind_products([p[1] for p in parts], xm, [p[3] for p in parts], fallback=fallback)
+    return mod.bind_products([p[1] for p in parts], xm, [p[3] for p in parts], vec_n=vec_n, fallback=fallback)
 
 
 # K-quant model weights: kpack.py (Q4_K, Q5_K, Q6_K packed once, int8 kernels; the same bits as qkernels)
@@ -402,7 +430,7 @@ def _mul_mat_float(t, dst, srcs, opts, mask=None, skip: int = 0) -> bool:
         return False
     half = a_t.type == GGMLType.F16
     w = _unit_rows(srcs[0].view(np.uint16) if half else srcs[0])
-    K, M, N = a_t.ne[0], a_t.ne[1], b_t.ne[1]
+    K, M, N = a_t.ne[0], a_t.ne[1], row_count(opts, b_t.ne[1])
     fk.mul_mat_threads(w, _unit_rows(srcs[1]), dst, N >= 2 and K % 8 == 0 and M % 4 == 0, half,
                        mask if half else None, skip if half else 0)
     return True
@@ -624,7 +652,8 @@ def attention_product(t: Tensor, srcs: list, b: Binding) -> tuple[np.ndarray, np
     w, x = srcs[0].view(np.uint16), srcs[1]
     if _unit_rows(w) is not w or _unit_rows(x) is not x:       # _mul_mat_float would copy them
         return None
-    return w, x, b_t.ne[1] >= 2 and a_t.ne[0] % 8 == 0 and a_t.ne[1] % 4 == 0, skip
+    tiny = row_count(opts, b_t.ne[1]) >= 2 and a_t.ne[0] % 8 == 0 and a_t.ne[1] % 4 == 0   # tinyBLAS
+    return w, x, tiny, skip
 
 
 def _bind_attention(t, dst, srcs, b: Binding) -> Bound | None:

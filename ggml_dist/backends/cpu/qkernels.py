@@ -829,10 +829,10 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return v
 
 
-def _n_gemm(wtype: GGMLType, repacked: bool, N: int) -> int:
-    """Rows of X that repacked Q4_K multiplies in ggml_gemm_q4_K_8x8_q8_K (groups of 4 when N > 3; the
-    rest take ggml_gemv_q4_K_8x8_q8_K, one fma per superblock)."""
-    return N - N % 4 if repacked and wtype == T.Q4_K and N > 3 else 0
+def _n_gemm(wtype: GGMLType, repacked: bool, N: int, vec_n: int | None) -> int:
+    """Rows of X that repacked Q4_K multiplies in ggml_gemm_q4_K_8x8_q8_K (quants.gemm_rows: groups of 4
+    when N > 3 and vec_n, where given, > 3; the rest take ggml_gemv_q4_K_8x8_q8_K, one fma per superblock)."""
+    return Q.gemm_rows(N, vec_n) if repacked and wtype == T.Q4_K else 0
 
 
 def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast",
@@ -910,6 +910,6 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
     W = 2 if kind >= 7 else 4
     yw = np.ascontiguousarray(qy.reshape(N, K // (8 * W), W, 8).transpose(0, 2, 1, 3)).reshape(N, K)
     with launch() as nt:
-        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, 16 * nt, _n_gemm(wtype, repacked, N),
+        _mm_q(kind, wr, yw, dy, sy, ysum, bsums, _F16_LUT, _SPREAD, out, 16 * nt, _n_gemm(wtype, repacked, N, vec_n),
               tiled)
     return out

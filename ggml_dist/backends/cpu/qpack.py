@@ -129,11 +129,13 @@ class PackedWeight:
         self.d = _f16_plane(b, 0)
         self.m = _f16_plane(b, 2) if self.q8_1 else np.zeros((G, 1), np.uint16)
 
-    def bind(self, x: np.ndarray, out: np.ndarray, fallback: Callable[[], object] | None = None
-             ) -> Callable[[], bool]:
+    def bind(self, x: np.ndarray, out: np.ndarray, fallback: Callable[[], object] | None = None,
+             vec_n: int | None = None) -> Callable[[], bool]:
         """mul_mat(x, out) for arrays fixed from now on (a replayed step's): the kernel and its
         arguments chosen once (bound_int8_call); the call returns False where mul_mat would return
-        None, after fallback() if given. x f32 [N, K] C-contiguous, out f32 [N, M] C-contiguous."""
+        None, after fallback() if given. x f32 [N, K] C-contiguous, out f32 [N, M] C-contiguous.
+        vec_n: kpack's argument (ops passes it to either), without effect: no order of these types
+        depends on the row count (the module docstring's numerics; ComputeOptions.batch_invariant)."""
         N, K = x.shape
         if K != self.K or x.dtype != F32 or not x.flags.c_contiguous:
             raise ValueError(f"packed {self.type.name} weight: x must be f32 [N, {self.K}] C-contiguous")
@@ -152,9 +154,9 @@ class PackedWeight:
         return (self._int8 is not None and other._int8 is self._int8 and other.kind == self.kind
                 and other.K == self.K)
 
-    def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
+    def mul_mat(self, x: np.ndarray, out: np.ndarray | None = None, vec_n: int | None = None) -> np.ndarray | None:
         """x f32 [N, K] -> f32 [N, M] (into `out` if given, C-contiguous), or None when x has a non-finite
-        value (the caller's generic path then gives ggml's values for those)."""
+        value (the caller's generic path then gives ggml's values for those). vec_n: as bind's."""
         N, K = x.shape
         if K != self.K:
             raise ValueError(f"packed {self.type.name} weight has rows of {self.K}, x has {K}")
@@ -264,12 +266,13 @@ def _products_tail(pws: list[PackedWeight], outs: list[np.ndarray]) -> tuple:
 
 
 def bind_products(pws: list[PackedWeight], x: np.ndarray, outs: list[np.ndarray],
-                  fallback: Callable[[], object] | None = None) -> Callable[[], bool]:
+                  fallback: Callable[[], object] | None = None, vec_n: int | None = None) -> Callable[[], bool]:
     """The products of up to MULTI weights that share one int8 call (PackedWeight.shares_call) by the
     same activation x f32 [N >= 1, K] C-contiguous, into outs (f32 [N, M_i] C-contiguous), as one bound
     call (bound_int8_call): x quantized once, and the weights' groups shared among the threads in one
     launch (a layer's Q, K and V, its FFN gate and up: fusion.py), each product's bits as its own
-    call's. False where the products are given back (a non-finite x), after fallback() if given."""
+    call's. False where the products are given back (a non-finite x), after fallback() if given.
+    vec_n: as PackedWeight.bind's (no effect)."""
     if not 1 <= len(pws) <= MULTI or not all(pws[0].shares_call(p) for p in pws) or len(outs) != len(pws):
         raise ValueError(f"bind_products: 1..{MULTI} weights of one int8 layout and kind, one output each")
     N, K = x.shape

@@ -521,6 +521,13 @@ def takes_tiled(wtype: GGMLType, repacked: bool, n_rows: int, order: str) -> boo
     return order == "ggml" and wtype in TILED_TYPES and not repacked and n_rows >= TILED_MIN_ROWS
 
 
+def gemm_rows(N: int, vec_n: int | None = None) -> int:
+    """The rows of X (0 .. the result - 1) that repacked Q4_K multiplies in ggml_gemm_q4_K_8x8_q8_K, in
+    groups of 4 where the slice has more than 3 rows (vec_n, else N); the rest, and every row where
+    vec_n < 4, take ggml_gemv_q4_K_8x8_q8_K."""
+    return N - N % 4 if (N if vec_n is None else vec_n) > 3 and N > 3 else 0
+
+
 def _kq_sums(wtype, b, qy, bsums):
     """Per superblock, exactly: d [M, nb], isum [nb, M, N] (with Q6_K's -32 and Q3_K's signed codes),
     and for the types with mins dmin [M, nb] and minsum [nb, M, N] (else None, None); float64 ints."""
@@ -585,7 +592,7 @@ def _mm_q32(wtype, b, xq, repacked, order):
     return r
 
 
-def _mm_kq(wtype, b, xq, repacked, order):
+def _mm_kq(wtype, b, xq, repacked, order, vec_n=None):
     qy, dy, bsums = xq                                                      # [N, nb, 256], [N, nb], [N, nb, 16]
     M, nb = b.shape[:2]
     N = qy.shape[0]
@@ -601,7 +608,7 @@ def _mm_kq(wtype, b, xq, repacked, order):
             minsum = np.matmul(m.transpose(1, 0, 2).astype(F32), s.transpose(1, 2, 0).astype(F32))
             acc = _chain(isum, d)
             accm = _chain(minsum, dm)
-            ng = N - N % 4 if repacked and wtype == T.Q4_K and N > 3 else 0
+            ng = gemm_rows(N, vec_n) if repacked and wtype == T.Q4_K else 0
             if ng:                  # ggml_gemm_q4_K_8x8_q8_K: one fma per 64 values (2 sub-blocks)
                 xs4 = xs.reshape(M, nb * 4, 64)
                 qy4 = qy[:ng].reshape(ng, nb * 4, 64)
@@ -728,8 +735,10 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     kernels' order, ULP-level off the vec_dot order) and, for F32/F16/BF16, a float64 BLAS product
     rounded once.
     vec_n: the row count of X that picks the F32/F16/BF16 order="ggml" path (vec_dot for 1, tinyBLAS for
-    >= 2) and the tiled K-quant path (``takes_tiled``); None = N. Lets a caller stack the rows of several
-    ggml slices (each output depends only on its own row pair in every path) and keep each slice's order.
+    >= 2), the tiled K-quant path (``takes_tiled``) and repacked Q4_K's gemm (``gemm_rows``); None = N.
+    Lets a caller stack the rows of several ggml slices (each output depends only on its own row pair in
+    every path) and keep each slice's order; vec_n = 1 gives every row the order of a row alone
+    (ComputeOptions.batch_invariant).
     """
     wtype = GGMLType(wtype)
     x = np.asarray(x, F32)
@@ -793,7 +802,8 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
         b = _blocks(wtype, w[m0:m0 + step], K)
         if tiled:
             out[:, m0:m0 + step] = _mm_kq_tiled(wtype, b, xq).T
+        elif vt in (T.Q8_0, T.Q8_1):
+            out[:, m0:m0 + step] = _mm_q32(wtype, b, xq, repacked, order).T
         else:
-            mm = _mm_q32 if vt in (T.Q8_0, T.Q8_1) else _mm_kq
-            out[:, m0:m0 + step] = mm(wtype, b, xq, repacked, order).T
+            out[:, m0:m0 + step] = _mm_kq(wtype, b, xq, repacked, order, vec_n).T
     return out[0] if squeeze else out
