@@ -5,6 +5,12 @@ temperature <= 0 is greedy (argmax of the raw logits, first index on ties, as gg
 stochastic choice of a sequence draws from a numpy Generator seeded by (seed, n), so a seed reproduces
 a run, and the choice does not depend on where it is made: a pipeline's last stage (`sample_row` with
 the same RowSampling) picks the ids the driver would. A Sampler without a seed draws one at random.
+
+Degenerate parameters are clamped, never an error (an error in a batched step would cost the other
+sequences theirs): llama.cpp reads them as float32, so a temperature that is 0 there (1e-300, 5e-324)
+is greedy; a temperature so small that logits / temperature overflows float32 takes the softmax of
+the shifted logits in float64 instead, which is the same distribution; a repeat_penalty is held inside
+float32's normal range, and logits that penalties push past float32's range stay at its ends.
 """
 from __future__ import annotations
 
@@ -43,6 +49,10 @@ class SamplingParams:
             raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
 
 
+FLT_MIN = float(np.finfo(np.float32).tiny)        # the smallest normal float32
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
 @dataclass(frozen=True, slots=True)
 class RowSampling:
     """One output row's choice, self-contained: the chain's parameters (no penalties: they need the
@@ -66,7 +76,8 @@ class RowSampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        """temperature <= 0, or a temperature that is 0 as float32 (llama.cpp's type for it)."""
+        return self.temperature <= 0 or np.float32(self.temperature) == 0
 
 
 GREEDY = RowSampling(0.0, 0, 1.0, 0.0, 0, 0)
@@ -85,7 +96,14 @@ def sample_row(logits: np.ndarray, rs: RowSampling) -> int:
     if rs.min_p > 0.0:
         keep_m = probs >= rs.min_p * probs[0]
         ids = ids[keep_m]
-    probs = _softmax(x[ids] / rs.temperature)
+    with np.errstate(over="ignore"):
+        scaled = x[ids] / rs.temperature
+    if np.isfinite(scaled).all():
+        probs = _softmax(scaled)
+    else:       # differs from llama.cpp (NaNs there): the same distribution, shifted before it is scaled
+        z = (x[ids].astype(np.float64) - float(x[ids].max())) / rs.temperature
+        e = np.exp(z)
+        probs = e / e.sum()
     rng = np.random.default_rng([rs.seed & (2**64 - 1), rs.n])
     return int(ids[rng.choice(len(ids), p=probs)])
 
@@ -156,9 +174,13 @@ class Sampler:
             ok = (ids >= 0) & (ids < len(x))
             ids, counts = ids[ok], counts[ok]
             v = x[ids]
-            v = np.where(v <= 0, v * np.float32(p.repeat_penalty), v / np.float32(p.repeat_penalty))
-            v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
-            x[ids] = v.astype(np.float32)
+            # differs from llama.cpp (inf, then NaNs): the penalty held inside float32's normal range,
+            # and the logits it pushes past float32's range held at its ends
+            penalty = np.float32(min(max(p.repeat_penalty, FLT_MIN), FLT_MAX))
+            with np.errstate(over="ignore"):
+                v = np.where(v <= 0, v * penalty, v / penalty)
+                v = v - (counts.astype(np.float32) * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty))
+            x[ids] = np.clip(v, -FLT_MAX, FLT_MAX).astype(np.float32)
         return x
 
 

@@ -3,9 +3,12 @@ side, or on a Ray pipeline.
 
     engine.py   continuous batching: slots, admission queue, micro-batches, sampling, stop strings
     replicas.py --replicas: engine processes sharing the slots and cores, behind one front (Engine's face)
-    app.py      FastAPI routes: /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models,
-                /tokenize, /detokenize, /health, /metrics
+    app.py      FastAPI routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
+                /v1/models, /tokenize, /detokenize, /health, /metrics, and llama-server's
     protocol.py request validation and response shapes (OpenAI's wire format and error object)
+    scoring.py  prompt log-likelihoods (echo + logprobs) as lm-eval reads them; the tokenizer it asks for
+    responses.py  OpenAI's Responses API (/v1/responses) over the chat route
+    llama_server.py  llama-server's own API: /completion, /props, /slots, /apply-template, /embedding
     stop.py     stop strings over streamed text (held back until they can no longer match)
     grammar.py  constrained decoding: response_format, grammar and json_schema as llguidance token masks
     tools.py    tool calls: tools rendered by the chat template, calls parsed from the text, forced calls

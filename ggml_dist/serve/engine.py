@@ -44,6 +44,7 @@ import math
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
@@ -84,6 +85,9 @@ class Event:
     error: str | None = None
     logprobs: tuple = ()    # per token of this event (sampling.logprobs set): TokenLogprob tuples
     index: int = 0          # which of the request's n choices
+    n_cached: int = 0       # the last event: prompt tokens the slot's cache held (not evaluated again)
+    prompt_logprobs: tuple = ()   # Request.prompt_logprobs: a chunk's prompt tokens, each a TokenLogprob
+                                  # given the tokens before it (the prompt's first token has none)
 
 
 # (token id, its logprob, ((id, logprob) of the top tokens, most likely first)): log-softmax of the raw
@@ -99,6 +103,28 @@ def token_logprob(logits: np.ndarray, tok: int, n_top: int) -> TokenLogprob:
     return int(tok), float(lp[tok]), tuple((int(i), float(lp[i])) for i in top)
 
 
+def prompt_logprobs(logits: np.ndarray, targets: list[int], n_top: int) -> list[TokenLogprob]:
+    """token_logprob of targets[i] under logits row i, for every row, with the same numbers (float64
+    log-softmax) and the same order of the top ones (by logprob, then id). Rows 64 at a time, and the
+    top ones from a partition rather than a sort of the vocabulary: 512 rows of 49K take ~0.3 s."""
+    out: list[TokenLogprob] = []
+    for r0 in range(0, len(targets), 64):
+        x = np.asarray(logits[r0:min(r0 + 64, len(targets))], np.float64)
+        m = x.max(axis=1, keepdims=True)
+        lp = x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+        for i, row in enumerate(lp):
+            tok = int(targets[r0 + i])
+            top: tuple[tuple[int, float], ...] = ()
+            if n_top:
+                k = min(n_top, len(row))
+                kth = np.partition(row, len(row) - k)[len(row) - k]     # the k-th largest
+                ids = np.flatnonzero(row >= kth)                         # ties included, then cut
+                ids = ids[np.lexsort((ids, -row[ids]))][:k]
+                top = tuple((int(j), float(row[j])) for j in ids)
+            out.append((tok, float(row[tok]), top))
+    return out
+
+
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
@@ -109,6 +135,11 @@ class Request:
     t_arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     n: int = 1                             # choices: n sequences, the prompt evaluated once (seq_cp)
+    prompt_logprobs: int | None = None     # score the prompt: every prompt token's logprob and this many
+                                           # top ones (echo + logprobs), from one evaluation of the whole
+                                           # prompt (no cache reuse) in chunks of n_batch, each a step of
+                                           # its own; max_tokens 0 then ends the request (score only)
+    cache_prompt: bool = True              # may start from a slot's cached prefix (llama-server's field)
 
 
 class ServingEngine(Protocol):
@@ -122,6 +153,7 @@ class ServingEngine(Protocol):
 
     def start(self) -> Self: ...
     def wait_ready(self, timeout: float | None = None) -> None: ...
+    def abort(self, message: str) -> None: ...
     def shutdown(self) -> None: ...
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -152,6 +184,7 @@ class Sequence:
     index: int = 0                          # the request's choice this sequence makes
     parent: Sequence | None = None          # choice > 0: waits for choice 0's prompt, then copies it
     children: list = field(default_factory=list)   # choice 0: the choices waiting for its prompt
+    n_cached: int = 0                       # prompt tokens its slot's cache held at admission
 
     @property
     def prefilling(self) -> bool:
@@ -169,6 +202,7 @@ class MicroBatch:
     sampled: bool = False                       # tokens chosen where the logits are (no penalties)
     keep: bool = False                          # with its logits
     followed: bool = False                      # its group's next step is queued (fed its tokens)
+    scored: bool = False                        # one scoring sequence's prompt chunk, every row an output
 
 
 # -- engine ------------------------------------------------------------------------------------------
@@ -193,18 +227,25 @@ class EngineConfig:
                                             # a prompt starting with them reuses them (KV stream per slot)
     n_replicas: int = 1                     # engine processes sharing the slots (serve.replicas)
     pooling: str | None = None              # /v1/embeddings: "mean", "last" or "cls" (llama-server's
-                                            # --pooling; the files we load carry pooling type none)
+                                            # --pooling; the files we load carry pooling type none);
+                                            # "none": /embedding's every token's row, not normalized
+    request_defaults: tuple[tuple[str, int | float], ...] = ()   # llama-server's --temp, --seed and
+                                            # --n-predict: what a request that does not set them takes
+                                            # (temperature, seed, n_predict; applied by app.py)
+    batch_invariant: bool = False           # --deterministic: a sequence's logits do not depend on the
+                                            # steps it shares, the prompt cache or the chunking
+                                            # (ContextParams.batch_invariant)
 
     def __post_init__(self) -> None:
-        if self.pooling not in (None, "mean", "last", "cls"):
-            raise ValueError(f"--pooling must be mean, last or cls, got {self.pooling!r}")
+        if self.pooling not in (None, "mean", "last", "cls", "none"):
+            raise ValueError(f"--pooling must be mean, last, cls or none, got {self.pooling!r}")
         if not 1 <= self.n_parallel <= 64:
             raise ValueError(f"--parallel must be 1..64 (KV sequence ids), got {self.n_parallel}")
         if self.n_ctx // self.n_parallel < 8:
             raise ValueError(f"--ctx {self.n_ctx} over --parallel {self.n_parallel} leaves "
                              f"{self.n_ctx // self.n_parallel} cells per slot; raise --ctx")
         if self.kv_unified is None:
-            self.kv_unified = self.n_stages != 1 or self.address is not None
+            self.kv_unified = (self.n_stages != 1 or self.address is not None) and not self.batch_invariant
         if not 1 <= self.n_replicas <= self.n_parallel:
             raise ValueError(f"--replicas must be 1..--parallel ({self.n_parallel}), got {self.n_replicas}")
         if self.n_replicas > 1 and (self.n_stages != 1 or self.address is not None):
@@ -217,6 +258,11 @@ class EngineConfig:
             raise ValueError("--stages auto places the model on a cluster's nodes: give --address")
         if self.lookahead < 1:
             raise ValueError(f"--lookahead must be >= 1, got {self.lookahead}")
+        # where a sequence's cells sit changes the attention's order (a shared stream interleaves them):
+        # the mode needs a stream per slot, also over a pipeline
+        if self.batch_invariant and self.kv_unified:
+            raise ValueError("--deterministic needs a KV stream per slot: drop --kv-unified on (in a shared "
+                             "stream a sequence's cells sit wherever they were free, which changes its bits)")
 
 
 class Engine:
@@ -245,6 +291,7 @@ class Engine:
         self._cached: list[list[int]] = [[] for _ in range(cfg.n_parallel)]   # a free slot's KV tokens
         self._in_flight: collections.deque[MicroBatch] = collections.deque()
         self._stopping = False
+        self._abort: str | None = None          # abort(): end every request with this error, next turn
         self._next_slot = 0                     # round-robin start when filling micro-batches
         self._thread = threading.Thread(target=self._run, name="ggml-dist-engine", daemon=True)
 
@@ -256,6 +303,13 @@ class Engine:
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self.ready.wait(timeout) or self.load_error:
             raise NotReady(self.load_error or f"the model did not load within {timeout} s")
+
+    def abort(self, message: str) -> None:
+        """End every queued and running request at the engine's next turn with an error event carrying
+        message (a graceful shutdown's end, once its grace is over); the engine keeps running."""
+        with self._cv:
+            self._abort = message
+            self._cv.notify()
 
     def shutdown(self) -> None:
         with self._cv:
@@ -329,7 +383,8 @@ class Engine:
         cfg = self.cfg
         assert cfg.kv_unified is not None, "EngineConfig.__post_init__ chooses kv_unified"
         params = ContextParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
-                               n_seq_max=cfg.n_parallel, kv_unified=cfg.kv_unified, background_compile=True)
+                               n_seq_max=cfg.n_parallel, kv_unified=cfg.kv_unified, background_compile=True,
+                               batch_invariant=cfg.batch_invariant)
         if cfg.n_stages <= 1 and not cfg.address:
             self.model = LlamaModel.load(cfg.model_path)
             self.ctx = LlamaContext(self.model, params)
@@ -389,10 +444,13 @@ class Engine:
         while True:
             with self._cv:
                 while (not self._stopping and not self._queue and not self._in_flight
-                       and not any(self._slots) and not self._jobs):
+                       and not any(self._slots) and not self._jobs and self._abort is None):
                     self._cv.wait()
                 if self._stopping:
                     break
+                if self._abort is not None:
+                    self._abort_all(self._abort)
+                    self._abort = None
                 self._run_jobs()
                 self._reap()
                 self._admit()
@@ -403,7 +461,7 @@ class Engine:
                     with self.collecting():
                         self._collect(self._in_flight.popleft())
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests; the server keeps serving
-                self._fail_all(f"{type(e).__name__}: {e}")
+                self._fail_all(_short_error(e), "".join(traceback.format_exception(e))[-4000:])
         for s in self._slots:
             if s is not None:
                 s.n_flight = 0
@@ -414,7 +472,7 @@ class Engine:
     # -- embeddings (a job between steps, in a free slot) ---------------------------------------------
     def embed(self, prompt: list[int]) -> concurrent.futures.Future:
         """The pooled, L2-normalized embedding of a prompt (cfg.pooling), computed by the engine thread
-        in a free slot between steps; a Future of float32 [n_embd]."""
+        in a free slot between steps; a Future of float32 [n_embd] ([n_tokens, n_embd] for pooling none)."""
         if not self.ready.is_set() or self.load_error:
             raise NotReady(self.load_error or "the model is still loading; retry when /health is ok")
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -449,6 +507,8 @@ class Engine:
                 rows.append(self.ctx.submit(b, embeddings=True).result())
         finally:
             self.ctx.seq_rm(slot)
+        if self.cfg.pooling == "none":             # llama-server's pooling none: each token's row as it is
+            return np.concatenate(rows).astype(np.float32)
         e = np.concatenate(rows).astype(np.float64)
         v = {"mean": lambda: e.mean(axis=0), "last": lambda: e[-1], "cls": lambda: e[0]}[self.cfg.pooling]()
         norm = float(np.sqrt((v * v).sum()))
@@ -509,11 +569,12 @@ class Engine:
                                else None for _ in range(req.n)]
             except Exception as e:  # noqa: BLE001 - an invalid grammar: this request fails, not the engine
                 for i in range(req.n):
-                    req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=f"grammar: {e}",
+                    req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=_short_error(e),
                                        index=i))
                 continue
-            slot, n_keep = self._take_slot(req.prompt)
+            slot, n_keep = self._take_slot(req.prompt, reuse=req.prompt_logprobs is None and req.cache_prompt)
             first = self._slots[slot] = self._sequence(req, slot, 0, constraints[0], n_keep)
+            first.n_cached = n_keep
             self.metrics.add_prompt(len(req.prompt), n_keep)
             for i in range(1, req.n):           # the other choices take the prompt's cells from choice 0
                 slot = next(k for k, q in enumerate(self._slots) if q is None)
@@ -539,16 +600,17 @@ class Engine:
         tok = self.model.tokenizer
         return G.Constraint(G.tokenizer_of(tok), grammar, tok.n_vocab)
 
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
+    def _take_slot(self, prompt: list[int], reuse: bool = True) -> tuple[int, int]:
         """A free slot for a prompt and how many of its tokens that slot's cache already holds: the slot
         whose cached tokens share the longest prefix with the prompt (llama-server's cache_prompt), else
         the lowest free slot with nothing cached, else the lowest free slot. The prompt's last token is
-        always evaluated again: its logits start the generation. The slot keeps only the kept prefix."""
+        always evaluated again: its logits start the generation. The slot keeps only the kept prefix.
+        reuse=False (a prompt to score, whose every row is needed): nothing is kept."""
         assert self.ctx is not None
         free = [k for k, s in enumerate(self._slots) if s is None]
         slot = next((k for k in free if not self._cached[k]), free[0])
         n_keep = 0
-        if self.cfg.cache_prompt:
+        if self.cfg.cache_prompt and reuse:
             for k in free:
                 n = _common_prefix(self._cached[k], prompt)
                 if n > n_keep:
@@ -572,6 +634,10 @@ class Engine:
             if not idle:
                 if not self._follow_up():
                     return
+                continue
+            scoring = next((s for s in idle if s.prefilling and s.req.prompt_logprobs is not None), None)
+            if scoring is not None:
+                self._submit_scored(scoring)
                 continue
             # decoding sequences first (one token each), then prompt chunks in what is left of n_batch;
             # the batch lists them in slot order
@@ -622,6 +688,34 @@ class Engine:
                 pending = self.ctx.submit(batch)
             self.busy_s += time.perf_counter() - t0
             self._in_flight.append(MicroBatch(pending, parts, sampled, keep))
+
+    def _submit_scored(self, s: Sequence) -> None:
+        """A scoring sequence's next prompt chunk (at most n_batch tokens) as a step of its own, every row
+        an output: its rows are computed as one process's batch of the same tokens is (`ggml-dist
+        logits`), whatever the other slots do; beside one-token decodes a ubatch would take the chunk's
+        first token with theirs (split_equal), and with it a different reduction order."""
+        assert self.ctx is not None
+        chunk = s.req.prompt[s.n_past:s.n_past + self.cfg.n_batch]
+        batch = Batch.from_tokens(chunk, s.n_past, s.slot, all_outputs=True)
+        last = s.n_past + len(chunk) == len(s.history)
+        s.n_flight += 1
+        t0 = time.perf_counter()
+        pending = self.ctx.submit(batch)
+        self.busy_s += time.perf_counter() - t0
+        self._in_flight.append(MicroBatch(pending, [(s, len(chunk), last)], scored=True))
+
+    def _score_chunk(self, mb: MicroBatch, logits: np.ndarray) -> np.ndarray:
+        """A scored chunk's rows: row i gives the logprob of the prompt token after it, sent as the
+        chunk's prompt_logprobs event; returns the rows left to sample from (the prompt's last row, if
+        the chunk ends the prompt, which scores nothing)."""
+        s, n_tokens, last = mb.parts[0]
+        p0 = s.n_past                                   # the chunk's first position (not advanced yet)
+        targets = s.req.prompt[p0 + 1:p0 + n_tokens + 1]
+        if not s.done and not s.req.cancelled:
+            assert s.req.prompt_logprobs is not None, "only a scoring request's chunks are scored"
+            lps = prompt_logprobs(logits, targets, s.req.prompt_logprobs)
+            s.req.on_event(Event(prompt_logprobs=tuple(lps), index=s.index))
+        return logits[-1:] if last else logits[:0]
 
     def _follow_up(self) -> bool:
         """Queue the next step of a group in flight before its tokens are back: the newest micro-batch
@@ -684,6 +778,9 @@ class Engine:
         else:
             toks, logits = None, mb.pending.result()     # [n_outputs, n_vocab] in batch order
         self.busy_s += time.perf_counter() - t0
+        if mb.scored:
+            assert logits is not None
+            logits = self._score_chunk(mb, logits)
         row = 0
         for s, n_tokens, has_out in mb.parts:
             s.n_flight -= 1
@@ -696,25 +793,38 @@ class Engine:
                     if not s.in_flight:                  # else once its last step is back (_reap)
                         self._finish(s, "cancelled")
                     continue
-                if toks is not None:
-                    tok = toks[row - 1]
-                else:
-                    assert logits is not None
-                    allowed = s.constraint.allowed() if s.constraint is not None else None
-                    tok = s.sampler.sample(logits[row - 1], s.history, allowed)
-                n_lp = s.sampler.params.logprobs
-                lp = () if n_lp is None or logits is None else (token_logprob(logits[row - 1], tok, n_lp),)
+                if s.req.max_tokens == 0:                # score only: the prompt is in, nothing is sampled
+                    self._finish(s, "length")
+                    continue
+                # a row's own failure (its grammar, its sampling) fails its sequence only: the step's
+                # other rows are fine, and so are the KV cache and the other slots' cached prompts
+                try:
+                    if toks is not None:
+                        tok = toks[row - 1]
+                    else:
+                        assert logits is not None
+                        allowed = s.constraint.allowed() if s.constraint is not None else None
+                        tok = s.sampler.sample(logits[row - 1], s.history, allowed)
+                    n_lp = s.sampler.params.logprobs
+                    lp = () if n_lp is None or logits is None else (token_logprob(logits[row - 1], tok, n_lp),)
+                except Exception as e:  # noqa: BLE001 - this request fails, not the step
+                    self._fail_one(s, e)
+                    continue
                 children, s.children = s.children, []
                 # the prompt is in: the other choices take its cells and their first tokens first, as
                 # choice 0 may end at once (and free its cells)
-                starts = [(c, *self._start_choice(s, c, logits[row - 1] if logits is not None else None))
-                          for c in children]
-                self._accept(s, tok, lp)
+                starts = []
+                for c in children:
+                    try:
+                        starts.append((c, *self._start_choice(s, c, logits[row - 1] if logits is not None else None)))
+                    except Exception as e:  # noqa: BLE001 - that choice fails, not its request's others
+                        self._fail_one(c, e)
+                self._accept_or_fail(s, tok, lp)
                 for c, ctok, clp in starts:
                     if c.req.cancelled:
                         self._finish(c, "cancelled")
                     else:
-                        self._accept(c, ctok, clp)
+                        self._accept_or_fail(c, ctok, clp)
 
     def _start_choice(self, first: Sequence, c: Sequence, logits: np.ndarray | None) -> tuple[int, tuple]:
         """Choice c > 0 of first's request: the prompt's KV cells join c's sequence (seq_cp; between
@@ -775,20 +885,53 @@ class Engine:
             text += tail if hit else tail + s.stop.flush()
         if self._caches_prompts() and reason != "error":
             self._cached[s.slot] = s.history[:s.n_past]
+            if s.n_flight:                      # cells its queued steps took, past what it evaluated
+                self.ctx.seq_rm(s.slot, s.n_past, -1)
         else:
             self.ctx.seq_rm(s.slot)
         self._slots[s.slot] = None
-        s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error, self._take_logprobs(s), s.index))
+        s.req.on_event(Event(text, reason, len(s.req.prompt), s.n_gen, error, self._take_logprobs(s), s.index,
+                             n_cached=s.n_cached))
         for c in list(s.children):              # ended before its prompt was in: so do the others
             self._finish(c, reason if reason == "error" else "cancelled", error=error)
 
     def _caches_prompts(self) -> bool:
-        """Prompt caching needs a KV stream per slot in one process: there a slot's tokens sit in its
-        own stream in position order, as a fresh prompt's would, so reusing them gives the same bits."""
-        return self.cfg.cache_prompt and not self.cfg.kv_unified and self.pipeline is None
+        """A finished request's cells stay under its slot's sequence id, in a stream of its own or in the
+        shared one (a pipeline's): a slot's cells, cached or in use, never pass ctx/parallel, so the cache
+        always has room for every slot. With a stream per slot the cached tokens sit in position order, as
+        a fresh prompt's would; in a shared stream a sequence's cells sit wherever they were free, cached
+        or not, so there no run is bit for bit another (see docs/api.md)."""
+        return self.cfg.cache_prompt
 
-    def _fail_all(self, msg: str) -> None:
-        print(f"ggml-dist serve: step failed: {msg}", file=sys.stderr)
+    def _accept_or_fail(self, s: Sequence, tok: int, lp: tuple) -> None:
+        try:
+            self._accept(s, tok, lp)
+        except Exception as e:  # noqa: BLE001 - its grammar refused the token, say: this sequence fails
+            self._fail_one(s, e)
+
+    def _fail_one(self, s: Sequence, e: BaseException) -> None:
+        """One sequence failed on its own (sampling, its grammar): it ends with an error event, its slot
+        is freed (its cells dropped, not cached); the step and every other sequence carry on."""
+        msg = _short_error(e)
+        print(f"ggml-dist serve: a request failed (the others carry on): {msg}", file=sys.stderr)
+        if not s.done:
+            self._finish(s, "error", error=msg)
+
+    def _abort_all(self, msg: str) -> None:
+        """abort(): every queued request and running sequence ends with an error event now."""
+        while self._queue:
+            req = self._queue.popleft()
+            for i in range(req.n):
+                req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=msg, index=i))
+        for s in self._slots:
+            if s is not None and not s.done:
+                self._finish(s, "error", error=msg)
+
+    def _fail_all(self, msg: str, detail: str = "") -> None:
+        """A step itself failed (its compute, a stage beyond recovery): the KV cache may hold half its
+        writes, so every sequence in it, and every cached prompt, goes. A single row's failure does not
+        come here (_fail_one). msg goes to the clients; detail (the traceback's last 4 KB) to the log."""
+        print(f"ggml-dist serve: step failed: {msg}\n{detail}", file=sys.stderr)
         self._cached = [[] for _ in self._slots]
         self._in_flight.clear()
         for s in self._slots:
@@ -797,6 +940,15 @@ class Engine:
                 self._finish(s, "error", error=msg)
         assert self.ctx is not None
         self.ctx.clear()
+
+
+def _short_error(e: BaseException, n: int = 300) -> str:
+    """An error for a client and a log line: its type and the first line of its message, at most n
+    characters (a library's message may carry its whole state: 300 KB for one grammar)."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else ""
+    msg = f"{type(e).__name__}: {line}" if line else type(e).__name__
+    return msg if len(msg) <= n else msg[:n] + "..."
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

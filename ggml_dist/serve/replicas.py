@@ -63,9 +63,12 @@ class Submit:
     sampling: SamplingParams
     stops: tuple[str, ...]
     t_arrival: float
+    prompt_logprobs: int | None = None      # Request.prompt_logprobs (echo + logprobs: scoring)
+    cache_prompt: bool = True               # Request.cache_prompt
 
     def request(self, on_event: Callable[[Event], None]) -> Request:
-        return Request(self.prompt, self.max_tokens, self.sampling, self.stops, on_event, self.t_arrival)
+        return Request(self.prompt, self.max_tokens, self.sampling, self.stops, on_event, self.t_arrival,
+                       prompt_logprobs=self.prompt_logprobs, cache_prompt=self.cache_prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,6 +390,25 @@ class ReplicaSet:
                     r.proc.kill()
                     r.proc.wait()
 
+    def abort(self, message: str) -> None:
+        """Every request routed to a replica ends now with an error event carrying message (a graceful
+        shutdown's end): the front answers for the replicas, tells each to cancel, and drops what they
+        send for those requests afterwards."""
+        with self._lock:
+            ended = [(r, rid, req) for r in self.replicas for rid, req in r.reqs.items()]
+            for r, rid, req in ended:
+                del r.reqs[rid]
+                self._where.pop(req, None)
+            for r in self.replicas:
+                self._set_load(r, len(r.reqs))
+        for r, rid, req in ended:
+            try:
+                r.send(Cancel(rid))
+            except OSError:
+                pass
+            for i in range(req.n):
+                req.on_event(Event(finish_reason="error", n_prompt=len(req.prompt), error=message, index=i))
+
     # -- messages from a replica (its reader thread) --------------------------------------------------
     def _read(self, r: _Replica, conn: Connection, sender: _Sender) -> None:
         try:
@@ -480,7 +502,8 @@ class ReplicaSet:
             r.recent.append(req.prompt)
             self._where[req] = (r, rid)
         try:
-            r.send(Submit(rid, req.prompt, req.max_tokens, req.sampling, req.stops, req.t_arrival))
+            r.send(Submit(rid, req.prompt, req.max_tokens, req.sampling, req.stops, req.t_arrival,
+                          req.prompt_logprobs, req.cache_prompt))
         except OSError:                 # the replica just died: its reader fails the request
             pass
 

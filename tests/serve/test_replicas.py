@@ -82,10 +82,13 @@ def test_threads_follow_the_busy_replicas(replicated):
         next(la), next(lb)
         share = max(1, eng._threads // 2)
         t0 = time.monotonic()              # a stream's first line can come before its request is routed
-        while sorted(r.load for r in eng.replicas) != [1, 1] and time.monotonic() - t0 < 5:
-            time.sleep(0.02)
-        loads = sorted(r.load for r in eng.replicas)
-        assert loads == [1, 1] and all(r.threads == share for r in eng.replicas)
+        while True:                        # one snapshot per look: loads and threads change together
+            with eng._lock:
+                snap = [(r.load, r.threads) for r in eng.replicas]
+            if sorted(load for load, _ in snap) == [1, 1] or time.monotonic() - t0 > 30:
+                break
+            time.sleep(0.01)
+        assert sorted(load for load, _ in snap) == [1, 1] and all(t == share for _, t in snap), snap
     wait_idle(replicated)
     assert all(r.threads == eng._threads for r in eng.replicas)
 
