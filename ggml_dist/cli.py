@@ -1,4 +1,4 @@
-"""The `ggml-dist` command: pull, run, logits, plan, tokenize, serve, bench."""
+"""The `ggml-dist` command: pull, run, logits, plan, tokenize, serve, bench, warmup."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "one per node; 1 without --address runs in this process")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a "
                    "local Ray, or join the cluster of a `ray job submit` job)")
-    p.add_argument("--layers", default=None, help="explicit layer ranges per stage, e.g. 0-14,15-29")
+    p.add_argument("--layers", default=None, help="explicit layer ranges per stage, first:end with the end "
+                   "exclusive, e.g. 0:15,15:30 (the older inclusive 0-14,15-29 is accepted too)")
     p.add_argument("--n-copies", type=int, default=None, help="micro-batches in flight (default: 4, as "
                    "llama.cpp's pipeline parallelism)")
     p.add_argument("--threads", type=int, default=None,
@@ -58,12 +59,46 @@ def _on_cluster(args: argparse.Namespace) -> bool:
     return bool(args.address or os.environ.get("RAY_ADDRESS"))
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help with each option's default, where its help does not state it already (a flag's False and
+    an unset None are not defaults worth a word)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        h = action.help or ""
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "default" not in h):
+            h += " (default: %(default)s)"
+        return h.strip()
+
+
+def _version() -> str:
+    """ggml-dist's version and those of what it runs on (package metadata: nothing is imported)."""
+    from importlib import metadata
+    from platform import python_version
+
+    def v(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return f"ggml-dist {v('ggml-dist')} (Python {python_version()}, numba {v('numba')}, ray {v('ray')})"
+
+
+def _known_models_text() -> str:
+    from .model.pull import KNOWN_MODELS, cache_dir
+    return (f"a known model: {', '.join(f'{k} ({m.member})' for k, m in sorted(KNOWN_MODELS.items()))}; "
+            f"cached in {cache_dir()}")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ggml-dist", description=__doc__)
+    ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("pull", help="fetch a known model into the cache and print its path")
-    p.add_argument("name")
+    p.add_argument("name", help=_known_models_text())
+    p.add_argument("--verify", action="store_true", help="hash the cached file in full (a file that does "
+                   "not match is deleted and fetched again)")
 
     p = sub.add_parser("run", help="generate text")
     _add_model_args(p)
@@ -78,18 +113,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--inject-fault", default=None, metavar="kill-stage:K:after-token:N",
-                   help="kill stage K's actor after N generated tokens (the run recovers)")
+                   help="kill stage K's actor (kill-stage) or make its next call block (wedge-stage) after N "
+                   "generated tokens; the run recovers")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="N continuations of the prompt decoded together (sequence i samples with seed + i); "
                         "over stages they form one micro-batch per stage, which overlap")
     p.add_argument("--lookahead", type=int, default=None, metavar="N",
                    help="decode steps queued before a token is read, the later ones fed their token by the "
-                        "last stage (default: 2 over stages for one sequence, else 1)")
+                        "last stage (default: 2 over stages, for --parallel over direct stage calls; else 1)")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant numerics: every token's "
+                   "logits as if it were evaluated alone (llama.cpp's with --ubatch 1), whatever the batch, "
+                   "ubatch size or prompt cache (prompts on K-quant or F16 weights run a few percent slower)")
 
     p = sub.add_parser("logits", help="write the logits of every position of a token list")
     _add_model_args(p)
     p.add_argument("--tokens", required=True, help="comma-separated token ids (no BOS is added)")
     p.add_argument("--out", required=True, help="output .npz (array 'logits' [n_tokens, n_vocab])")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant numerics: every token's "
+                   "logits as if it were evaluated alone (llama.cpp's with --ubatch 1), whatever the batch, "
+                   "ubatch size or prompt cache (prompts on K-quant or F16 weights run a few percent slower)")
 
     p = sub.add_parser("plan", help="print the placement of a model's layers over pipeline stages")
     _add_model_args(p)
@@ -124,28 +166,72 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="engine processes in this machine, each with "
                    "parallel/replicas of the slots, the cores split among those with requests: more "
                    "throughput with many clients on a multi-core CPU; each process loads the model")
-    p.add_argument("--pooling", choices=["mean", "last", "cls"], default=None,
+    p.add_argument("--pooling", choices=["mean", "last", "cls", "none"], default=None,
                    help="/v1/embeddings: how a prompt's final-norm rows are pooled (llama-server's "
-                   "--pooling; without it the endpoint answers 400)")
+                   "--pooling; without it the endpoint answers 400); none: /embedding gives every "
+                   "token's row")
     p.add_argument("--kv-unified", choices=["auto", "on", "off"], default="auto",
                    help="one KV cache stream shared by the slots (on), or a stream per slot whose attention "
                    "spans only its own cells (off); auto: off in one process, on over a pipeline")
     p.add_argument("--no-cache-prompt", action="store_true", help="do not keep a finished request's "
                    "tokens in its slot for a later prompt that starts with them (kept by default, with a "
                    "KV stream per slot, as llama-server's cache_prompt)")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant numerics: a request's "
+                   "tokens and logprobs to the bit whatever else is served, with or without a prompt cache hit "
+                   "(every token's logits as if evaluated alone); one process only")
+    p.add_argument("--temp", type=float, default=None, help="the temperature of requests that set none "
+                   "(llama-server's flag; default: each API's own, OpenAI's 1.0, /completion's 0.8)")
+    p.add_argument("--seed", type=int, default=None, help="the seed of requests that set none (llama-server's "
+                   "flag; default: a random one per request)")
+    p.add_argument("--n-predict", type=int, default=None, help="the max_tokens/n_predict of requests that set "
+                   "none (llama-server's flag; -1: until the context per request is full)")
     p.add_argument("--alias", default=None, help="model id reported by /v1/models")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for models "
                    "whose GGUF has none")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
+                   "/health (default: $GGML_DIST_API_KEY; none: open)")
+    p.add_argument("--insecure-no-api-key", action="store_true", help="allow a non-loopback --host without "
+                   "an API key (anyone who reaches the port may generate)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES", help="comma-separated Host header names "
+                   "answered besides the bound address and localhost (IP literals always are; * for any): "
+                   "other names get 403, against DNS rebinding")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S", help="on SIGTERM, seconds the "
+                   "running requests get to finish (new ones get 503) before they end with an error (default 10)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S", help="seconds a connection may "
+                   "take to send a request's headers (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S", help="seconds a request may take "
+                   "to send its body (default 30; then 408)")
+    p.add_argument("--max-connections", type=int, default=1000, metavar="N", help="connections open at once "
+                   "(default 1000; past it new ones are closed, and requests get 503)")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
     p.add_argument("what", choices=["alloc", "pipeline", "decode", "faults", "fuzz-gguf", "cluster"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("warmup", help="compile the model's kernels into the kernel cache now (for images and "
+                       "cluster nodes: the first run then starts with the compiled kernels)")
+    p.add_argument("--model", required=True, help="a GGUF path or a known name (smollm2-135m)")
+    p.add_argument("--threads", default=None, metavar="N[,N...]", help="the thread counts to compile for "
+                   "(default: 1, as a stage actor runs, and the cores available, as one process runs)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: seconds in all and per kernel")
+
+    for name, sp in sub.choices.items():     # every subcommand: its defaults in --help, and --verbose
+        sp.formatter_class = _DefaultsFormatter
+        for a in sp._actions:                # an option without help gets a line for its default
+            if a.help is None and a.option_strings and a.default not in (None, False, argparse.SUPPRESS):
+                a.help = "(default: %(default)s)"
+        if name != "bench":                  # (bench hands its arguments on as they are)
+            sp.add_argument("--verbose", action="store_true", help="also show Ray's own notices (token auth, "
+                            "connecting to a cluster, packaging the code for the job) and its info lines")
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.cmd in ("run", "serve", "bench"):     # a first run's kernel compiles announce themselves
+    if getattr(args, "verbose", False):           # read by workers/cluster.connect (and serve's replicas)
+        import os
+        os.environ["GGML_DIST_VERBOSE"] = "1"
+    if args.cmd in ("run", "serve", "bench", "warmup"):     # a first run's kernel compiles announce themselves
         from .backends.cpu.compile_progress import install
         install(f"ggml-dist {args.cmd}")
     try:
@@ -159,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     from .model.pull import pull
-    print(pull(args.name))
+    print(pull(args.name, verify=args.verify))
     return 0
 
 
@@ -184,16 +270,11 @@ def _apply_config(args: argparse.Namespace) -> None:
 
 
 def _parse_layers(spec: str | None) -> list[tuple[int, int]] | None:
+    """--layers: `first:end` ranges (end exclusive; the older inclusive `first-last` too)."""
     if not spec:
         return None
-    try:
-        out = []
-        for part in spec.split(","):
-            a, b = part.split("-")
-            out.append((int(a), int(b) + 1))
-        return out
-    except ValueError:
-        raise ValueError(f"--layers must look like 0-14,15-29 (inclusive ranges), got '{spec}'") from None
+    from .workers.placement import parse_layers
+    return parse_layers(spec)
 
 
 def _params(args: argparse.Namespace):
@@ -202,7 +283,8 @@ def _params(args: argparse.Namespace):
     kv_type = GGMLType.F16 if args.cache_type == "f16" else GGMLType.F32
     return ContextParams(n_ctx=args.ctx, n_batch=args.batch, n_ubatch=args.ubatch, type_k=kv_type,
                          type_v=kv_type, exact=args.exact, background_compile=True,
-                         n_seq_max=max(1, getattr(args, "parallel", 1)))
+                         n_seq_max=max(1, getattr(args, "parallel", 1)),
+                         batch_invariant=getattr(args, "deterministic", False))
 
 
 def _load(args: argparse.Namespace):
@@ -253,8 +335,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     on_text = None if args.json else _write_flush
     if args.parallel != 1:
         return _run_parallel(args, lctx, pl, ids, sp)
-    on_token, recovery_s = _recovery_clock(lctx, _fault_injector(args.inject_fault, pl))
-    res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=on_token,
+    injector = _fault_injector(args.inject_fault, pl)
+    clock = _RecoveryClock(lctx, injector)
+    res = generate(lctx, tok, ids, args.n_predict, sp, on_text=on_text, n_batch=args.batch, on_token=clock,
                    lookahead=args.lookahead)
     timings = {"prompt_tok_s": round(res.prompt_tok_s, 3), "decode_tok_s": round(res.decode_tok_s, 3)}
     if pl is not None and args.trace:
@@ -264,7 +347,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                "timings": timings, "stop_reason": res.stop_reason,
                "graphs": {"reused": lctx.n_reused, "rebuilt": lctx.n_rebuilt},
                "recoveries": lctx.n_recoveries, "replayed_tokens": lctx.n_replayed_tokens,
-               "recovery_s": [round(x, 3) for x in recovery_s]}
+               "recovery": clock.report()}
         if pl is not None:
             out["stages"] = _stage_summary(pl)
             out["stage_calls"] = pl.calls_used()
@@ -275,8 +358,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"prompt: {len(res.prompt_tokens)} tokens, {timings['prompt_tok_s']} tok/s | "
               f"decode: {len(res.tokens)} tokens, {timings['decode_tok_s']} tok/s | "
               f"graphs reused {lctx.n_reused}, rebuilt {lctx.n_rebuilt}"
-              + (f" | recoveries {lctx.n_recoveries}, recovery_s {[round(x, 3) for x in recovery_s]}"
-                 if lctx.n_recoveries else ""), file=sys.stderr)
+              + (f" | recoveries {lctx.n_recoveries}: {clock.line()}" if lctx.n_recoveries else ""), file=sys.stderr)
     return 0
 
 
@@ -294,7 +376,10 @@ def _run_parallel(args: argparse.Namespace, lctx, pl, ids: list[int], sp) -> int
         done[0] += 1
         if not args.json and done[0] % 32 == 0:
             print(f"ggml-dist: {done[0]} tokens over {args.parallel} sequences", file=sys.stderr, flush=True)
-    res = generate_parallel(lctx, tok, ids, args.n_predict, args.parallel, sp, lookahead=args.lookahead,
+    # over direct links a group's next step fed its tokens by the last stage pays (2 hosts, 4 sequences:
+    # 30.5 against 28.5 tok/s); through Ray calls it did not
+    lookahead = args.lookahead or (2 if pl is not None and pl.calls_used() == "direct" else None)
+    res = generate_parallel(lctx, tok, ids, args.n_predict, args.parallel, sp, lookahead=lookahead,
                             n_batch=args.batch, on_token=progress)
     n_gen = sum(max(len(r.tokens) - 1, 0) for r in res)
     decode_s = res[0].decode_s
@@ -315,43 +400,77 @@ def _run_parallel(args: argparse.Namespace, lctx, pl, ids: list[int], sp) -> int
     return 0
 
 
-def _recovery_clock(lctx, inner):
-    """An on_token callback that also times each recovery: from the moment the loss was detected to
-    the first token generated after it (the list fills as the run goes)."""
-    import time
-    out: list[float] = []
+class _RecoveryClock:
+    """run's on_token callback (after the fault injector's), timing each recovery three ways: detect_s,
+    from the injected fault to the moment the loss was detected (only for --inject-fault: a real fault's
+    moment is not known); restore_s, the restart and the replay of the KV log (LlamaContext.recovery_s);
+    first_token_s, from detection to the first token generated after it. detected_at is the wall clock
+    (time.time()) of each detection, so an outside fault (a cut link) can be timed against it."""
 
-    def on_token(i: int, tok: int) -> None:
-        if len(lctx.lost_at) > len(out):
-            out.append(time.perf_counter() - lctx.lost_at[len(out)])
-        if inner is not None:
-            inner(i, tok)
-    return on_token, out
+    def __init__(self, lctx, injector) -> None:
+        self.lctx, self.injector = lctx, injector
+        self.first_token_s: list[float] = []
+
+    def __call__(self, i: int, tok: int) -> None:
+        import time
+        lost = self.lctx.lost_at
+        while len(lost) > len(self.first_token_s):
+            self.first_token_s.append(time.perf_counter() - lost[len(self.first_token_s)])
+        if self.injector is not None:
+            self.injector(i, tok)
+
+    def report(self) -> list[dict]:
+        ctx, out = self.lctx, []
+        fault = getattr(self.injector, "fault_at", None)
+        for k, lost in enumerate(ctx.lost_at):
+            out.append({"detect_s": round(lost - fault, 3) if fault is not None and k == 0 else None,
+                        "restore_s": round(ctx.recovery_s[k], 3) if k < len(ctx.recovery_s) else None,
+                        "first_token_s": round(self.first_token_s[k], 3) if k < len(self.first_token_s) else None,
+                        "detected_at": round(ctx.lost_wall[k], 3)})
+        return out
+
+    def line(self) -> str:
+        return "; ".join(f"detected after {r['detect_s'] if r['detect_s'] is not None else '?'} s (at "
+                         f"{r['detected_at']}), restored in {r['restore_s']} s, first token {r['first_token_s']} s "
+                         f"after detection" for r in self.report())
 
 
-def _fault_injector(spec: str | None, pl):
-    """--inject-fault kill-stage:K:after-token:N -> an on_token callback that kills stage K once."""
-    if not spec:
-        return None
-    parts = spec.split(":")
-    try:
-        if len(parts) != 4 or parts[0] != "kill-stage" or parts[2] != "after-token":
-            raise ValueError
-        k, n = int(parts[1]), int(parts[3])
-    except ValueError:
-        raise ValueError(f"--inject-fault takes kill-stage:K:after-token:N, got '{spec}'") from None
-    if pl is None:
-        raise ValueError("--inject-fault needs a pipeline: add --stages 2 (or more)")
-    if not 0 <= k < len(pl.actors):
-        raise ValueError(f"--inject-fault: stage {k} does not exist (stages 0..{len(pl.actors) - 1})")
-    fired: list[int] = []
+class _FaultInjector:
+    """--inject-fault kill-stage:K:after-token:N (the stage's process killed) or wedge-stage:K:after-token:N
+    (its next call blocks, the process alive): an on_token callback that makes the fault once, after token
+    N; fault_at is when (perf_counter)."""
+    KINDS = ("kill-stage", "wedge-stage")
 
-    def on_token(i: int, tok: int) -> None:
-        if i == n and not fired:
-            fired.append(i)
-            print(f"ggml-dist: injecting fault: killing stage {k} after token {n}", file=sys.stderr)
-            pl.kill_stage(k)
-    return on_token
+    def __init__(self, spec: str, pl) -> None:
+        parts = spec.split(":")
+        try:
+            if len(parts) != 4 or parts[0] not in self.KINDS or parts[2] != "after-token":
+                raise ValueError
+            self.kind, self.stage, self.after = parts[0], int(parts[1]), int(parts[3])
+        except ValueError:
+            raise ValueError(f"--inject-fault takes kill-stage:K:after-token:N or wedge-stage:K:after-token:N, "
+                             f"got '{spec}'") from None
+        if pl is None:
+            raise ValueError("--inject-fault needs a pipeline: add --stages 2 (or more)")
+        if not 0 <= self.stage < len(pl.actors):
+            raise ValueError(f"--inject-fault: stage {self.stage} does not exist (stages 0..{len(pl.actors) - 1})")
+        self.pl = pl
+        self.fault_at: float | None = None
+
+    def __call__(self, i: int, tok: int) -> None:
+        import time
+        if i == self.after and self.fault_at is None:
+            verb = "killing" if self.kind == "kill-stage" else "wedging"
+            print(f"ggml-dist: injecting fault: {verb} stage {self.stage} after token {self.after}", file=sys.stderr)
+            self.fault_at = time.perf_counter()
+            if self.kind == "kill-stage":
+                self.pl.kill_stage(self.stage)
+            else:
+                self.pl.wedge_stage(self.stage)
+
+
+def _fault_injector(spec: str | None, pl) -> _FaultInjector | None:
+    return None if not spec else _FaultInjector(spec, pl)
 
 
 def _stage_summary(pl) -> list[dict]:
@@ -375,8 +494,8 @@ def _stage_summary(pl) -> list[dict]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .model.model import LlamaModel
     from .model.pull import resolve_model
-    from .workers.driver import kv_plan, plan_on_nodes, planned_compute
-    from .workers.placement import STAGE_OVERHEAD_BYTES, NodeInfo, place
+    from .workers.driver import plan_stages
+    from .workers.placement import NodeInfo
     _apply_config(args)
     model = LlamaModel.load(resolve_model(args.model))
     params = _params(args)
@@ -392,18 +511,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from .workers.cluster import connect
         from .workers.resources import cluster_nodes
         print(f"ggml-dist: {connect(args.address)}", file=sys.stderr)
-        pl = plan_on_nodes(model, params, cluster_nodes(), n_stages, args.threads, layers)
+        pl = plan_stages(model, params, n_stages, nodes=cluster_nodes(), layers=layers, threads=args.threads)
     elif n_stages is None:
         if not budgets or len(budgets) != 1:
             raise ValueError("--stages auto needs a cluster (--address, or a ray job) or one --budget-gib "
                              "per stage")
         nodes = [NodeInfo(f"budget-{i}", "", budgets[0], 1.0) for i in range(model.hp.n_layer)]
-        pl = plan_on_nodes(model, params, nodes, None, 1, layers)
-    else:
-        n_kv, kv_size = kv_plan(params)
-        compute = planned_compute(model, params, n_stages)
-        pl = place(model.file, model.hp, n_stages, n_kv, kv_size, compute, 1, budgets, layers,
-                   STAGE_OVERHEAD_BYTES)
+        pl = plan_stages(model, params, None, nodes=nodes, layers=layers)
+    else:       # the same account as run's table and run --json's plan (driver.plan_stages)
+        pl = plan_stages(model, params, n_stages, budgets=budgets, layers=layers)
     print(json.dumps({"stages": pl.to_json()}) if args.json else pl.table())
     return 0
 
@@ -436,10 +552,19 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from .model.pull import resolve_model
     from .serve import EngineConfig, serve
+    from .serve.app import HTTPPolicy
+    from .serve.server import ServeOptions, check_bind
+    api_key = args.api_key or os.environ.get("GGML_DIST_API_KEY") or None
+    check_bind(args.host, api_key, args.insecure_no_api_key)
+    hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    opts = ServeOptions(policy=HTTPPolicy.for_bind(args.host, api_key, hosts, body_timeout_s=args.body_timeout),
+                        header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                        shutdown_grace_s=args.shutdown_grace)
     cfg = EngineConfig(str(resolve_model(args.model)), n_stages=0 if args.stages == "auto" else args.stages,
                        address=args.address,
                        n_parallel=args.parallel, n_ctx=args.ctx, n_batch=args.batch,
@@ -447,12 +572,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        stage_calls=args.stage_calls, lookahead=args.lookahead,
                        kv_unified={"auto": None, "on": True, "off": False}[args.kv_unified],
                        cache_prompt=not args.no_cache_prompt, n_replicas=args.replicas, pooling=args.pooling,
+                       batch_invariant=args.deterministic,
+                       request_defaults=tuple((k, v) for k, v in (("temperature", args.temp), ("seed", args.seed),
+                                                                  ("n_predict", args.n_predict)) if v is not None),
                        chat_template=Path(args.chat_template).read_text() if args.chat_template else None)
     name = args.alias or Path(args.model).stem
     print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "
           f"{args.ctx // args.parallel} tokens{f' over {args.replicas} replicas' if args.replicas > 1 else ''}); "
           f"loading, see /health", file=sys.stderr)
-    serve(cfg, name, args.host, args.port)
+    serve(cfg, name, args.host, args.port, opts=opts)
     return 0
 
 
@@ -463,8 +591,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return mains[args.what](args.rest)
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from .model.pull import resolve_model
+    from .model.warmup_process import warm
+    try:
+        threads = [int(x) for x in args.threads.split(",")] if args.threads else None
+    except ValueError:
+        raise ValueError(f"--threads takes comma-separated numbers, got '{args.threads}'") from None
+    res = warm(resolve_model(args.model), threads)
+    print(json.dumps(res.to_json()) if args.json else res.summary())
+    return 0
+
+
 _COMMANDS = {"pull": _cmd_pull, "run": _cmd_run, "logits": _cmd_logits, "tokenize": _cmd_tokenize,
-             "plan": _cmd_plan, "bench": _cmd_bench, "serve": _cmd_serve}
+             "plan": _cmd_plan, "bench": _cmd_bench, "serve": _cmd_serve, "warmup": _cmd_warmup}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -69,6 +70,11 @@ def test_tokenize_json(capsys, model):
 def test_plan(capsys, model):
     rc, out, _ = _run(capsys, "plan", "--model", model, "--stages", "2", "--ctx", "256")
     assert rc == 0 and "layers" in out and out.count("\n") == 3      # header + 2 stages
+    assert " 0:1 " in out and " 1:2 " in out                           # first:end, as the JSON's pairs
+    two = ["plan", "--model", model, "--stages", "2", "--ctx", "256", "--json", "--layers"]
+    rc, js, _ = _run(capsys, *two, "0:1,1:2")
+    rc2, js2, _ = _run(capsys, *two, "0-0,1-1")                      # the older inclusive form, the same split
+    assert rc == rc2 == 0 and js == js2 and [s["layers"] for s in json.loads(js)["stages"]] == [[0, 1], [1, 2]]
     rc, _, err = _run(capsys, "plan", "--model", model, "--stages", "2", "--ctx", "256", "--budget-gib", "0.0001")
     assert rc == 1 and "stage 0" in err and "budget" in err
 
@@ -119,3 +125,101 @@ def test_bench_routes_to_the_package(monkeypatch, capsys, name, module):
     monkeypatch.setattr(mod, "main", lambda argv: seen.append(list(argv)) or 0)
     rc, _, _ = _run(capsys, "bench", name, "--cases", "3", "--json")
     assert rc == 0 and seen == [["--cases", "3", "--json"]]
+
+
+CLI = [sys.executable, "-m", "ggml_dist.cli"]
+RAY_NOTICES = ("Token authentication is", "SIGTERM handler is not set", "*** SIGTERM received", "PC: @",
+               "Connecting to existing Ray cluster", "Pushing file package")
+
+
+# --version names the package and what it runs on; every subcommand's --help shows its defaults, pull's
+# the known models
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("ggml-dist 0.")
+    with pytest.raises(SystemExit):
+        main(["pull", "--help"])
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "gemma3-270m" in out
+    for cmd, want in [("serve", "(default: 8080)"), ("run", "(default: 40)"), ("plan", "(default 2048)"), ("plan", "(default: f16)"),
+                      ("warmup", "--threads"), ("logits", "n_batch (default 512)"), ("tokenize", "--no-special")]:
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert want in out, (cmd, out)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    helps = " ".join(capsys.readouterr().out.split())
+    assert "--port PORT (default: 8080)" in helps
+    assert "--parallel PARALLEL sequences decoded together (KV slots) (default: 4)" in helps
+
+
+# one memory account (issue 43): for SmolLM2 over 2 stages, `plan`'s table is run's stderr table, and
+# `plan --json`'s stages are `run --json`'s plan, to the byte, with the planned compute buffers and the stage
+# process (not the 0.0 run showed before); no Ray notice in run's output without --verbose
+def test_one_memory_account(smollm2_path):
+    args = ["--model", smollm2_path, "--stages", "2", "--ctx", "512"]
+    plan = subprocess.run([*CLI, "plan", *args], capture_output=True, text=True, timeout=300, check=True).stdout
+    plan_js = json.loads(subprocess.run([*CLI, "plan", *args, "--json"], capture_output=True, text=True, timeout=300,
+                                        check=True).stdout)["stages"]
+    r = subprocess.run([*CLI, "run", *args, "--prompt", "Hi", "-n", "2", "--json"], capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert plan.strip() in r.stderr                                   # the same table, character for character
+    assert json.loads(r.stdout)["plan"] == plan_js                    # the same numbers, byte for byte
+    from ggml_dist.workers.placement import STAGE_OVERHEAD_BYTES
+    assert all(s["compute_bytes"] > 0 and s["overhead_bytes"] == STAGE_OVERHEAD_BYTES for s in plan_js)
+    assert [s["layers"] for s in plan_js] == [[0, 17], [17, 30]] and " 0:17 " in plan
+    assert not [n for n in RAY_NOTICES if n in r.stderr], r.stderr[-3000:]
+
+
+def _health(port: int) -> bool:
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return json.load(resp).get("status") == "ok"
+    except OSError:
+        return False
+
+
+# serve --stages 2 starts and stops on SIGTERM without Ray's crash-looking report ("*** SIGTERM received ...
+# PC: @ ... epoll_pwait") or its "SIGTERM handler is not set" warning; with --verbose Ray's notices show
+def test_serve_stops_cleanly_and_quietly(model, tmp_path):
+    import signal
+    import socket
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    with open(log, "w") as f:
+        p = subprocess.Popen([*CLI, "serve", "--model", model, "--stages", "2", "--port", str(port), "--ctx", "256",
+                              "--parallel", "2"], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _health(port):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=90) == 143, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log.read_text()
+    assert not [n for n in RAY_NOTICES if n in text], text[-3000:]
+    r = subprocess.run([*CLI, "run", "--model", model, "--stages", "2", "--prompt", "abc", "-n", "2", "--ctx", "256",
+                        "--verbose"], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert r.returncode == 0 and "Token authentication is enabled" in r.stderr, r.stderr[-3000:]
+
+
+# ggml-dist warmup compiles the model's kernels for the thread counts asked (one marker each), says how long
+# it took, and finds them cached the next time
+def test_warmup(capsys, model):
+    rc, out, _ = _run(capsys, "warmup", "--model", model, "--threads", "1", "--json")
+    d = json.loads(out)
+    assert rc == 0 and [c["threads"] for c in d["classes"]] == [1] and d["total_s"] >= 0
+    assert len(d["load_average"]) == 3 and d["cache_dir"]
+    rc, out, _ = _run(capsys, "warmup", "--model", model, "--threads", "1")
+    assert rc == 0 and "already cached" in out and "ready in" in out

@@ -392,22 +392,34 @@ def _aux(block, i):
 @njit(cache=True, inline="always")
 def _new_rows(block, rope, has_rows):
     """bind_attention's rows: the views past the attention's 9 are _cache_rows's, rope its other
-    scalar arguments (F16 caches)."""
+    scalar arguments (F16 caches). A call of _cache_rows_f16 (not inlined), so the three attention
+    entries share its one compiled copy."""
     if has_rows:
         n_dims, neox, nq, neoxq, has_q = rope
-        rows = block[9 * _ATTN_VIEWS:]
-        _cache_rows(rows, _aux(block, 1)[0, 0], _aux(block, 2)[0, 0], n_dims, neox, _aux(block, 3)[0, 0],
-                    _aux(block, 4)[0, 0], nq, neoxq, has_q, array4(U16V4, rows, 4), array4(U16V4, rows, 7))
+        _cache_rows_f16(block[9 * _ATTN_VIEWS:], _aux(block, 1)[0, 0], _aux(block, 2)[0, 0], n_dims, neox,
+                        _aux(block, 3)[0, 0], _aux(block, 4)[0, 0], nq, neoxq, has_q)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _attention_serial(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows):
     (kw, q, kq, mask, sm, vw, kqv, cont, nomask), scale, slopes = _attention_start(addr, scale64, rope, has_rows)
-    n = q.shape[0] * q.shape[1]
-    _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, 0, n)
+    n = _I64(q.shape[0] * q.shape[1])
+    _scores_part(kw, q, kq, mask, tiny_kq, scale, slopes, sm, _I64(0), n)
     _mm_h_rows(vw, sm, kqv, tiny_kqv, _I64(0), n, nomask, _I64(SKIP_KQV))
     if has_cont:
         _copy4(kqv, cont)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _scores_part(kw, q, kq, mask, tiny_kq, scale, slopes, sm, u0, u1):
+    """_scores as a function of its own (not inlined), called by the three attention entries: one
+    compiled copy for them all, and a parallel loop whose body is two calls, which numba compiles in a
+    fraction of the time of the inlined chain (cold, SmolLM2, the project's busy 2-vCPU VM: the three
+    entries 74 s of CPU before, 45 s after; model/warmup.py's MEASURED_COSTS). The same operations in
+    the same order, so the same bits; the call per thread's chunk costs nothing measurable
+    (benchmarks/decode_step.py, alternating runs: the attention 31-36 us a call at 1 thread and 26-30 at
+    2, the step 5.0-5.8 ms and 3.6-3.9 ms, before and after)."""
+    _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, u0, u1)
 
 
 @njit(cache=True, inline="always")
@@ -427,8 +439,8 @@ def _attention_par1(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows, 
     (kw, q, kq, mask, sm, vw, kqv, cont, nomask), scale, slopes = _attention_start(addr, scale64, rope, has_rows)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
-        u0, u1 = r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks)
-        _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, u0, u1)
+        u0, u1 = _I64(r2 * (c * n // n_chunks)), _I64(r2 * ((c + 1) * n // n_chunks))
+        _scores_part(kw, q, kq, mask, tiny_kq, scale, slopes, sm, u0, u1)
         _mm_h_rows(vw, sm, kqv, tiny_kqv, u0, u1, nomask, _I64(SKIP_KQV))
     if has_cont:
         _copy4(kqv, cont)
@@ -439,10 +451,11 @@ def _attention_par(addr, tiny_kq, scale64, tiny_kqv, has_cont, rope, has_rows, n
     (kw, q, kq, mask, sm, vw, kqv, cont, nomask), scale, slopes = _attention_start(addr, scale64, rope, has_rows)
     r2, n, n_chunks = _head_runs(q, kw, n_chunks)
     for c in prange(n_chunks):
-        _scores(kw, q, kq, mask, tiny_kq, scale, slopes, sm, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks))
+        _scores_part(kw, q, kq, mask, tiny_kq, scale, slopes, sm, _I64(r2 * (c * n // n_chunks)),
+                     _I64(r2 * ((c + 1) * n // n_chunks)))
     for c in prange(n_chunks):
-        _mm_h_rows(vw, sm, kqv, tiny_kqv, r2 * (c * n // n_chunks), r2 * ((c + 1) * n // n_chunks), nomask,
-                   _I64(SKIP_KQV))
+        _mm_h_rows(vw, sm, kqv, tiny_kqv, _I64(r2 * (c * n // n_chunks)), _I64(r2 * ((c + 1) * n // n_chunks)),
+                   nomask, _I64(SKIP_KQV))
     if has_cont:
         _copy4(kqv, cont)
 
