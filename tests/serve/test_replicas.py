@@ -70,11 +70,14 @@ def test_metrics_from_every_replica(replicated):
 
 
 # one busy replica computes with every core; with both busy each gets its share
-def test_threads_follow_the_busy_replicas(replicated):
+def test_threads_follow_the_busy_replicas(replicated, model):
     eng = replicated.engine
     wait_idle(replicated)
     assert all(r.threads == eng._threads for r in eng.replicas)
-    body = {"prompt": PROMPTS[4], "max_tokens": 600, "temperature": 0, "stream": True}
+    # both streams must outlast the look below: no end of text (PROMPTS[4] ends after ~160 tokens, and a
+    # quiet machine decodes 600 in under a second), and most of a slot's 1024 cells
+    body = {"prompt": PROMPTS[4], "max_tokens": 960, "temperature": 0, "stream": True,
+            "logit_bias": {str(model.tokenizer.eos_id): -100}}
     with httpx.stream("POST", replicated.url + "/v1/completions", json=body, timeout=30) as a, \
             httpx.stream("POST", replicated.url + "/v1/completions", json={**body, "prompt": PROMPTS[5]},
                          timeout=30) as b:

@@ -13,7 +13,7 @@ from ggml_dist.model.generate import generate  # noqa: E402
 from ggml_dist.model.model import LlamaModel  # noqa: E402
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E402
 from ggml_dist.model.ubatch import Batch  # noqa: E402
-from ggml_dist.workers.cluster import Pipeline  # noqa: E402
+from ggml_dist.workers.cluster import Pipeline, connect  # noqa: E402
 
 SPEC = SyntheticSpec(wtype="Q4_1", embd_type="Q8_0", n_layer=4, tied=True, seed=21)
 TOKENS = [1, 300, 17, 402, 259, 260, 511, 299, 333, 42]
@@ -175,6 +175,7 @@ def test_pipeline_multinode_cluster(model_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+        connect(num_cpus=4)     # the module's local Ray back (local_ray's), for the tests after this one
 
 
 # a stage whose node cannot read the GGUF path gets its layers' weights from the driver, once
