@@ -28,7 +28,7 @@ from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, De
 from ..backends.cpu.backend import cpu_supports_op
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
-from .plan import describe, plan_id
+from .plan import describe, plan_id, plan_name
 from .wire import WireTensor, decode, encode
 
 # submit(pid, desc | None, inputs msg, *upstream handles) -> handle; get(handles) -> messages
@@ -232,7 +232,7 @@ class StageProxy(Backend):
     def graph_compute(self, graph: Graph) -> None:
         assert self.exports is not None, "Exports.of(sched, graph) must be bound before compute"
         pid, desc = self._describe(graph)
-        host = [WireTensor(f"h:{t.name}", t.type, t.ne, a) for t, a in self.pending_host.items()]
+        host = [WireTensor(f"h:{plan_name(t)}", t.type, t.ne, a) for t, a in self.pending_host.items()]
         ups = list({id(h): h for h, _ in self.pending_up.values()}.values())   # each producer's result once
         known = pid in self.sent_plans
         meta = None if self.pending_sample is None else {"sample": self.pending_sample}
@@ -272,7 +272,7 @@ class StageProxy(Backend):
             if t in up_keys:
                 return "input", up_keys[t]
             if t in host:
-                return "input", f"h:{t.name}"
+                return "input", f"h:{plan_name(t)}"
             buf = t.buffer
             if buf is not None and buf.usage == BufferUsage.WEIGHTS:
                 return "weight", t.name

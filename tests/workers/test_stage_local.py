@@ -16,7 +16,7 @@ from ggml_dist.workers.stage import StageSpec, StageWorker
 from tests.model.refs import LONG_SPECS, LONG_TOKENS
 
 
-def local_pipeline(path, n_stages: int, params: ContextParams):
+def local_pipeline(path, n_stages: int, params: ContextParams, n_copies: int = 1):
     """The Ray pipeline's driver side, with each actor replaced by a StageWorker called directly."""
     model = LlamaModel.load(path)
     hp = model.hp
@@ -29,7 +29,7 @@ def local_pipeline(path, n_stages: int, params: ContextParams):
         call = Call(submit=lambda pid, desc, inp, *ups, w=w: w.compute(pid, desc, inp, *ups),
                     get=lambda hs: hs, wait=lambda hs: None)
         proxies.append(StageProxy(sp.stage, sp.layers, call, StageDevice(f"stage{sp.stage}")))
-    ctx = driver_context(model, params, pl, proxies, n_copies=1)
+    ctx = driver_context(model, params, pl, proxies, n_copies=n_copies)
     return model, ctx, workers
 
 
@@ -115,3 +115,21 @@ def test_call_for_another_incarnation_refused(path):
     pid, (plan, _) = next(iter(w.plans.items()))
     with pytest.raises(StateLostError, match="restarted"):
         w.compute(pid, None, b"", incarnation="0" * 16)
+
+
+# the driver's scheduler keeps n_copies slots of each input ("stage0#inp_pos#2") and a graph per (shape,
+# slot); the stages take inputs by value, so one graph shape is one plan on a stage whichever slot the
+# driver used, not one per slot (each a rebuild and a bind on the stage); the logits are one process's
+@pytest.mark.parametrize("n_copies", [1, 4])
+def test_one_plan_per_shape_whatever_the_copy(path, n_copies):
+    model, ctx, workers = local_pipeline(path, 2, ContextParams(n_ctx=256), n_copies=n_copies)
+    ref = LlamaContext(model, ContextParams(n_ctx=256))
+    toks = [1, 30, 40, 50]
+    assert np.array_equal(ctx.decode(Batch.from_tokens(toks)), ref.decode(Batch.from_tokens(toks)))
+    pos = len(toks)
+    for step in range(12):                      # two shapes taking turns: the slot moves on each change
+        chunk = [7 + pos + i for i in range(1 + step % 2)]
+        assert np.array_equal(ctx.decode(Batch.from_tokens(chunk, pos0=pos)),
+                              ref.decode(Batch.from_tokens(chunk, pos0=pos)))
+        pos += len(chunk)
+    assert [w.stats.n_plans for w in workers] == [3, 3]          # the prompt's and the two steps'
