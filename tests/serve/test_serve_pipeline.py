@@ -45,6 +45,34 @@ def test_pipeline_server(local_ray, serve_model):
         assert srv.engine.lookahead == 2 and float(re.search(r"^ggml_dist_steps_fed_total (\S+)$", text, re.M)[1]) > 0
 
 
+# with token feedback the stages' queues stay step-major: a group's fed step never goes right behind its
+# own previous one while another group has a micro-batch in flight (the first stage would wait there for
+# the last one), and the tokens are still the separate runs'
+def test_pipeline_server_queues_step_major(local_ray, serve_model):
+    from ggml_dist.model.model import LlamaModel
+    from ggml_dist.serve import EngineConfig, ServerThread
+    model = LlamaModel.load(serve_model)
+    want = [reference(model, p, 24) for p in PROMPTS[:4]]
+    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
+        eng = srv.engine
+        submit, log = eng.ctx.submit, []
+
+        def recorded(batch, *args, **kw):
+            others = any(m.parts[0][0].slot not in set(batch.seq_ids[0]) for m in eng._in_flight)
+            pending = submit(batch, *args, **kw)
+            log.append((pending, kw.get("tokens_from"), others))
+            return pending
+        eng.ctx.submit = recorded
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(lambda i: c.completions.create(model="m", prompt=PROMPTS[i], max_tokens=24,
+                                                             temperature=0).choices[0].text, range(4)))
+    assert got == want
+    fed = [(prev[0], cur) for prev, cur in zip(log, log[1:]) if cur[1] is not None]
+    assert len(fed) > 10
+    assert not [cur for prev, cur in fed if cur[1] is prev and cur[2]], "a fed step queued behind its own"
+
+
 # stop strings and max_tokens end sequences whose next steps are already queued (token feedback): the
 # text ends where the separate runs' does, and the queued steps' tokens never reach a client
 def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
