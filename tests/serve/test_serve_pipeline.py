@@ -6,6 +6,7 @@ import pytest
 for _mod in ("fastapi", "uvicorn", "httpx", "openai"):     # the serve extras
     pytest.importorskip(_mod)
 
+import itertools  # noqa: E402
 import re  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
@@ -68,7 +69,7 @@ def test_pipeline_server_queues_step_major(local_ray, serve_model):
             got = list(ex.map(lambda i: c.completions.create(model="m", prompt=PROMPTS[i], max_tokens=24,
                                                              temperature=0).choices[0].text, range(4)))
     assert got == want
-    fed = [(prev[0], cur) for prev, cur in zip(log, log[1:]) if cur[1] is not None]
+    fed = [(prev[0], cur) for prev, cur in itertools.pairwise(log) if cur[1] is not None]
     assert len(fed) > 10
     assert not [cur for prev, cur in fed if cur[1] is prev and cur[2]], "a fed step queued behind its own"
 
