@@ -288,30 +288,19 @@ def _params(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
-    """(model, context, pipeline or None): in-process for one stage without a cluster, else on Ray."""
-    from .model.context import LlamaContext
-    from .model.model import LlamaModel
+    """(model, context, pipeline or None): runtime.open_runtime decides where, from the flags."""
     from .model.pull import resolve_model
+    from .runtime import RunConfig, open_runtime
     _apply_config(args)
     path = resolve_model(args.model)
     if args.stages == "auto" and not _on_cluster(args):
         print("ggml-dist: --stages auto without a cluster (--address, or a ray job): one stage, in this "
               "process", file=sys.stderr)
         args.stages = 1
-    if args.stages == 1 and not args.address:         # one stage: this process (also inside a job)
-        if getattr(args, "threads_given", False):
-            from .backends.cpu import threads
-            threads.set_threads(args.threads)
-        model = LlamaModel.load(path)
-        return model, LlamaContext(model, _params(args)), None
-    from .workers.cluster import Pipeline, connect
-    n_stages = None if args.stages == "auto" else args.stages
-    print(f"ggml-dist: {connect(args.address, num_cpus=max(2, (n_stages or 1) * args.threads))}", file=sys.stderr)
-    pl = Pipeline.launch(str(path), n_stages, _params(args), n_copies=args.n_copies,
-                         layers=_parse_layers(args.layers), threads_per_stage=args.threads,
-                         on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True),
-                         calls=args.stage_calls)
-    return pl.model, pl.ctx, pl
+    rt = open_runtime(RunConfig(path, _params(args), None if args.stages == "auto" else args.stages, args.address,
+                                _parse_layers(args.layers), args.threads, getattr(args, "threads_given", False),
+                                args.n_copies, args.stage_calls))
+    return rt.model, rt.ctx, rt.pipeline
 
 
 def _write_flush(text: str) -> None:

@@ -12,8 +12,8 @@ PACKAGE = Path(ggml_dist.__file__).parent
 
 # bottom to top; a module may import its own layer and those below. serve and bench are side by side:
 # neither imports the other. cli (with config, its run-config files) is the command on top of everything.
-LAYERS = [("core",), ("alloc",), ("backends",), ("scheduler",), ("model",), ("workers", "testbed"), ("serve", "bench"),
-          ("config",), ("cli",)]
+LAYERS = [("core",), ("alloc",), ("backends",), ("scheduler",), ("model",), ("workers", "testbed"), ("runtime",),
+          ("serve", "bench"), ("config",), ("cli",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -74,6 +74,15 @@ def test_model_reaches_the_host_backend_through_its_face():
     graph = import_graph()
     bad = sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets
                  if a.startswith("ggml_dist.model.") and b.startswith("ggml_dist.backends.cpu"))
+    assert not bad, "\n".join(bad)
+
+
+def test_serve_and_bench_reach_the_workers_through_the_runtime_face():
+    """Where a model runs (this process or a Ray pipeline) is decided in runtime.py: serve/ and bench/
+    import nothing of workers/ (bench's testbed runs are testbed/'s)."""
+    graph = import_graph()
+    bad = sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets
+                 if a.startswith(("ggml_dist.serve", "ggml_dist.bench")) and b.startswith("ggml_dist.workers"))
     assert not bad, "\n".join(bad)
 
 

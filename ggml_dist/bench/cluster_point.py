@@ -40,15 +40,15 @@ def _open(spec: dict[str, Any], params: ContextParams) -> tuple[Any, LlamaContex
         return model, LlamaContext(model, params), None
     import ray
 
-    from ..workers.cluster import Pipeline, connect
+    from ..runtime import RunConfig, connect, open_runtime
     connect(spec["address"])
-    if spec["mode"] == "auto":                      # placed by the nodes' memory, as `run --stages auto`
-        pl = Pipeline.launch(spec["model"], None, params, threads_per_stage=spec["threads"],
-                             calls=spec.get("calls", "auto"))
-    else:
+    node_ids = None
+    if spec["mode"] != "auto":                      # auto: placed by the nodes' memory, as `run --stages auto`
         ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        pl = Pipeline.launch(spec["model"], len(spec["node_ips"]), params, threads_per_stage=spec["threads"],
-                             node_ids=[ids[ip] for ip in spec["node_ips"]], calls=spec.get("calls", "auto"))
+        node_ids = [ids[ip] for ip in spec["node_ips"]]
+    pl = open_runtime(RunConfig(spec["model"], params, len(node_ids) if node_ids else None, spec["address"],
+                                threads=spec["threads"], stage_calls=spec.get("calls", "auto"), on_ray=True,
+                                node_ids=node_ids, show_plan=False)).pipeline
     print(json.dumps({"plan": pl.placement.to_json()}), flush=True)
     return pl.model, pl.ctx, pl
 

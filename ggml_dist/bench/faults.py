@@ -42,14 +42,13 @@ def kill_study(path: str, stages: int, runs: int, n_tokens: int, seed: int = 0) 
     from ..model.context import ContextParams, LlamaContext
     from ..model.generate import generate
     from ..model.model import LlamaModel
-    from ..workers.cluster import Pipeline, connect
-    connect(num_cpus=max(2, stages))
+    from ..runtime import RunConfig, open_runtime
     m = LlamaModel.load(path)
     rng = np.random.default_rng(seed)
     prompt = m.tokenizer.encode("The capital of France is")
     want = generate(LlamaContext(m, ContextParams(n_ctx=512)), m.tokenizer, prompt, n_tokens,
                     stop_at_eog=False).tokens
-    pl = Pipeline.launch(path, stages, ContextParams(n_ctx=512))
+    pl = open_runtime(RunConfig(path, ContextParams(n_ctx=512), stages, on_ray=True, show_plan=False)).pipeline
     kills = lost = wrong = 0
     detect: list[float] = []
     restore: list[float] = []

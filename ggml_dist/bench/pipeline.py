@@ -59,13 +59,13 @@ def _ints(s: str) -> list[int]:
 def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: int, mode: str,
             n_steps: int, threads: int, trace: str | None = None, calls: str = "auto",
             lookahead: int = 1) -> dict[str, Any]:
-    from ..workers.cluster import Pipeline, local_ray_cpu_s
+    from ..runtime import RunConfig, local_ray_cpu_s, open_runtime
     n_tok = micro_batches * ubatch
     n_seq = micro_batches if mode == "decode" else 1
     params = ContextParams(n_ctx=max(512, n_tok + n_steps + 8), n_batch=max(n_tok, 8), n_ubatch=ubatch,
                            n_seq_max=n_seq)
-    pl = Pipeline.launch(path, stages, params, n_copies=n_copies, threads_per_stage=threads,
-                         calls=calls)
+    pl = open_runtime(RunConfig(path, params, stages, threads=threads, n_copies=n_copies, stage_calls=calls,
+                                on_ray=True, show_plan=False)).pipeline
     try:
         ctx, vocab = pl.ctx, pl.model.hp.n_vocab
         rng = np.random.default_rng(0)
@@ -240,8 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     calls = [c.strip() for c in a.calls.split(",") if c.strip()]
     if not calls or set(calls) - {"auto", "direct", "compiled", "plain"}:
         ap.error(f"--calls takes 'auto', 'direct', 'compiled' and/or 'plain', not {a.calls!r}")
-    from ..workers.cluster import connect
-    from ..workers.driver import default_copies
+    from ..runtime import connect, default_copies
     path = str(resolve_model(a.model))
     stages = _ints(a.stages)
     connect(num_cpus=max(2, max(stages) * a.threads))

@@ -57,6 +57,7 @@ from ..model.model import LlamaModel
 from ..model.sampling import Sampler, SamplingParams
 from ..model.tokenizer import Tokenizer
 from ..model.ubatch import Batch
+from ..runtime import RunConfig, Runtime, open_runtime, runs_on_ray
 from .metrics import Metrics
 from .stop import StopMatcher
 
@@ -245,10 +246,10 @@ class EngineConfig:
             raise ValueError(f"--ctx {self.n_ctx} over --parallel {self.n_parallel} leaves "
                              f"{self.n_ctx // self.n_parallel} cells per slot; raise --ctx")
         if self.kv_unified is None:
-            self.kv_unified = (self.n_stages != 1 or self.address is not None) and not self.batch_invariant
+            self.kv_unified = runs_on_ray(self.n_stages, self.address) and not self.batch_invariant
         if not 1 <= self.n_replicas <= self.n_parallel:
             raise ValueError(f"--replicas must be 1..--parallel ({self.n_parallel}), got {self.n_replicas}")
-        if self.n_replicas > 1 and (self.n_stages != 1 or self.address is not None):
+        if self.n_replicas > 1 and runs_on_ray(self.n_stages, self.address):
             raise ValueError("--replicas runs engines side by side in one machine; it does not combine "
                              "with a pipeline (--stages > 1 or --address)")
         if self.n_stages < 0 or self.max_queue < 0:
@@ -276,7 +277,7 @@ class Engine:
         self.n_ctx_slot = cfg.n_ctx // cfg.n_parallel
         self.model: LlamaModel | None = None
         self.ctx: LlamaContext | None = None
-        self.pipeline: Any = None               # workers.cluster.Pipeline, when on Ray
+        self.runtime: Runtime | None = None     # this process, or a Ray pipeline (runtime.open_runtime)
         self.depth = 1                          # micro-batches in flight
         self.n_groups = 1                       # micro-batches the active sequences fall into
         self.lookahead = 1                      # steps of a group in flight
@@ -316,8 +317,8 @@ class Engine:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout=30)
-        if self.pipeline is not None:
-            self.pipeline.shutdown()
+        if self.runtime is not None:
+            self.runtime.shutdown()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -370,10 +371,10 @@ class Engine:
     def stage_busy(self) -> list[float]:
         """Compute seconds per stage (the engine's own in one process); the last known figures while a
         stage is unreachable."""
-        if self.pipeline is None:
+        if self.runtime is None or not self.runtime.distributed:
             return [self.busy_s]
         try:
-            self._stage_busy = [float(st["compute_s"]) for st in self.pipeline.stats()]
+            self._stage_busy = [float(st["compute_s"]) for st in self.runtime.stats()]
         except Exception:  # noqa: BLE001 - a stage is down: metrics must still answer
             pass
         return list(getattr(self, "_stage_busy", []))
@@ -385,28 +386,20 @@ class Engine:
         params = ContextParams(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_batch,
                                n_seq_max=cfg.n_parallel, kv_unified=cfg.kv_unified, background_compile=True,
                                batch_invariant=cfg.batch_invariant)
-        if cfg.n_stages <= 1 and not cfg.address:
-            self.model = LlamaModel.load(cfg.model_path)
-            self.ctx = LlamaContext(self.model, params)
-        else:
-            from ..workers.cluster import Pipeline, connect
-            print(f"ggml-dist serve: {connect(cfg.address, num_cpus=max(2, cfg.n_stages * cfg.threads_per_stage))}",
-                  file=sys.stderr)
-            # Pipeline.launch returns once every stage actor has mapped its weights
-            self.pipeline = Pipeline.launch(cfg.model_path, cfg.n_stages or None, params,
-                                            n_copies=cfg.n_copies or (min(4, cfg.lookahead * cfg.n_stages) or None),
-                                            threads_per_stage=cfg.threads_per_stage,
-                                            on_plan=lambda p: print(p.table(), file=sys.stderr, flush=True),
-                                            calls=cfg.stage_calls)
-            self.depth = self.pipeline.ctx.n_copies
-            self.n_groups = min(self.depth, len(self.pipeline.proxies))
-            ahead = min(cfg.lookahead, self.depth // self.n_groups)
-            self.lookahead = max(1, ahead) if self.pipeline.feeds_tokens() else 1
-            self.model, self.ctx = self.pipeline.model, self.pipeline.ctx
+        # a pipeline's stage actors have mapped their weights when it returns
+        rt = self.runtime = open_runtime(RunConfig(
+            cfg.model_path, params, cfg.n_stages or None, cfg.address, threads=cfg.threads_per_stage,
+            n_copies=cfg.n_copies or (min(4, cfg.lookahead * cfg.n_stages) or None), stage_calls=cfg.stage_calls,
+            label="ggml-dist serve"))
+        self.model, self.ctx = rt.model, rt.ctx
+        self.depth = rt.depth
+        self.n_groups = min(self.depth, rt.n_stages)
+        ahead = min(cfg.lookahead, self.depth // self.n_groups)
+        self.lookahead = max(1, ahead) if rt.feeds_tokens() else 1
         # one token through every stage: compiles kernels and plans before the first request
         self.ctx.decode(Batch.from_tokens([self.model.tokenizer.bos_id or 0]))
         self.ctx.seq_rm(0)
-        if self.pipeline is None and not cfg.kv_unified:
+        if not rt.distributed and not cfg.kv_unified:
             self._warm_step_shapes()
 
     def _warm_step_shapes(self) -> None:
@@ -534,7 +527,7 @@ class Engine:
         ~6 MB, about a millisecond), once per finished request; where the free slot holds a cached
         prompt, the two streams swap instead (seq_swap, two copies), so the cache moves up and stays.
         One process only: a pipeline's stages hold the cache, and its slots share one stream by default."""
-        if self.cfg.kv_unified or self.pipeline is not None:
+        if self.cfg.kv_unified or self.runtime is None or not self.runtime.moves_sequences:
             return
         assert self.ctx is not None
         while True:

@@ -205,9 +205,9 @@ def serve(cfg: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int
     """Serve until SIGTERM or SIGINT (then drain: the module docstring); the engine loads in the
     background meanwhile. uvicorn raises the signal again when it has stopped: SIGTERM then unwinds as
     SystemExit(143), SIGINT as KeyboardInterrupt, through the engine's shutdown and the local Ray's."""
-    from ..workers.cluster import exit_on_signal, shutdown_local
+    from ..runtime import exit_on_signal, runs_on_ray, shutdown_local
     opts = opts or ServeOptions(policy=HTTPPolicy.for_bind(host, max_body_bytes=max_body_bytes))
-    if cfg.n_stages != 1 or cfg.address is not None:
+    if runs_on_ray(cfg.n_stages, cfg.address):
         protect_ray_token(joining=bool(cfg.address or os.environ.get("RAY_ADDRESS")))
     previous = signal.signal(signal.SIGTERM, exit_on_signal)
     engine = make_engine(cfg, Metrics()).start()

@@ -134,7 +134,7 @@ def test_pipeline_server_survives_stage_loss(local_ray, serve_model):
             t0 = time.time()
             while engine.metrics.generated_tokens < 10 and time.time() - t0 < 60:
                 time.sleep(0.02)
-            engine.pipeline.kill_stage(1)
+            engine.runtime.pipeline.kill_stage(1)
 
         th = threading.Thread(target=killer)
         th.start()
@@ -172,11 +172,11 @@ def test_pipeline_server_survives_node_removal(serve_model):
         cluster.wait_for_nodes()
         with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
             engine = srv.engine
-            engine.pipeline.recover_timeout_s = 60
+            engine.runtime.pipeline.recover_timeout_s = 60
             cluster.add_node(num_cpus=1)                  # the spare
             cluster.wait_for_nodes()
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-            stage_nodes = {i["node_id"] for i in engine.pipeline.infos}
+            stage_nodes = {i["node_id"] for i in engine.runtime.pipeline.infos}
             victim = next(n for n in nodes if n.node_id in stage_nodes)
 
             def remover() -> None:
