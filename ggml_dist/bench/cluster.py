@@ -31,6 +31,7 @@ each holds N/k of the sequences, and a batch of N/k reads the weights as often a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -386,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write a PNG of tok/s against hosts")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.plot and importlib.util.find_spec("matplotlib") is None:     # before minutes of measurement
+        ap.error("--plot needs matplotlib: pip install 'ggml-dist[bench]'")
     report = bench(a)
     if a.json:
         print(json.dumps(report))
