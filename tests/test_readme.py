@@ -13,7 +13,6 @@ A ```bash block of README.md is a recipe when the line before its fence is an HT
                     its own are added to `ray start`, the token is a file of its own: RAY_AUTH_TOKEN_PATH)
         namespaces  tests/workers/test_job_submit.py runs it on namespace hosts (ggml_dist/testbed), with
                     GGML_DIST_SLOW_TESTS=1 and where network namespaces can be made (root)
-        slow        this test runs it as `runnable` does, only with GGML_DIST_SLOW_TESTS=1 (minutes)
     <!-- not runnable: REASON -->  an illustration, or a recipe that needs what a test cannot have here
 
 Every ```bash block carries one of these, so a new recipe is not left untested by accident
@@ -33,7 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-KINDS = {"", "ci", "cluster", "namespaces", "slow"}
+KINDS = {"", "ci", "cluster", "namespaces"}
 SLOW = os.environ.get("GGML_DIST_SLOW_TESTS", "") in ("1", "true", "yes")
 _MARK = re.compile(r"<!--\s*(not runnable|runnable)\s*(?::\s*([\w-]+))?(.*?)-->")
 
@@ -140,10 +139,3 @@ def test_runnable_block(block, tmp_path):
     r = run_block(block.text, tmp_path)
     assert r.returncode == 0, f"README line {block.line}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
 
-
-# the slow blocks, as written, with GGML_DIST_SLOW_TESTS=1
-@pytest.mark.skipif(not SLOW, reason="minutes: set GGML_DIST_SLOW_TESTS=1")
-@pytest.mark.parametrize("block", blocks_of("slow"), ids=lambda b: f"README-line-{b.line}")
-def test_slow_block(block, tmp_path):
-    r = run_block(block.text, tmp_path, timeout=3600)
-    assert r.returncode == 0, f"README line {block.line}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
