@@ -162,8 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_stage_calls(p)
     p.add_argument("--lookahead", type=int, default=1, metavar="N",
                    help="over stages: steps of a group of sequences in flight, the later ones fed their tokens "
-                        "by the last stage (default 1: off; 2 measured slower with 8 clients over 2 hosts: "
-                        "docs/api.md)")
+                        "by the last stage (default 1: off; 2 was slower with 8 clients: docs/api.md)")
     p.add_argument("--replicas", type=int, default=1, help="engine processes in this machine, each with "
                    "parallel/replicas of the slots, the cores split among those with requests: more "
                    "throughput with many clients on a multi-core CPU; each process loads the model")

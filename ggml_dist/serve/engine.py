@@ -19,10 +19,8 @@ as its logits are back, so stage k works on one group while stage k+1 works on a
 max_concurrent_batches). With lookahead > 1 (and plain stage calls, which take result handles) a
 group's next step is queued before its tokens are back, `lookahead` steps of a group in flight (`depth`
 = K x lookahead, at most 4): its tokens come from the last stage (submit(tokens_from=): _follow_up), so
-the engine thread is not between the last stage and the first; fed steps go out step-major (_follow_up).
-Not the default: 8 clients over 2 testbed hosts of 0.6 core decoded 27.0 tok/s with lookahead 2 against
-31.3 without, where the first stage is already busy 97% of the steady state, and a group whose next step
-cannot be fed (a sequence joins or ends) comes back as smaller micro-batches (2.7 rows a call, not 4).
+the engine thread is not between the last stage and the first (step-major: _follow_up). Not the default:
+8 clients over 2 testbed hosts gave 27.0 tok/s with it, 31.3 without (docs/api.md).
 A sequence that stops while a step of it is still in flight is finished at once; that step's row for it
 is ignored. In one process depth is 1 and
 every idle sequence shares one batch. A sequence's micro-batches are queued in position order, so its
@@ -716,13 +714,10 @@ class Engine:
         not followed yet, where every sequence decodes one token chosen where the logits are, and
         wants at least one more. False if there is none.
 
-        Steps go out step-major (every group's step t before any group's t+1), as generate_parallel
-        queues them: a stage runs its calls in order and a fed call waits at the head of its queue for
-        its token, so a group's step queued right behind its own previous one holds the first stage idle
-        while the later stages compute that previous step. Hence oldest first, and never behind the
-        newest micro-batch while another group has one in flight: that one's next step goes first.
-        (Newest first, group-major, with lookahead 2 took 8 clients over 2 testbed hosts from 31.5
-        tok/s to 20.5.) A group-major queue, once there, would stay so: this rule interleaves it again."""
+        Step-major, as generate_parallel: a stage runs its calls in order and a fed call waits at the
+        head of its queue for its token, so a group's step right behind its own previous one idles the
+        first stage while the later ones compute that one. Hence oldest first, and not behind the newest
+        micro-batch while another group has one in flight (which also undoes a group-major queue)."""
         if self.lookahead < 2:
             return False
         assert self.ctx is not None

@@ -74,6 +74,24 @@ def test_pipeline_server_queues_step_major(local_ray, serve_model):
     assert not [cur for prev, cur in fed if cur[1] is prev and cur[2]], "a fed step queued behind its own"
 
 
+# 8 greedy requests at once over 2 stages with --deterministic (a KV stream per slot, batch-invariant
+# numerics on the stages): each gets the tokens it gets alone; without it a row's bits may depend on the
+# rows beside it (docs/numerics.md), which test_pipeline_server's references do not meet
+def test_concurrent_greedy_over_stages_deterministic(local_ray, serve_model):
+    from ggml_dist.serve import EngineConfig, ServerThread
+    prompts = [*PROMPTS, "seven eight nine", "the end of the story"]
+    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=8, n_ctx=8 * 256,
+                                   batch_invariant=True)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def one(p: str) -> str:
+            return c.completions.create(model="m", prompt=p, max_tokens=16, temperature=0).choices[0].text
+        alone = [one(p) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            together = list(ex.map(one, prompts))
+    assert together == alone and len(set(alone)) > 1
+
+
 # stop strings and max_tokens end sequences whose next steps are already queued (token feedback): the
 # text ends where the separate runs' does, and the queued steps' tokens never reach a client
 def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
