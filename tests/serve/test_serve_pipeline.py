@@ -77,10 +77,10 @@ def test_pipeline_server_queues_step_major(local_ray, serve_model):
 # 8 greedy requests at once over 2 stages with --deterministic (a KV stream per slot, batch-invariant
 # numerics on the stages): each gets the tokens it gets alone; without it a row's bits may depend on the
 # rows beside it (docs/numerics.md), which test_pipeline_server's references do not meet
-def test_concurrent_greedy_over_stages_deterministic(local_ray, serve_model):
+def test_concurrent_greedy_over_stages_deterministic(local_ray, smollm2_path):
     from ggml_dist.serve import EngineConfig, ServerThread
     prompts = [*PROMPTS, "seven eight nine", "the end of the story"]
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=8, n_ctx=8 * 256,
+    with ServerThread(EngineConfig(smollm2_path, n_stages=2, n_parallel=8, n_ctx=8 * 256,
                                    batch_invariant=True)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
