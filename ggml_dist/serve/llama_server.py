@@ -211,10 +211,17 @@ class Native:
                "id_slot": -1, "stop": True, "model": self.model, "tokens_predicted": ch.n_gen,
                "tokens_evaluated": n_prompt, "generation_settings": generation_settings(self.req, self.n_predict),
                "prompt": self.texts[c], "has_new_line": "\n" in ch.text, "truncated": False, "stop_type": stop_type,
-               "stopping_word": word, "tokens_cached": ch.n_cached + ch.n_gen, "timings": t}
+               "stopping_word": word, "tokens_cached": self.kv_tokens(n_prompt, ch.n_gen, stop_type), "timings": t}
         if self.req.n_probs > 0 and not self.req.stream:
             res["completion_probabilities"] = _probs(entries, self.piece)
         return _nested(self.req.response_fields, res) if self.req.response_fields else res
+
+    @staticmethod
+    def kv_tokens(n_prompt: int, n_gen: int, stop_type: str) -> int:
+        """tokens_cached as llama-server counts it: the slot's cells at the end, the prompt and every
+        generated token but the last one sampled, which no step evaluated (an end of generation is not
+        counted in n_gen here, and every token before it was evaluated)."""
+        return n_prompt + n_gen - (1 if n_gen and stop_type != "eos" else 0)
 
     def _stop_word(self, content: str, entries: list) -> str:
         """The stop string that ended the answer: the generated tokens' text goes on past the content

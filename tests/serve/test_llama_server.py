@@ -40,6 +40,7 @@ def test_completion_native(server, model):
     assert r["tokens_predicted"] == 8 and r["tokens_evaluated"] == len(ids) and len(r["tokens"]) == 8
     assert b"".join(model.tokenizer.token_to_piece(t) for t in r["tokens"]).decode("utf-8", "replace") == want
     assert r["timings"]["predicted_n"] == 8 and r["timings"]["prompt_n"] + r["timings"]["cache_n"] == len(ids)
+    assert r["tokens_cached"] == len(ids) + 8 - 1             # the slot's cells: the last token never evaluated
     assert r["generation_settings"]["n_predict"] == 8 and isinstance(r["has_new_line"], bool)
     probs = r["completion_probabilities"]
     assert [p["id"] for p in probs] == r["tokens"]
