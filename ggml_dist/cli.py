@@ -331,11 +331,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     timings = {"prompt_tok_s": round(res.prompt_tok_s, 3), "decode_tok_s": round(res.decode_tok_s, 3)}
     if pl is not None and args.trace:
         pl.write_trace(args.trace)
+    rec = lctx.recovery
     if args.json:
         out = {"prompt_tokens": res.prompt_tokens, "tokens": res.tokens, "text": res.text,
                "timings": timings, "stop_reason": res.stop_reason,
                "graphs": {"reused": lctx.n_reused, "rebuilt": lctx.n_rebuilt},
-               "recoveries": lctx.n_recoveries, "replayed_tokens": lctx.n_replayed_tokens,
+               "recoveries": rec.n_recoveries, "replayed_tokens": rec.n_replayed_tokens,
                "recovery": clock.report()}
         if pl is not None:
             out["stages"] = _stage_summary(pl)
@@ -347,7 +348,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"prompt: {len(res.prompt_tokens)} tokens, {timings['prompt_tok_s']} tok/s | "
               f"decode: {len(res.tokens)} tokens, {timings['decode_tok_s']} tok/s | "
               f"graphs reused {lctx.n_reused}, rebuilt {lctx.n_rebuilt}"
-              + (f" | recoveries {lctx.n_recoveries}: {clock.line()}" if lctx.n_recoveries else ""), file=sys.stderr)
+              + (f" | recoveries {rec.n_recoveries}: {clock.line()}" if rec.n_recoveries else ""), file=sys.stderr)
     return 0
 
 
@@ -392,7 +393,7 @@ def _run_parallel(args: argparse.Namespace, lctx, pl, ids: list[int], sp) -> int
 class _RecoveryClock:
     """run's on_token callback (after the fault injector's), timing each recovery three ways: detect_s,
     from the injected fault to the moment the loss was detected (only for --inject-fault: a real fault's
-    moment is not known); restore_s, the restart and the replay of the KV log (LlamaContext.recovery_s);
+    moment is not known); restore_s, the restart and the replay of the KV log (Recovery.recovery_s);
     first_token_s, from detection to the first token generated after it. detected_at is the wall clock
     (time.time()) of each detection, so an outside fault (a cut link) can be timed against it."""
 
@@ -402,20 +403,20 @@ class _RecoveryClock:
 
     def __call__(self, i: int, tok: int) -> None:
         import time
-        lost = self.lctx.lost_at
+        lost = self.lctx.recovery.lost_at
         while len(lost) > len(self.first_token_s):
             self.first_token_s.append(time.perf_counter() - lost[len(self.first_token_s)])
         if self.injector is not None:
             self.injector(i, tok)
 
     def report(self) -> list[dict]:
-        ctx, out = self.lctx, []
+        rec, out = self.lctx.recovery, []
         fault = getattr(self.injector, "fault_at", None)
-        for k, lost in enumerate(ctx.lost_at):
+        for k, lost in enumerate(rec.lost_at):
             out.append({"detect_s": round(lost - fault, 3) if fault is not None and k == 0 else None,
-                        "restore_s": round(ctx.recovery_s[k], 3) if k < len(ctx.recovery_s) else None,
+                        "restore_s": round(rec.recovery_s[k], 3) if k < len(rec.recovery_s) else None,
                         "first_token_s": round(self.first_token_s[k], 3) if k < len(self.first_token_s) else None,
-                        "detected_at": round(ctx.lost_wall[k], 3)})
+                        "detected_at": round(rec.lost_wall[k], 3)})
         return out
 
     def line(self) -> str:

@@ -57,15 +57,15 @@ def kill_study(path: str, stages: int, runs: int, n_tokens: int, seed: int = 0) 
         for _ in range(runs):
             pl.ctx.clear()
             stage, after = int(rng.integers(0, stages)), int(rng.integers(1, n_tokens))
-            n0 = len(pl.ctx.lost_at)
+            n0 = len(pl.ctx.recovery.lost_at)
             killed: list[float] = []              # when this run's kill was made
             after_loss: list[float] = []          # detection -> the first token after it, this run
 
             def on_token(i: int, tok: int, stage=stage, after=after, n0=n0, killed=killed,
                          after_loss=after_loss) -> None:
                 nonlocal kills
-                if len(pl.ctx.lost_at) > n0 and not after_loss:
-                    after_loss.append(time.perf_counter() - pl.ctx.lost_at[n0])
+                if len(pl.ctx.recovery.lost_at) > n0 and not after_loss:
+                    after_loss.append(time.perf_counter() - pl.ctx.recovery.lost_at[n0])
                 if i == after:
                     kills += 1
                     killed.append(time.perf_counter())
@@ -77,9 +77,9 @@ def kill_study(path: str, stages: int, runs: int, n_tokens: int, seed: int = 0) 
                 lost += 1
                 continue
             wrong += int(got != want)
-            if killed and len(pl.ctx.lost_at) > n0:
-                detect.append(pl.ctx.lost_at[n0] - killed[0])
-            restore.extend(pl.ctx.recovery_s[n0:])
+            if killed and len(pl.ctx.recovery.lost_at) > n0:
+                detect.append(pl.ctx.recovery.lost_at[n0] - killed[0])
+            restore.extend(pl.ctx.recovery.recovery_s[n0:])
             first.extend(after_loss)
     finally:
         pl.shutdown()

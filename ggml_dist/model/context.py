@@ -11,7 +11,6 @@ pipeline one per key and input copy slot.
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,14 +20,16 @@ from typing import Protocol
 import numpy as np
 
 from ..backends import host
-from ..backends.base import tensor_array, tensor_get, tensor_set
+from ..backends.base import tensor_get, tensor_set
 from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
+from .graph_inputs import GraphInputs
 from .kv_cache import ContextFullError, KVCache
 from .llama import GraphKey, GraphResult, LlamaGraphBuilder
 from .model import LlamaModel
-from .sampling import RowSampling, sample_row
+from .recovery import Recovery, StageLostError, UbatchRecord
+from .sampling import RowSampling
 from .ubatch import Batch, BatchError, BatchSplitter, Ubatch
 from .warmup import Warmup, background_compile
 
@@ -86,71 +87,6 @@ class StageOutputs(Protocol):
     def feed(self, t: Tensor, fetch: Callable[[], np.ndarray] | None) -> bool: ...
 
 
-class StageLostError(RuntimeError):
-    """A backend lost the state the context relies on (a pipeline stage died): the context can
-    recover by restoring the backend and replaying its ubatch log."""
-
-    def __init__(self, msg: str, stage: int = -1) -> None:
-        super().__init__(msg)
-        self.stage = stage
-
-
-@dataclass
-class UbatchRecord:
-    """One submitted ubatch, kept (on a recoverable context) so the KV cache can be rebuilt exactly:
-    the same cells, the same graph shape, so the same numerics."""
-    ub: Ubatch
-    slot: np.ndarray
-    n_kv: int
-    fetch: Callable[[], np.ndarray] | None = None
-    value: np.ndarray | None = None
-    sampling: list[RowSampling] | None = None       # one per output row: choose the tokens
-    keep_logits: bool = True                        # with sampling: also return the logits
-    fetch_tokens: Callable[[], np.ndarray] | None = None   # tokens chosen where the logits are
-    tokens: list[int] | None = None
-    done: bool = False                              # its result came back since it was last run
-    embd: bool = False                              # outputs are embeddings (the final norm's rows)
-    # per token, (record, output row) whose chosen token it is (submit's tokens_from), until known
-    token_src: list[tuple[UbatchRecord, int]] | None = None
-
-    def result(self) -> np.ndarray:
-        if self.value is None:
-            if self.fetch is None:
-                raise RuntimeError("the logits of this batch were not kept (submitted with "
-                                   "keep_logits=False): only its tokens can be read")
-            self.value = self.fetch()
-            self.done = True
-        return self.value
-
-    def fetched(self) -> bool:
-        """Whether this ubatch's result came back (so every stage has finished it)."""
-        return self.done
-
-    def chosen(self) -> list[int]:
-        """This ubatch's sampled tokens, one per output row: from the stage that sampled them, or
-        sampled here from the logits with the same RowSampling."""
-        if self.tokens is None:
-            assert self.sampling is not None
-            if self.fetch_tokens is not None:
-                self.tokens = [int(t) for t in np.asarray(self.fetch_tokens()).reshape(-1)]
-                self.done = True
-                self.fetch_tokens = None       # its result handle is not pinned by the log
-            else:
-                lg = self.result()
-                lg = lg.reshape(-1, lg.shape[-1])
-                self.tokens = [sample_row(lg[r], rs) for r, rs in enumerate(self.sampling)]
-            self.settle()
-        return self.tokens
-
-    def settle(self) -> None:
-        """Once the tokens this ubatch was fed are all known, write them in and drop its sources, so
-        the log keeps no chain of records back to the first (the driver reads the tokens in order)."""
-        src = self.token_src
-        if src is not None and all(s.tokens is not None for s, _ in src):
-            self.ub.tokens = np.array([s.chosen()[r] for s, r in src], np.int32)
-            self.token_src = None
-
-
 def _choose_before_free(rec: UbatchRecord) -> None:
     """A record whose tokens are chosen here from its logits chooses them before the logits go."""
     if rec.sampling is not None and rec.fetch_tokens is None and rec.value is not None:
@@ -187,14 +123,7 @@ class PendingLogits:
         return [rows[i] for i in sorted(rows)]
 
     def _recovering(self, collect: Callable):
-        for attempt in range(self._ctx.max_recoveries + 1):
-            try:
-                return collect()
-            except StageLostError:
-                if attempt == self._ctx.max_recoveries or not self._ctx.recoverable:
-                    raise
-                self._ctx.recover()
-        raise AssertionError("unreachable")
+        return self._ctx.recovery.retrying(collect, self._ctx.recover)
 
     def _collect_tokens(self) -> list[int]:
         toks: dict[int, int] = {}
@@ -233,7 +162,9 @@ class LlamaContext:
 
     With backends that take their inputs by value (Ray stage proxies), ubatches are submitted without
     waiting: stage k works on ubatch u+1 while stage k+1 still works on u, and logits are fetched only
-    when asked for."""
+    when asked for. Its log and replay after a lost stage are model/recovery.py's, the graph inputs'
+    writing model/graph_inputs.py's; what is left (~330 lines) is llama_context's decode: split, find
+    cells, pick or build the graph, run it, and fetch or sample its rows, one path for every backend."""
 
     def __init__(self, model: LlamaModel, params: ContextParams | None = None,
                  backends: list | None = None, n_copies: int = 1,
@@ -264,17 +195,9 @@ class LlamaContext:
         # (no copy slot is overwritten while in use) may keep more (workers/driver.py)
         self.max_inflight = n_copies
         self._inflight: deque = deque()      # per ubatch in flight: the events of its stages
-        self.recovery: Callable[[], None] | None = None   # a pipeline's hook: restore lost stages
-        self.max_recoveries = 3
-        self.log: list[UbatchRecord] = []    # ubatches to replay after a loss (recoverable only)
-        self.n_recoveries = 0
-        self.n_replayed_tokens = 0
-        self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
-        self.lost_at: list[float] = []       # perf_counter() when each recovery began (the loss seen)
-        self.lost_wall: list[float] = []     # the same moments by the wall clock (time.time())
-        self.recovering = False              # True while a lost stage is being brought back
+        self.recovery = Recovery()           # recoverable once a pipeline sets its restore hook
         self.gf_res_prev: GraphResult | None = None
-        self._views: tuple[GraphResult | None, dict] = (None, {})   # _host_view's, for gf_res_prev
+        self.inputs = GraphInputs(self.kv, hp.n_swa)
         # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
         # a few) reuses its graph instead of building one, and its scheduler plan (splits, addresses)
         # while the compute buffer has not grown since, instead of splitting and planning again
@@ -355,8 +278,7 @@ class LlamaContext:
             if sampling is not None and rank is not None:
                 rec.sampling = [sampling[rank[i]] for i in ub.out_idx]
                 rec.keep_logits = keep_logits
-            if self.recoverable:
-                self.log.append(rec)
+            self.recovery.record(rec)
             self._submit_recovering(rec)
             if ub.n_outputs:
                 records.append(rec)
@@ -411,58 +333,24 @@ class LlamaContext:
     def synchronize(self) -> None:
         self.sched.synchronize()
 
-    # -- recovery -------------------------------------------------------------------------------------
+    # -- recovery (model/recovery.py) ------------------------------------------------------------------
     def _submit_recovering(self, rec: UbatchRecord) -> None:
-        for attempt in range(self.max_recoveries + 1):
-            try:
-                self._run(rec)
-                return
-            except StageLostError:
-                if attempt == self.max_recoveries or not self.recoverable:
-                    raise
-                self.recover()               # the replay runs `rec` too: it is already in the log
-                return
+        try:
+            self._run(rec)
+        except StageLostError:
+            if not self.recoverable or self.recovery.max_recoveries == 0:
+                raise
+            self.recover()                   # the replay runs `rec` too: it is already in the log
 
     def recover(self) -> None:
         """Restore lost backends (the pipeline's hook), then rebuild their KV caches by replaying
-        every logged ubatch whose tokens the cache still holds, in order, on the same cells. A
-        stage lost during the replay starts the recovery over (max_recoveries times)."""
-        t0 = time.perf_counter()
-        self.lost_at.append(t0)
-        self.lost_wall.append(time.time())
-        self.recovering = True
-        try:
-            for attempt in range(self.max_recoveries + 1):
-                try:
-                    self._recover_once()
-                    self.recovery_s.append(time.perf_counter() - t0)
-                    return
-                except StageLostError:
-                    if attempt == self.max_recoveries:
-                        raise
-        finally:
-            self.recovering = False
+        every logged ubatch whose tokens the cache still holds, in order, on the same cells."""
+        self.recovery.recover(self._forget_in_flight, self._run, self.kv.cells)
 
-    def _recover_once(self) -> None:
-        assert self.recovery is not None, "this context has no recovery hook"
-        self.recovery()
+    def _forget_in_flight(self) -> None:
         self._inflight.clear()
         self.gf_res_prev = None
         self.sched.reset()
-        self._prune_log()
-        for rec in self.log:
-            self.n_replayed_tokens += rec.ub.n_tokens
-            self._run(rec)
-        self.n_recoveries += 1
-
-    def _prune_log(self) -> None:
-        """Drop logged ubatches none of whose tokens the cache still holds (nothing to rebuild)."""
-        cells = self.kv.cells
-
-        def live(rec: UbatchRecord) -> bool:
-            return any(cells.pos[c] == p and bool(int(cells.seq[c]) >> min(s) & 1)
-                       for c, p, s in zip(rec.slot, rec.ub.pos, rec.ub.seq_ids))
-        self.log = [rec for rec in self.log if live(rec)]
 
     def _run(self, rec: UbatchRecord) -> None:
         """Build or reuse the graph of the record's shape, set its inputs, compute (asynchronously on
@@ -499,7 +387,8 @@ class LlamaContext:
                 self.after_alloc(self.sched, res.graph)
             self.gf_res_prev = res
         fed = self._resolve_tokens(rec)
-        self._set_inputs(res, ub, slot, key.n_kv)
+        compiled = self.params.numba and host.COMPILED_DEFAULT and self.warmup is None
+        self.inputs.set(res, ub, slot, key.n_kv, compiled)
         logits = res.logits
         outputs = self.outputs
         # the token comes from the stage that sampled it, else it is waited for (a compiled graph takes no handles)
@@ -537,7 +426,7 @@ class LlamaContext:
             rec.fetch = fetch_async(logits)
             return
         self.sched.synchronize()
-        view = self._host_view(logits, (logits.ne[1], logits.ne[0]))
+        view = self.inputs.view(res, logits, (logits.ne[1], logits.ne[0]))
         value = tensor_get(logits) if view is None else view.copy()
         rec.fetch = lambda: value
 
@@ -564,64 +453,10 @@ class LlamaContext:
             s.chosen()
         rec.settle()
 
-    def _set_inputs(self, res: GraphResult, ub: Ubatch, slot: np.ndarray, n_kv: int) -> None:
-        """llama's set_input for the ubatch: written straight into the input tensors where they are host
-        memory (a view of each kept per graph), the attention inputs by one compiled call where the
-        compiled kernels are on (KVCache.attn_inputs_into), else by the numpy reference."""
-        inp = res.inputs
-        self._put(inp.tokens, ub.tokens)
-        self._put(inp.pos, ub.pos)
-        if inp.out_ids is not None:
-            self._put(inp.out_ids, ub.out_ids)
-        kv, n_swa = self.kv, self.model.hp.n_swa
-        if not (self.params.numba and host.COMPILED_DEFAULT and self.warmup is None):
-            tensor_set(inp.kq_mask, kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs))
-            if inp.kq_mask_swa is not None:
-                tensor_set(inp.kq_mask_swa, kv.cells.kq_mask(n_kv, ub.pos, ub.seq_ids, ub.n_seqs, n_swa))
-            tensor_set(inp.k_idxs, kv.k_idxs(slot))
-            tensor_set(inp.v_idxs, kv.v_idxs(slot))
-            return
-        n = ub.n_tokens
-        specs = ((inp.kq_mask, (n, n_kv), np.float32), (inp.kq_mask_swa, (n, n_kv), np.float32),
-                 (inp.k_idxs, (n,), np.int64), (inp.v_idxs, (n * kv.n_embd_v_gqa,), np.int64))
-        views = [self._host_view(t, shape) for t, shape, _ in specs]
-        arrays = [np.empty(shape, dt) if v is None and t is not None else v
-                  for v, (t, shape, dt) in zip(views, specs, strict=True)]
-        mask, mask_swa, k_idxs, v_idxs = arrays
-        assert mask is not None and k_idxs is not None and v_idxs is not None
-        kv.attn_inputs_into(n_kv, ub.pos, ub.seq_ids, ub.n_seqs, slot, n_swa, mask, mask_swa, k_idxs, v_idxs)
-        for v, a, (t, _, _) in zip(views, arrays, specs, strict=True):
-            if v is None and t is not None and a is not None:     # not host memory (a pipeline's stage)
-                tensor_set(t, a)
-
-    def _host_view(self, t: Tensor | None, shape: tuple[int, ...]) -> np.ndarray | None:
-        """An input tensor's memory as an array of shape (C order) where it is host memory, else None;
-        kept while the tensor stays where it is (a new view costs several us a step). Only the current
-        graph's views are kept: a kept view holds its buffer's memory."""
-        if t is None or t.buffer is None or t.buffer.base is None:
-            return None
-        if self._views[0] is not self.gf_res_prev:
-            self._views = (self.gf_res_prev, {})
-        views = self._views[1]
-        hit = views.get(id(t))
-        if hit is None or hit[0] is not t or hit[1] is not t.buffer or hit[2] != t.data:
-            hit = views[id(t)] = (t, t.buffer, t.data, tensor_array(t).reshape(shape))
-        return hit[3]
-
-    def _put(self, t: Tensor, value: np.ndarray) -> None:
-        """tensor_set(t, value) of an I32 input, through the host view where there is one (which casts as
-        it copies; another buffer is given int32 bytes)."""
-        view = self._host_view(t, (t.nelements,))
-        if view is None:
-            tensor_set(t, np.asarray(value, np.int32))
-        else:
-            view[...] = value
-
     # -- sequences -----------------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         self.kv.cells.seq_rm(seq_id, p0, p1)
-        if self.log:
-            self._prune_log()
+        self.recovery.prune(self.kv.cells)
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """dst joins src's cells; between KV streams, src's whole stream is copied into dst's (once
@@ -652,8 +487,8 @@ class LlamaContext:
 
     def clear(self) -> None:
         self.kv.cells.clear()
-        self.log.clear()
+        self.recovery.log.clear()
 
     @property
     def recoverable(self) -> bool:
-        return self.recovery is not None
+        return self.recovery.recoverable

@@ -278,7 +278,7 @@ def props(model_name: str, model_path: str, n_parallel: int, n_ctx_slot: int, te
 
 
 def slots(n_parallel: int, n_running: int, n_ctx_slot: int) -> list[dict[str, Any]]:
-    """GET /slots: the engine keeps its busy slots at the bottom (Engine._compact), so slot i processes
+    """GET /slots: the engine keeps its busy slots at the bottom (Slots.compact), so slot i processes
     when i < n_running."""
     return [{"id": i, "id_task": -1, "n_ctx": n_ctx_slot, "speculative": False, "is_processing": i < n_running}
             for i in range(n_parallel)]

@@ -37,8 +37,9 @@ from typing import Any, Self, assert_never
 from ..backends.cpu import threads as kernel_threads
 from ..model.sampling import SamplingParams
 from ..model.tokenizer import Tokenizer
-from .engine import Engine, EngineConfig, Event, NotReady, QueueFull, Request, _common_prefix
+from .engine import Engine, EngineConfig, Event, NotReady, QueueFull, Request
 from .metrics import Metrics
+from .slots import common_prefix
 
 _STATUS_TIMEOUT_S = 10.0
 
@@ -240,7 +241,7 @@ def _replica_main(conn: Connection) -> None:
                 case SetThreads():                          # the front's share of the cores for this one
                     kernel_threads.set_threads(msg.n)
                 case StatusQuery():
-                    send(StatusReply({**engine.status(), "busy_s": engine.busy_s}, metrics.drain()))
+                    send(StatusReply({**engine.status(), "busy_s": engine.stage_busy()[0]}, metrics.drain()))
                 case Stop():
                     break
                 case _:
@@ -308,9 +309,8 @@ class _Replica:
         self.sender.send(msg)
 
     def affinity(self, prompt: list[int]) -> int:
-        """The longest prefix of `prompt` among the prompts recently routed here (whose tokens a free
-        slot may still hold: the replica's prompt cache)."""
-        return max((_common_prefix(p, prompt) for p in self.recent), default=0)
+        """The longest prefix of `prompt` among those recently routed here (a free slot's cache)."""
+        return max((common_prefix(p, prompt) for p in self.recent), default=0)
 
 
 class ReplicaSet:

@@ -576,7 +576,7 @@ class Pipeline:
             pl._await_stage(k, pl.launch_timeout_s)
         pl._connect_direct()
         pl.ctx = driver_context(model, params, placement, pl.proxies, n_copies or default_copies(n))
-        pl.ctx.recovery = pl.recover_stages
+        pl.ctx.recovery.restore = pl.recover_stages
         return pl
 
     def _call(self, k: int) -> Call:

@@ -219,7 +219,7 @@ class CompiledChain:
         flight are lost. After a loss the calls go the plain way for good: a surviving actor's graph
         loop can stay blocked in a write to the dead stage's channel, which tearing down does not
         interrupt, and an actor runs one graph at a time (its plain calls still run beside it)."""
-        from ..model.context import StageLostError
+        from ..model.recovery import StageLostError
         if lost and self.enabled:
             print("ggml-dist: stage calls go as plain Ray calls from now on: a stage was lost", file=sys.stderr,
                   flush=True)

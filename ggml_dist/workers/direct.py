@@ -27,7 +27,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..model.context import StageLostError
+from ..model.recovery import StageLostError
 from .health import StageWatch
 from .links import Link, LinkClosed
 from .proxy import Call

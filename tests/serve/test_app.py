@@ -132,14 +132,14 @@ def test_stop(server, model, stream):
 # separate run; with cache_prompt off nothing is kept
 def test_prompt_cache(serve_model, model):
     from ggml_dist.serve import EngineConfig, ServerThread
-    from ggml_dist.serve.engine import _common_prefix
+    from ggml_dist.serve.slots import common_prefix
     enc = lambda p: model.tokenizer.encode(p, add_special=True, parse_special=True)
     prompt = "the cache keeps this prompt"
     run = generate(LlamaContext(model, ContextParams(n_ctx=1024)), model.tokenizer, enc(prompt), 6)
     longer = prompt + run.text + " and more"
     kept = enc(prompt) + run.tokens[:5]             # a finished request's KV: its prompt, 5 of 6 tokens
     cases = [(prompt, 0), (prompt, len(enc(prompt)) - 1),
-             (longer, min(_common_prefix(kept, enc(longer)), len(enc(longer)) - 1))]
+             (longer, min(common_prefix(kept, enc(longer)), len(enc(longer)) - 1))]
     assert cases[2][1] > len(enc(prompt))
     for cache in (True, False):
         with ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=1024, cache_prompt=cache)) as srv:
@@ -337,7 +337,8 @@ def _collector(n: int):
 def test_short_prompts_trickle_in(serve_model, model):
     from ggml_dist.model.sampling import SamplingParams
     from ggml_dist.serve import Engine, EngineConfig
-    from ggml_dist.serve.engine import TRICKLE, Request
+    from ggml_dist.serve.engine import Request
+    from ggml_dist.serve.steps import TRICKLE
     engine = Engine(EngineConfig(serve_model, n_parallel=3, n_ctx=768)).start()
     engine.wait_ready(120)
     batches: list[list[tuple[int, int]]] = []             # per batch: (slot, tokens) in slot order

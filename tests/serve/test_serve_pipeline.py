@@ -43,7 +43,7 @@ def test_pipeline_server(local_ray, serve_model):
         busy = [float(v) for v in re.findall(r'^ggml_dist_stage_busy_seconds_total\{stage="\d"\} (\S+)$', text, re.M)]
         assert len(busy) == 2 and all(b > 0 for b in busy)
         # groups' next steps were queued before their tokens came back (token feedback), same tokens
-        assert srv.engine.lookahead == 2 and float(re.search(r"^ggml_dist_steps_fed_total (\S+)$", text, re.M)[1]) > 0
+        assert srv.engine.steps.lookahead == 2 and float(re.search(r"^ggml_dist_steps_fed_total (\S+)$", text, re.M)[1]) > 0
 
 
 # with token feedback the stages' queues stay step-major: a group's fed step never goes right behind its
@@ -59,7 +59,7 @@ def test_pipeline_server_queues_step_major(local_ray, serve_model):
         submit, log = eng.ctx.submit, []
 
         def recorded(batch, *args, **kw):
-            others = any(m.parts[0][0].slot not in set(batch.seq_ids[0]) for m in eng._in_flight)
+            others = any(m.parts[0][0].slot not in set(batch.seq_ids[0]) for m in eng.steps.in_flight)
             pending = submit(batch, *args, **kw)
             log.append((pending, kw.get("tokens_from"), others))
             return pending
@@ -111,9 +111,9 @@ def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
 
         with ThreadPoolExecutor(4) as ex:
             assert list(ex.map(one, range(4))) == want
-        assert srv.engine.n_fed > 0
+        assert srv.engine.steps.n_fed > 0
         # every cell a queued step took past a stop is freed: a slot holds only its cached tokens
-        assert srv.engine.ctx.kv.cells.used == sum(len(c) for c in srv.engine._cached) > 0
+        assert srv.engine.ctx.kv.cells.used == srv.engine.slots.cached_cells() > 0
 
 
 # a slot's finished request stays in the shared cache of the stages: the same prompt again evaluates only
@@ -211,7 +211,7 @@ def test_pipeline_server_survives_node_removal(serve_model):
                     range(len(lengths))))
             th.join()
             assert got == want
-            assert engine.ctx.n_recoveries >= 1
+            assert engine.ctx.recovery.n_recoveries >= 1
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -187,7 +187,7 @@ def test_weights_sent_when_path_unreadable(local_ray, model_path):
         assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
         pl.kill_stage(1)                       # a restarted stage is sent its weights again
         assert np.array_equal(pl.ctx.decode(Batch.from_tokens([5], pos0=len(TOKENS))), ref_steps[0])
-        assert pl.ctx.n_recoveries == 1
+        assert pl.ctx.recovery.n_recoveries == 1
     finally:
         pl.shutdown()
 

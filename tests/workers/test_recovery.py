@@ -57,7 +57,7 @@ def test_wedged_stage_is_replaced(local_ray, model_path, want, calls, monkeypatc
     try:
         got = _run_with_fault(pl, 5, lambda p: p.wedge_stage(1))
         assert got == want
-        assert pl.ctx.n_recoveries == 1
+        assert pl.ctx.recovery.n_recoveries == 1
     finally:
         pl.shutdown()
 
@@ -71,7 +71,7 @@ def test_kill_stage_actor(local_ray, model_path, want, stage, calls):
     try:
         got = _run_with_fault(pl, 6, lambda p: p.kill_stage(stage))
         assert got == want
-        assert pl.ctx.n_recoveries == 1 and pl.ctx.n_replayed_tokens >= len(PROMPT) + 5
+        assert pl.ctx.recovery.n_recoveries == 1 and pl.ctx.recovery.n_replayed_tokens >= len(PROMPT) + 5
         assert calls != "compiled" or (pl.chain is not None and pl.chain.n_executions >= 6 and not pl.chain.enabled)
         assert calls != "direct" or pl.calls_used() == "direct"     # the links were opened again
     finally:
@@ -86,7 +86,7 @@ def test_kill_before_every_copy_slot_was_used(local_ray, model_path, want, stage
     pl = Pipeline.launch(model_path, 2, ContextParams(n_ctx=256), n_copies=4)
     try:
         assert _run_with_fault(pl, 1, lambda p: p.kill_stage(stage)) == want
-        assert pl.ctx.n_recoveries == 1
+        assert pl.ctx.recovery.n_recoveries == 1
     finally:
         pl.shutdown()
 
@@ -104,7 +104,7 @@ def test_kill_stage_process_by_pid(local_ray, model_path, want):
             if i in (4, 11):
                 kill(pl)
         toks = generate(pl.ctx, pl.model.tokenizer, PROMPT, N, on_token=on_token).tokens
-        assert toks == want and pl.ctx.n_recoveries == 2
+        assert toks == want and pl.ctx.recovery.n_recoveries == 2
     finally:
         pl.shutdown()
 
@@ -140,7 +140,7 @@ def two_node_pipeline(model_path, recover_timeout_s: float, spare: bool):
 def test_node_removed(model_path, want):
     with two_node_pipeline(model_path, 60, spare=True) as (pl, remove_victim):
         got = _run_with_fault(pl, 6, remove_victim)
-        assert got == want and pl.ctx.n_recoveries >= 1
+        assert got == want and pl.ctx.recovery.n_recoveries >= 1
 
 
 # no node can take the lost stage: a clear error naming the stage and its memory, not a hang

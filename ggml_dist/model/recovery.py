@@ -1,0 +1,161 @@
+"""A context's recovery from a lost stage: the log of submitted ubatches and its replay.
+
+A recoverable context (a pipeline's: workers/cluster.py sets `restore`) logs every ubatch it submits.
+When a stage is lost (StageLostError where a result is waited for), `restore` brings the stages back
+(a new actor where one died, its weights mapped again), then every logged ubatch whose tokens the KV
+cache still holds is run again, in order, on the same cells and with the same graph shape, so the
+rebuilt cache holds the same bits and generation goes on with the same tokens. A stage lost during
+the replay starts the recovery over, max_recoveries times. Ubatches none of whose tokens the cache
+holds any more (their sequence removed) leave the log (prune).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+
+from .sampling import RowSampling, sample_row
+from .ubatch import Ubatch
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCells
+
+T = TypeVar("T")
+
+
+class StageLostError(RuntimeError):
+    """A backend lost the state the context relies on (a pipeline stage died): the context can
+    recover by restoring the backend and replaying its ubatch log."""
+
+    def __init__(self, msg: str, stage: int = -1) -> None:
+        super().__init__(msg)
+        self.stage = stage
+
+
+@dataclass
+class UbatchRecord:
+    """One submitted ubatch, kept (on a recoverable context) so the KV cache can be rebuilt exactly:
+    the same cells, the same graph shape, so the same numerics."""
+    ub: Ubatch
+    slot: np.ndarray
+    n_kv: int
+    fetch: Callable[[], np.ndarray] | None = None
+    value: np.ndarray | None = None
+    sampling: list[RowSampling] | None = None       # one per output row: choose the tokens
+    keep_logits: bool = True                        # with sampling: also return the logits
+    fetch_tokens: Callable[[], np.ndarray] | None = None   # tokens chosen where the logits are
+    tokens: list[int] | None = None
+    done: bool = False                              # its result came back since it was last run
+    embd: bool = False                              # outputs are embeddings (the final norm's rows)
+    # per token, (record, output row) whose chosen token it is (submit's tokens_from), until known
+    token_src: list[tuple[UbatchRecord, int]] | None = None
+
+    def result(self) -> np.ndarray:
+        if self.value is None:
+            if self.fetch is None:
+                raise RuntimeError("the logits of this batch were not kept (submitted with "
+                                   "keep_logits=False): only its tokens can be read")
+            self.value = self.fetch()
+            self.done = True
+        return self.value
+
+    def fetched(self) -> bool:
+        """Whether this ubatch's result came back (so every stage has finished it)."""
+        return self.done
+
+    def chosen(self) -> list[int]:
+        """This ubatch's sampled tokens, one per output row: from the stage that sampled them, or
+        sampled here from the logits with the same RowSampling."""
+        if self.tokens is None:
+            assert self.sampling is not None
+            if self.fetch_tokens is not None:
+                self.tokens = [int(t) for t in np.asarray(self.fetch_tokens()).reshape(-1)]
+                self.done = True
+                self.fetch_tokens = None       # its result handle is not pinned by the log
+            else:
+                lg = self.result()
+                lg = lg.reshape(-1, lg.shape[-1])
+                self.tokens = [sample_row(lg[r], rs) for r, rs in enumerate(self.sampling)]
+            self.settle()
+        return self.tokens
+
+    def settle(self) -> None:
+        """Once the tokens this ubatch was fed are all known, write them in and drop its sources, so
+        the log keeps no chain of records back to the first (the driver reads the tokens in order)."""
+        src = self.token_src
+        if src is not None and all(s.tokens is not None for s, _ in src):
+            self.ub.tokens = np.array([s.chosen()[r] for s, r in src], np.int32)
+            self.token_src = None
+
+
+class Recovery:
+    """The log and the figures of a context's recoveries; recoverable once `restore` is set."""
+
+    def __init__(self) -> None:
+        self.restore: Callable[[], None] | None = None   # a pipeline's hook: restore lost stages
+        self.max_recoveries = 3
+        self.log: list[UbatchRecord] = []    # ubatches to replay after a loss (recoverable only)
+        self.n_recoveries = 0
+        self.n_replayed_tokens = 0
+        self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
+        self.lost_at: list[float] = []       # perf_counter() when each recovery began (the loss seen)
+        self.lost_wall: list[float] = []     # the same moments by the wall clock (time.time())
+        self.recovering = False              # True while a lost stage is being brought back
+
+    @property
+    def recoverable(self) -> bool:
+        return self.restore is not None
+
+    def record(self, rec: UbatchRecord) -> None:
+        if self.recoverable:
+            self.log.append(rec)
+
+    def retrying(self, fn: Callable[[], T], recover: Callable[[], None]) -> T:
+        """fn(), recovering (recover: the context's) and calling it again when a stage was lost."""
+        for attempt in range(self.max_recoveries + 1):
+            try:
+                return fn()
+            except StageLostError:
+                if attempt == self.max_recoveries or not self.recoverable:
+                    raise
+                recover()
+        raise AssertionError("unreachable")
+
+    def recover(self, reset: Callable[[], None], run: Callable[[UbatchRecord], None], cells: KVCells) -> None:
+        """Restore the lost stages, reset the context's view of them (reset: nothing in flight, no
+        graph to reuse), and replay the log's live ubatches with run, in order."""
+        t0 = time.perf_counter()
+        self.lost_at.append(t0)
+        self.lost_wall.append(time.time())
+        self.recovering = True
+        try:
+            for attempt in range(self.max_recoveries + 1):
+                try:
+                    assert self.restore is not None, "this context has no recovery hook"
+                    self.restore()
+                    reset()
+                    self.prune(cells)
+                    for rec in self.log:
+                        self.n_replayed_tokens += rec.ub.n_tokens
+                        run(rec)
+                    self.n_recoveries += 1
+                    self.recovery_s.append(time.perf_counter() - t0)
+                    return
+                except StageLostError:
+                    if attempt == self.max_recoveries:
+                        raise
+        finally:
+            self.recovering = False
+
+    def prune(self, cells: KVCells) -> None:
+        """Drop logged ubatches none of whose tokens the cache still holds (nothing to rebuild)."""
+        if not self.log:
+            return
+
+        def live(rec: UbatchRecord) -> bool:
+            return any(cells.pos[c] == p and bool(int(cells.seq[c]) >> min(s) & 1)
+                       for c, p, s in zip(rec.slot, rec.ub.pos, rec.ub.seq_ids))
+        self.log = [rec for rec in self.log if live(rec)]

@@ -1,0 +1,186 @@
+"""The server's slots (llama-server's): a slot index is a KV sequence id, and each slot owns
+n_ctx / n_parallel cells of the cache. A busy slot holds a Sequence; a free one may keep its last
+request's tokens (cache_prompt), which a prompt that starts with them takes and skips (take).
+
+With a KV stream per slot (one process) the busy slots are kept at the bottom (compact): a ubatch spans
+consecutive streams, so a gap costs a graph run. Over a pipeline the stages hold the cache and its slots
+share one stream by default: sequences are not moved there."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..model.generate import TextStream
+from ..model.sampling import Sampler
+from .requests import Request, token_logprob
+from .stop import StopMatcher
+
+if TYPE_CHECKING:
+    from ..model.context import LlamaContext
+    from ..model.tokenizer import Tokenizer
+
+
+@dataclass(eq=False)
+class Sequence:
+    req: Request
+    slot: int
+    sampler: Sampler
+    stream: TextStream
+    stop: StopMatcher
+    history: list[int]                      # prompt, then generated tokens (for repeat penalty)
+    n_past: int = 0                         # tokens already in the KV cache
+    n_gen: int = 0
+    n_flight: int = 0                       # micro-batches in flight that hold it
+    done: bool = False                      # finished: rows of it still in flight are ignored
+    t_last: float | None = None             # when the previous token was emitted
+    logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent (with the next event)
+    constraint: Any = None                  # serve/grammar.Constraint when the request has a grammar
+    index: int = 0                          # the request's choice this sequence makes
+    parent: Sequence | None = None          # choice > 0: waits for choice 0's prompt, then copies it
+    children: list = field(default_factory=list)   # choice 0: the choices waiting for its prompt
+    n_cached: int = 0                       # prompt tokens its slot's cache held at admission
+
+    @classmethod
+    def start(cls, req: Request, slot: int, index: int, constraint: Any, n_past: int, tok: Tokenizer) -> Sequence:
+        """Choice `index` of a request; a seeded request's choice i draws from seed + i."""
+        params = req.sampling
+        if index and params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        return cls(req, slot, Sampler(params), TextStream(tok), StopMatcher(req.stops), list(req.prompt),
+                   n_past=n_past, constraint=constraint, index=index)
+
+    def choose(self, tok: int | None, logits: np.ndarray | None) -> tuple[int, tuple]:
+        """Its next token and that token's logprob entry (when it asked for logprobs): tok where it was
+        chosen with the logits, else sampled here from its row of logits within its grammar."""
+        if tok is None:
+            assert logits is not None
+            allowed = self.constraint.allowed() if self.constraint is not None else None
+            tok = self.sampler.sample(logits, self.history, allowed)
+        n_lp = self.sampler.params.logprobs
+        return tok, () if n_lp is None or logits is None else (token_logprob(logits, tok, n_lp),)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_past < len(self.req.prompt)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.n_flight > 0
+
+
+class Slots:
+    """seqs[k]: the sequence slot k runs, or None; cached[k]: a free slot's KV tokens (its cells).
+    ctx is set once the model has loaded; movable: sequences may move between slots (compact)."""
+
+    def __init__(self, n_parallel: int, cache_prompt: bool) -> None:
+        self.cache_prompt = cache_prompt
+        self.seqs: list[Sequence | None] = [None] * n_parallel
+        self.cached: list[list[int]] = [[] for _ in range(n_parallel)]
+        self.ctx: LlamaContext | None = None
+        self.movable = False
+
+    def n_free(self) -> int:
+        return sum(s is None for s in self.seqs)
+
+    def n_running(self) -> int:
+        return len(self.seqs) - self.n_free()
+
+    def cached_cells(self) -> int:
+        """KV cells that free slots keep for a later prompt (cache_prompt)."""
+        return sum(len(c) for c in self.cached)
+
+    def take(self, prompt: list[int], reuse: bool = True) -> tuple[int, int]:
+        """A free slot for a prompt and how many of its tokens that slot's cache already holds: the slot
+        whose cached tokens share the longest prefix with the prompt (llama-server's cache_prompt), else
+        the lowest free slot with nothing cached, else the lowest free slot. The prompt's last token is
+        always evaluated again: its logits start the generation. The slot keeps only the kept prefix.
+        reuse=False (a prompt to score, whose every row is needed): nothing is kept."""
+        assert self.ctx is not None
+        free = [k for k, s in enumerate(self.seqs) if s is None]
+        slot = next((k for k in free if not self.cached[k]), free[0])
+        n_keep = 0
+        if self.cache_prompt and reuse:
+            for k in free:
+                n = common_prefix(self.cached[k], prompt)
+                if n > n_keep:
+                    slot, n_keep = k, n
+            n_keep = min(n_keep, len(prompt) - 1)
+        if self.cached[slot]:                           # a slot without a cache holds no cells
+            self.ctx.seq_rm(slot, n_keep, -1)
+        self.cached[slot] = []
+        assert self.ctx.seq_pos_max(slot) == n_keep - 1, f"slot {slot} holds more than its kept prefix"
+        return slot, n_keep
+
+    def take_blank(self) -> int:
+        """The lowest free slot, its cached tokens dropped: for a choice > 0 (which copies its prompt's
+        cells) and for an embedding."""
+        assert self.ctx is not None
+        slot = self.seqs.index(None)
+        if self.cached[slot]:
+            self.ctx.seq_rm(slot)
+            self.cached[slot] = []
+        return slot
+
+    def release(self, s: Sequence, keep: bool) -> None:
+        """s's slot is free again: with keep (cache_prompt) its evaluated tokens stay as the slot's
+        cached ones (cells its queued steps took past them are freed), else its cells go. The cells stay
+        under the slot's sequence id, in a stream of its own or in the shared one (a pipeline's): a
+        slot's cells, cached or in use, never pass ctx/parallel, so the cache always has room for every
+        slot. With a stream per slot the cached tokens sit in position order, as a fresh prompt's would;
+        in a shared stream a sequence's cells sit wherever they were free, cached or not, so there no run
+        is bit for bit another (see docs/api.md)."""
+        assert self.ctx is not None
+        if keep and self.cache_prompt:
+            self.cached[s.slot] = s.history[:s.n_past]
+            if s.n_flight:
+                self.ctx.seq_rm(s.slot, s.n_past, -1)
+        else:
+            self.ctx.seq_rm(s.slot)
+        self.seqs[s.slot] = None
+
+    def forget(self) -> None:
+        """Every cached prompt goes (the cache itself is cleared by the caller)."""
+        self.cached = [[] for _ in self.seqs]
+
+    def compact(self) -> None:
+        """Keep the busy slots at the bottom: the sequence in the highest busy slot moves into the
+        lowest free one, before the step is filled.
+
+        With a KV stream per slot, a ubatch spans consecutive streams (split_equal(sequential)), so
+        busy slots 0,1,2 and 4..7 decode as two ubatches, each a graph run with its fixed cost, and
+        every such pattern has graph shapes of its own (its stream ranges) to build and plan. Moving a
+        sequence copies its stream's K and V (30 layers x 2 x 256 cells x 192 dims f16 for SmolLM2:
+        ~6 MB, about a millisecond), once per finished request; where the free slot holds a cached
+        prompt, the two streams swap instead (seq_swap, two copies), so the cache moves up and stays."""
+        if not self.movable:
+            return
+        assert self.ctx is not None
+        while True:
+            busy = [k for k, s in enumerate(self.seqs) if s is not None]
+            free = [k for k, s in enumerate(self.seqs) if s is None]
+            if not busy or not free or free[0] > busy[-1]:
+                return
+            src, dst = busy[-1], free[0]
+            s = self.seqs[src]
+            assert s is not None, f"slot {src} is busy but holds no sequence"
+            if s.in_flight:
+                return
+            if self.cached[dst]:
+                self.ctx.seq_swap(src, dst)
+            else:
+                self.ctx.seq_cp(src, dst)
+                self.ctx.seq_rm(src)
+            self.cached[src], self.cached[dst] = self.cached[dst], []
+            s.slot, self.seqs[dst], self.seqs[src] = dst, s, None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
