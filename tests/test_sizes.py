@@ -40,7 +40,7 @@ OVERSIZED = {
     "ggml_dist/serve/app.py": 1099,
     "ggml_dist/serve/app.py:create_app": 421,
     "ggml_dist/serve/app.py:_generate": 92,
-    "ggml_dist/serve/engine.py": 529,
+    "ggml_dist/serve/engine.py": 525,
     "ggml_dist/serve/grammar.py": 831,
     "ggml_dist/serve/replicas.py": 596,
     "ggml_dist/testbed/cluster.py": 861,

@@ -1,31 +1,24 @@
-"""Text generation: prompt prefill, then one token per step (gpt-fast's prefill / decode_one_token).
+"""Text generation: prompt prefill, then one token per step (gpt-fast's prefill / decode_one_token),
+through the decode loop every path shares (model/steps.py), on one process's context or a pipeline's.
 
-`generate` is written against a small decoder protocol (decode a Batch, return the outputs' logits), so
-the same loop drives a single-process LlamaContext and a pipeline of Ray stage actors. A decoder that
-can also choose tokens where its logits are (LlamaContext.submit(sampling=)) is asked for the token
-alone when no penalty needs the history: a pipeline's last stage then sends back an id, not the logits,
-and the next steps are queued before it is read (lookahead: the last stage feeds the first).
-`generate_parallel` decodes several continuations of one prompt together (run --parallel).
+Where no penalty needs the history the token is chosen where the logits are (LlamaContext.submit(
+sampling=)): a pipeline's last stage then sends back an id, not the logits, and with lookahead > 1 the
+next steps are queued before it is read (the last stage feeds the first). `generate` continues one
+prompt (run); `generate_parallel` several continuations of one prompt together (run --parallel).
 """
 from __future__ import annotations
 
 import codecs
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import numpy as np
-
+from .context import LlamaContext
 from .sampling import Sampler, SamplingParams
+from .steps import Seq, Steps
 from .tokenizer import Tokenizer
 from .ubatch import Batch
-
-
-class Decoder(Protocol):
-    def decode(self, batch: Batch) -> np.ndarray: ...
 
 
 @dataclass
@@ -63,7 +56,7 @@ class TextStream:
         return self.dec.decode(b"", final=True)
 
 
-def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n_predict: int,
+def generate(ctx: LlamaContext, tokenizer: Tokenizer, prompt_tokens: list[int], n_predict: int,
              params: SamplingParams = SamplingParams(), seq_id: int = 0,
              on_text: Callable[[str], None] | None = None, stop_at_eog: bool = True,
              n_batch: int = 512, on_token: Callable[[int, int], None] | None = None,
@@ -80,112 +73,15 @@ def generate(decoder: Decoder, tokenizer: Tokenizer, prompt_tokens: list[int], n
         raise ValueError(f"n_predict must be >= 0, got {n_predict}")
     if lookahead is not None and lookahead < 1:
         raise ValueError(f"lookahead must be >= 1, got {lookahead}")
-    sampler, stream = Sampler(params), TextStream(tokenizer)
-    history = list(prompt_tokens)
-    steps = _Steps(decoder, sampler, history, seq_id, lookahead)
-
-    t0 = time.perf_counter()
-    starts = range(0, len(prompt_tokens), n_batch)          # prefill in n_batch pieces
-    for i in starts[:-1]:
-        decoder.decode(Batch.from_tokens(prompt_tokens[i:i + n_batch], pos0=i, seq_id=seq_id))
-    last = Batch.from_tokens(prompt_tokens[starts[-1]:], pos0=starts[-1], seq_id=seq_id)
-    if n_predict:
-        steps.request(last)
-    else:
-        decoder.decode(last)
-    out: list[int] = []
-    text: list[str] = []
-    stop = "length"
-    prompt_s = t1 = 0.0
-    while len(out) < n_predict:
-        while steps.queued < steps.depth and steps.n_requested < n_predict:
-            steps.request(None, pos0=len(prompt_tokens) + steps.n_requested - 1)
-        tok = steps.next_token()
-        if not out:                                         # the prompt's token: its time is the prompt's
-            prompt_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-        if stop_at_eog and tokenizer.is_eog(tok):
-            stop = "eog"
-            break
-        out.append(tok)
-        history.append(tok)
-        if on_token is not None:
-            on_token(len(out), tok)
-        piece = stream.push(tok)
-        text.append(piece)
-        if on_text and piece:
-            on_text(piece)
-    if not n_predict:
-        prompt_s, t1 = time.perf_counter() - t0, time.perf_counter()
-    steps.drop_after(len(prompt_tokens) + len(out))
-    tail = stream.flush()
-    if tail:
-        text.append(tail)
-        if on_text:
-            on_text(tail)
-    return GenerationResult(list(prompt_tokens), out, "".join(text), prompt_s,
-                            time.perf_counter() - t1, stop)
+    depth = lookahead or (2 if ctx.pipelined else 1)
+    s = Seq(seq_id, list(prompt_tokens), Sampler(params), list(prompt_tokens), n_predict)
+    run = _Run(ctx, tokenizer, [s], stop_at_eog, lambda _, i, t: on_token(i, t) if on_token else None, on_text)
+    run.loop(Steps(ctx, n_batch, ctx.n_ctx + 1, depth=depth, lookahead=depth))
+    return GenerationResult(list(prompt_tokens), s.tokens, run.text(s), run.prompt_s, run.decode_s, run.stops[0])
 
 
-class _Steps:
-    """One sequence's decode steps in flight, oldest first; each gives the token after its batch.
-
-    With a decoder that chooses tokens where its logits are (submit(sampling=)) and no penalty that
-    needs the history, a step is fed the previous step's token without waiting for it (tokens_from),
-    up to `depth` steps ahead. Otherwise one step at a time, sampled here from its logits."""
-
-    def __init__(self, decoder: Decoder, sampler: Sampler, history: list[int], seq_id: int,
-                 lookahead: int | None) -> None:
-        self.decoder, self.sampler, self.history, self.seq_id = decoder, sampler, history, seq_id
-        self.submit = None if sampler.penalized else getattr(decoder, "submit", None)
-        self.seq_rm = getattr(decoder, "seq_rm", None)
-        ahead = self.submit is not None and self.seq_rm is not None
-        default = 2 if getattr(decoder, "pipelined", False) else 1
-        self.depth = (lookahead or default) if ahead else 1
-        self._pending: deque = deque()
-        self.n_requested = 0
-        self._top = -1                        # the highest position a queued step decodes
-        self._last = 0                        # the token read last
-
-    @property
-    def queued(self) -> int:
-        return len(self._pending)
-
-    def request(self, batch: Batch | None, pos0: int = 0) -> None:
-        """Queue the batch, or (None) the step that decodes the newest queued step's token at pos0."""
-        if batch is None:
-            prev = self._pending[-1] if self._pending else None
-            if prev is None or self.depth == 1:           # one at a time: the token is known by now
-                batch = Batch.from_tokens([self._last], pos0=pos0, seq_id=self.seq_id)
-                prev = None
-            else:
-                batch = Batch.from_tokens([0], pos0=pos0, seq_id=self.seq_id)
-        else:
-            prev = None
-        self._top = int(batch.pos[-1])
-        self.n_requested += 1
-        if self.submit is None:
-            self._pending.append(self.decoder.decode(batch)[-1])
-            return
-        fed = {} if prev is None else {"tokens_from": prev}
-        self._pending.append(self.submit(batch, sampling=[self.sampler.row()], keep_logits=False, **fed))
-        self.sampler.advance()
-
-    def next_token(self) -> int:
-        p = self._pending.popleft()
-        tok = int(self.sampler.sample(p, self.history)) if self.submit is None else int(p.tokens()[-1])
-        self._last = tok
-        return tok
-
-    def drop_after(self, pos: int) -> None:
-        """Forget the steps still queued, and take what they decoded at pos and on out of the cache."""
-        self._pending.clear()
-        if self.seq_rm is not None and self._top >= pos:
-            self.seq_rm(self.seq_id, pos, -1)
-
-
-def generate_parallel(ctx, tokenizer: Tokenizer, prompt_tokens: list[int], n_predict: int, n_seq: int,
-                      params: SamplingParams = SamplingParams(), groups: int | None = None,
+def generate_parallel(ctx: LlamaContext, tokenizer: Tokenizer, prompt_tokens: list[int], n_predict: int,
+                      n_seq: int, params: SamplingParams = SamplingParams(), groups: int | None = None,
                       lookahead: int | None = None, stop_at_eog: bool = True, n_batch: int = 512,
                       on_token: Callable[[int, int, int], None] | None = None) -> list[GenerationResult]:
     """n_seq continuations of one prompt decoded together (llama.cpp's batched example); sequence i
@@ -194,10 +90,10 @@ def generate_parallel(ctx, tokenizer: Tokenizer, prompt_tokens: list[int], n_pre
     The prompt is evaluated once, as sequence 0, and its cells join the others (seq_cp). The sequences
     then fall into `groups` micro-batches (default: one per stage on a pipeline, so the stages overlap;
     one in one process, which reads the weights once per step for all). With lookahead > 1 a group's
-    next steps are queued ahead, their tokens fed from the last stage while the group is unchanged (not
-    the default: 4 sequences over 2 stages on 2 cores decoded 95-100 tok/s with 2 against 114-121 with
-    1: a fed call waiting for its token holds the calls behind it in its stage's queue). A sequence that
-    stops leaves its group, and steps queued past its stop are taken out of the cache again.
+    next steps are queued ahead, their tokens fed from the last stage (not the default: 4 sequences
+    over 2 stages on 2 cores decoded 95-100 tok/s with 2 against 114-121 with 1: a fed call waiting for
+    its token holds the calls behind it in its stage's queue). A sequence that stops leaves the
+    groups, and steps queued past its stop are taken out of the cache again.
     on_token(seq, index, id) runs after each token."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty: give at least one token")
@@ -206,121 +102,93 @@ def generate_parallel(ctx, tokenizer: Tokenizer, prompt_tokens: list[int], n_pre
     if n_seq > ctx.params.n_seq_max or not ctx.kv.unified:
         raise ValueError(f"{n_seq} sequences need a context with n_seq_max >= {n_seq} (it has "
                          f"{ctx.params.n_seq_max}) and a unified KV cache")
-    pipelined = ctx.pipelined
-    n_groups = min(n_seq, groups or (sum(b.inputs_by_value for b in ctx.backends) if pipelined else 1))
+    n_groups = min(n_seq, groups or (sum(b.inputs_by_value for b in ctx.backends) if ctx.pipelined else 1))
     base = params.seed if params.seed is not None else Sampler(params).seed
-    seqs = [_Sequence(i, Sampler(dataclasses.replace(params, seed=base + i)), TextStream(tokenizer),
-                      list(prompt_tokens)) for i in range(n_seq)]
-    t0 = time.perf_counter()
-    starts = range(0, len(prompt_tokens), n_batch)
+    P = len(prompt_tokens)
+    seqs = [Seq(i, list(prompt_tokens), Sampler(dataclasses.replace(params, seed=base + i)), list(prompt_tokens),
+                n_predict) for i in range(n_seq)]
+    run = _Run(ctx, tokenizer, seqs, stop_at_eog, on_token)
+    starts = range(0, P, n_batch)
     for i in starts[:-1]:
         ctx.decode(Batch.from_tokens(prompt_tokens[i:i + n_batch], pos0=i))
     logits = ctx.decode(Batch.from_tokens(prompt_tokens[starts[-1]:], pos0=starts[-1]))[-1]
     for s in seqs[1:]:
-        ctx.seq_cp(0, s.id)
-    prompt_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    dec = _Decoding(ctx, tokenizer, seqs, n_predict, len(prompt_tokens), stop_at_eog, on_token,
-                    lookahead or 1)
-    for s in seqs:
-        dec.accept(s, s.sampler.sample(logits, s.history))
-    groups_of = [seqs[g * n_seq // n_groups:(g + 1) * n_seq // n_groups] for g in range(n_groups)]
-    dec.run(groups_of)
-    decode_s = time.perf_counter() - t1
-    out = []
-    for s in seqs:
-        tail = s.stream.flush()
-        out.append(GenerationResult(list(prompt_tokens), s.tokens, "".join(s.text) + tail, prompt_s, decode_s,
-                                    s.stop, {"seq": s.id}))
-    return out
+        ctx.seq_cp(0, s.slot)
+    run.prompt_s = time.perf_counter() - run.t0
+    for s in seqs:                                  # every first token from the prompt's logits
+        s.n_past = P
+        run.accept(s, s.sampler.sample(logits, s.history))
+    run.loop(Steps(ctx, n_batch, ctx.n_ctx + 1, depth=n_groups * (lookahead or 1), n_groups=n_groups,
+                   lookahead=lookahead or 1))
+    return [GenerationResult(list(prompt_tokens), s.tokens, run.text(s), run.prompt_s, run.decode_s, run.stops[k],
+                             {"seq": s.slot}) for k, s in enumerate(seqs)]
 
 
-@dataclass(eq=False)
-class _Sequence:
-    id: int
-    sampler: Sampler
-    stream: TextStream
-    history: list[int]
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    stop: str = ""                     # "" while it goes on
-    n_queued: int = 0                  # decode steps submitted for it
+class _Run:
+    """The sequences of a generate call through the decode loop: each row's token accepted (an end of
+    generation or max_tokens stops a sequence, and the cells its queued steps took past the stop are
+    freed), its text streamed, the prompt's time and the decoding's kept."""
 
+    def __init__(self, ctx: LlamaContext, tokenizer: Tokenizer, seqs: list[Seq], stop_at_eog: bool,
+                 on_token: Callable[[int, int, int], None] | None, on_text: Callable[[str], None] | None = None):
+        self.ctx, self.tok, self.seqs, self.stop_at_eog = ctx, tokenizer, seqs, stop_at_eog
+        self.on_token, self.on_text = on_token, on_text
+        self.streams = [TextStream(tokenizer) for _ in seqs]
+        self.pieces: list[list[str]] = [[] for _ in seqs]
+        self.stops = ["length"] * len(seqs)
+        self.t0 = time.perf_counter()
+        self.prompt_s = -1.0                        # until the prompt's token
+        self.t1 = 0.0
+        self.decode_s = 0.0
 
-class _Decoding:
-    """generate_parallel's decode loop: per group, steps in flight oldest first; micro-batches are read
-    in submission order (they finish in order)."""
+    def loop(self, steps: Steps) -> None:
+        """Step every sequence until each has stopped."""
+        while not all(s.done for s in self.seqs):
+            steps.fill(self.seqs)
+            for s, tok, row in steps.rows(*steps.take()):
+                if s.n_gen >= s.max_tokens:         # n_predict 0: the prompt only
+                    self._tick()
+                    self._finish(s, "length")
+                elif tok is not None:
+                    self.accept(s, tok)
+                else:
+                    assert row is not None
+                    self.accept(s, s.sampler.sample(row, s.history))
+        self.decode_s = time.perf_counter() - self.t1
 
-    def __init__(self, ctx, tokenizer: Tokenizer, seqs: list[_Sequence], n_predict: int, n_prompt: int,
-                 stop_at_eog: bool, on_token: Callable[[int, int, int], None] | None, lookahead: int) -> None:
-        self.ctx, self.tok, self.seqs, self.n_predict, self.n_prompt = ctx, tokenizer, seqs, n_predict, n_prompt
-        self.stop_at_eog, self.on_token, self.lookahead = stop_at_eog, on_token, lookahead
-        self.remote = not any(s.sampler.penalized for s in seqs)   # chosen where the logits are
-        self.inflight: deque = deque()                             # (group, pending, members)
+    def _tick(self) -> None:
+        """The prompt's time ends with its token (or, sampling nothing, its evaluation)."""
+        if self.prompt_s < 0:
+            self.prompt_s = time.perf_counter() - self.t0
+        if not self.t1:
+            self.t1 = time.perf_counter()
 
-    def accept(self, s: _Sequence, tok: int) -> None:
+    def accept(self, s: Seq, tok: int) -> None:
+        self._tick()
         if self.stop_at_eog and self.tok.is_eog(tok):
             self._finish(s, "eog")
             return
         s.tokens.append(tok)
         s.history.append(tok)
-        s.text.append(s.stream.push(tok))
+        s.n_gen += 1
         if self.on_token is not None:
-            self.on_token(s.id, len(s.tokens), tok)
-        if len(s.tokens) == self.n_predict:
+            self.on_token(s.slot, len(s.tokens), tok)
+        self._text(s, self.streams[self.seqs.index(s)].push(tok))
+        if s.n_gen >= s.max_tokens:
             self._finish(s, "length")
 
-    def _finish(self, s: _Sequence, reason: str) -> None:
-        s.stop = reason
-        cut = self.n_prompt + len(s.tokens)          # the cache keeps what lookahead 1 would have
-        if self.ctx.seq_pos_max(s.id) >= cut:
-            self.ctx.seq_rm(s.id, cut, -1)
+    def _finish(self, s: Seq, reason: str) -> None:
+        s.done = True
+        self.stops[self.seqs.index(s)] = reason
+        if s.n_flight:                              # the cache keeps what lookahead 1 would have
+            self.ctx.seq_rm(s.slot, s.n_past, -1)
+        self._text(s, self.streams[self.seqs.index(s)].flush())
 
-    def run(self, groups: list[list[_Sequence]]) -> None:
-        # step-major: every group's first step, then every group's second. A stage runs its calls in order,
-        # and a fed step waits there for its token: group 0's second step queued before group 1's first
-        # would hold the first stage idle while the last one computes group 0's first
-        for depth in range(1, (self.lookahead if self.remote else 1) + 1):
-            for g in range(len(groups)):
-                self._top_up(groups, g, depth)
-        while self.inflight:
-            g, pending, members = self.inflight.popleft()
-            if self.remote:
-                toks = pending.tokens()
-            else:
-                lg = pending.result()
-                toks = [s.sampler.sample(lg[i], s.history) for i, s in enumerate(members)]
-            for s, tok in zip(members, toks):
-                if not s.stop:                        # a sequence that stopped ignores what was queued
-                    self.accept(s, tok)
-            self._top_up(groups, g)
+    def _text(self, s: Seq, piece: str) -> None:
+        if piece:
+            self.pieces[self.seqs.index(s)].append(piece)
+            if self.on_text is not None:
+                self.on_text(piece)
 
-    def _top_up(self, groups: list[list[_Sequence]], g: int, depth: int | None = None) -> None:
-        """Queue group g's next steps, up to `depth` (default: lookahead) in flight: fed from the group's
-        newest step while the group is unchanged, else (its tokens known) once every step of it was read."""
-        limit = depth or (self.lookahead if self.remote else 1)
-        while True:
-            mine = [(p, m) for gg, p, m in self.inflight if gg == g]
-            if len(mine) >= limit:
-                return
-            members = [s for s in groups[g] if not s.stop and s.n_queued < self.n_predict - 1]
-            if not members:
-                return
-            newest = mine[-1] if mine else None
-            if newest is not None and newest[1] != members:
-                return                                # the group changed: its tokens come back first
-            n = len(members)
-            toks = np.zeros(n, np.int32) if newest else np.array([s.tokens[-1] for s in members], np.int32)
-            pos = np.array([self.n_prompt + s.n_queued for s in members], np.int32)
-            batch = Batch(toks, pos, [frozenset({s.id}) for s in members], np.ones(n, bool))
-            if self.remote:
-                fed = {} if newest is None else {"tokens_from": newest[0]}
-                pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in members], keep_logits=False,
-                                          **fed)
-                for s in members:
-                    s.sampler.advance()
-            else:
-                pending = self.ctx.submit(batch)
-            for s in members:
-                s.n_queued += 1
-            self.inflight.append((g, pending, members))
+    def text(self, s: Seq) -> str:
+        return "".join(self.pieces[self.seqs.index(s)])

@@ -6,7 +6,7 @@
         2. admit    queued requests take free slots (serve/slots.py); the slot index is the KV sequence
                     id, and a prompt that starts with a free slot's cached tokens takes that slot and
                     skips them (cache_prompt); busy slots are then packed at the bottom (Slots.compact)
-        3. fill     micro-batches are submitted while fewer than `depth` are in flight (serve/steps.py)
+        3. fill     micro-batches are submitted while fewer than `depth` are in flight (model/steps.py)
         4. collect  wait for the oldest micro-batch; take each output row's token (chosen where the logits
                     are, the last stage on a pipeline; on the driver when penalties need the history),
                     stream the text, finish what stopped
@@ -40,14 +40,14 @@ import numpy as np
 
 from ..model.context import ContextParams, LlamaContext
 from ..model.model import LlamaModel
+from ..model.steps import MicroBatch, Steps, warm_step_shapes
 from ..model.tokenizer import Tokenizer
 from ..model.ubatch import Batch
 from ..runtime import RunConfig, Runtime, open_runtime, runs_on_ray
 from .embeddings import embed
 from .metrics import Metrics
-from .requests import Event, Request
+from .requests import Event, Request, score_chunk
 from .slots import Sequence, Slots
-from .steps import MicroBatch, Steps, warm_step_shapes
 
 
 class QueueFull(RuntimeError):
@@ -155,7 +155,7 @@ class EngineConfig:
 class Engine:
     """The admission queue, the engine thread's turn (the module's docstring) and each request's life:
     admission with its n choices and grammar, every row's token, stop and cancel, and failure, one
-    request or all. Its slots and prompt cache are serve/slots.py's, its micro-batches serve/steps.py's,
+    request or all. Its slots and prompt cache are serve/slots.py's, its micro-batches model/steps.py's,
     embeddings serve/embeddings.py's. ~350 lines: a request's life is one state machine over the same
     lock, slots and events, read most easily in one place."""
 
@@ -266,7 +266,7 @@ class Engine:
         self.model, self.ctx = rt.model, rt.ctx
         n_groups = min(rt.depth, rt.n_stages)
         lookahead = max(1, min(cfg.lookahead, rt.depth // n_groups)) if rt.feeds_tokens() else 1
-        self.steps = Steps(rt.ctx, cfg.n_batch, not cfg.kv_unified, self.n_ctx_slot, rt.depth, n_groups, lookahead)
+        self.steps = Steps(rt.ctx, cfg.n_batch, self.n_ctx_slot, rt.depth, n_groups, lookahead)
         self.slots.ctx, self.slots.movable = rt.ctx, not cfg.kv_unified and rt.moves_sequences
         # one token through every stage: compiles kernels and plans before the first request
         self.ctx.decode(Batch.from_tokens([self.model.tokenizer.bos_id or 0]))
@@ -374,44 +374,40 @@ class Engine:
     def _collect(self, mb: MicroBatch, toks: list[int] | None, logits: np.ndarray | None) -> None:
         """A micro-batch's rows back (Steps.take): each output row's token, chosen there (toks) or here
         from its logits, goes to its sequence."""
-        row = 0
-        for s, n_tokens, has_out in mb.parts:
-            s.n_flight -= 1
-            s.n_past += n_tokens
-            if has_out:
-                row += 1
-                if s.done:                               # stopped while this step was in flight
-                    continue
-                if s.req.cancelled:
-                    if not s.in_flight:                  # else once its last step is back (_reap)
-                        self._finish(s, "cancelled")
-                    continue
-                if s.req.max_tokens == 0:                # score only: the prompt is in, nothing is sampled
-                    self._finish(s, "length")
-                    continue
-                # a row's own failure (its grammar, its sampling) fails its sequence only: the step's
-                # other rows are fine, and so are the KV cache and the other slots' cached prompts
+        if mb.scored:
+            assert logits is not None
+            logits = score_chunk(*mb.parts[0], logits)
+        for s, chosen, row in Steps.rows(mb, toks, logits):
+            assert isinstance(s, Sequence)
+            if s.req.cancelled:
+                if not s.in_flight:                      # else once its last step is back (_reap)
+                    self._finish(s, "cancelled")
+                continue
+            if s.req.max_tokens == 0:                    # score only: the prompt is in, nothing is sampled
+                self._finish(s, "length")
+                continue
+            # a row's own failure (its grammar, its sampling) fails its sequence only: the step's other
+            # rows are fine, and so are the KV cache and the other slots' cached prompts
+            try:
+                tok, lp = s.choose(chosen, row)
+            except Exception as e:  # noqa: BLE001 - this request fails, not the step
+                self._fail_one(s, e)
+                continue
+            children, s.children = s.children, []
+            # the prompt is in: the other choices take its cells and their first tokens first, as
+            # choice 0 may end at once (and free its cells)
+            starts = []
+            for c in children:
                 try:
-                    tok, lp = s.choose(toks[row - 1] if toks is not None else None,
-                                       logits[row - 1] if logits is not None else None)
-                except Exception as e:  # noqa: BLE001 - this request fails, not the step
-                    self._fail_one(s, e)
-                    continue
-                children, s.children = s.children, []
-                # the prompt is in: the other choices take its cells and their first tokens first, as
-                # choice 0 may end at once (and free its cells)
-                starts = []
-                for c in children:
-                    try:
-                        starts.append((c, *self._start_choice(s, c, logits[row - 1] if logits is not None else None)))
-                    except Exception as e:  # noqa: BLE001 - that choice fails, not its request's others
-                        self._fail_one(c, e)
-                self._accept_or_fail(s, tok, lp)
-                for c, ctok, clp in starts:
-                    if c.req.cancelled:
-                        self._finish(c, "cancelled")
-                    else:
-                        self._accept_or_fail(c, ctok, clp)
+                    starts.append((c, *self._start_choice(s, c, row)))
+                except Exception as e:  # noqa: BLE001 - that choice fails, not its request's others
+                    self._fail_one(c, e)
+            self._accept_or_fail(s, tok, lp)
+            for c, ctok, clp in starts:
+                if c.req.cancelled:
+                    self._finish(c, "cancelled")
+                else:
+                    self._accept_or_fail(c, ctok, clp)
 
     def _start_choice(self, first: Sequence, c: Sequence, logits: np.ndarray | None) -> tuple[int, tuple]:
         """Choice c > 0 of first's request: the prompt's KV cells join c's sequence (seq_cp; between

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +78,17 @@ class Request:
                                            # prompt (no cache reuse) in chunks of n_batch, each a step of
                                            # its own; max_tokens 0 then ends the request (score only)
     cache_prompt: bool = True              # may start from a slot's cached prefix (llama-server's field)
+
+
+def score_chunk(s: Any, n_tokens: int, last: bool, logits: np.ndarray) -> np.ndarray:
+    """A scored prompt chunk's rows (model/steps.py's scored micro-batch of sequence s, before its n_past
+    moves past it): row i gives the logprob of the prompt token after it, sent as the chunk's
+    prompt_logprobs event; returns the rows left to sample from (the prompt's last row, if the chunk
+    ends the prompt, which scores nothing)."""
+    p0 = s.n_past
+    targets = s.req.prompt[p0 + 1:p0 + n_tokens + 1]
+    if not s.done and not s.req.cancelled:
+        assert s.req.prompt_logprobs is not None, "only a scoring request's chunks are scored"
+        lps = prompt_logprobs(logits, targets, s.req.prompt_logprobs)
+        s.req.on_event(Event(prompt_logprobs=tuple(lps), index=s.index))
+    return logits[-1:] if last else logits[:0]

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..model.generate import TextStream
 from ..model.sampling import Sampler
+from ..model.steps import Seq
 from .requests import Request, token_logprob
 from .stop import StopMatcher
 
@@ -23,18 +24,12 @@ if TYPE_CHECKING:
     from ..model.tokenizer import Tokenizer
 
 
-@dataclass(eq=False)
-class Sequence:
+@dataclass(eq=False, kw_only=True)
+class Sequence(Seq):
+    """A request's choice as the decode loop's sequence (model/steps.py): its slot is its KV sequence id."""
     req: Request
-    slot: int
-    sampler: Sampler
     stream: TextStream
     stop: StopMatcher
-    history: list[int]                      # prompt, then generated tokens (for repeat penalty)
-    n_past: int = 0                         # tokens already in the KV cache
-    n_gen: int = 0
-    n_flight: int = 0                       # micro-batches in flight that hold it
-    done: bool = False                      # finished: rows of it still in flight are ignored
     t_last: float | None = None             # when the previous token was emitted
     logprobs: list = field(default_factory=list)   # TokenLogprobs not yet sent (with the next event)
     constraint: Any = None                  # serve/grammar.Constraint when the request has a grammar
@@ -49,8 +44,21 @@ class Sequence:
         params = req.sampling
         if index and params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + index)
-        return cls(req, slot, Sampler(params), TextStream(tok), StopMatcher(req.stops), list(req.prompt),
-                   n_past=n_past, constraint=constraint, index=index)
+        return cls(slot=slot, prompt=req.prompt, sampler=Sampler(params), history=list(req.prompt),
+                   max_tokens=req.max_tokens, n_past=n_past, req=req, stream=TextStream(tok),
+                   stop=StopMatcher(req.stops), constraint=constraint, index=index)
+
+    def steppable(self) -> bool:
+        return not self.done and not self.req.cancelled and self.parent is None
+
+    def scoring(self) -> bool:
+        return self.req.prompt_logprobs is not None
+
+    def wants_logits(self) -> bool:
+        return self.sampler.params.logprobs is not None or bool(self.children)
+
+    def may_feed(self) -> bool:
+        return self.constraint is None and self.parent is None and not self.wants_logits()
 
     def choose(self, tok: int | None, logits: np.ndarray | None) -> tuple[int, tuple]:
         """Its next token and that token's logprob entry (when it asked for logprobs): tok where it was
@@ -61,14 +69,6 @@ class Sequence:
             tok = self.sampler.sample(logits, self.history, allowed)
         n_lp = self.sampler.params.logprobs
         return tok, () if n_lp is None or logits is None else (token_logprob(logits, tok, n_lp),)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.n_past < len(self.req.prompt)
-
-    @property
-    def in_flight(self) -> bool:
-        return self.n_flight > 0
 
 
 class Slots:

@@ -338,7 +338,7 @@ def test_short_prompts_trickle_in(serve_model, model):
     from ggml_dist.model.sampling import SamplingParams
     from ggml_dist.serve import Engine, EngineConfig
     from ggml_dist.serve.engine import Request
-    from ggml_dist.serve.steps import TRICKLE
+    from ggml_dist.model.steps import TRICKLE
     engine = Engine(EngineConfig(serve_model, n_parallel=3, n_ctx=768)).start()
     engine.wait_ready(120)
     batches: list[list[tuple[int, int]]] = []             # per batch: (slot, tokens) in slot order

@@ -1,19 +1,22 @@
-"""The server's steps: which sequences go into the next micro-batch, submitted to the context, and the
-rows that come back (llama.cpp server's update_slots batch building, and vLLM's max_concurrent_batches).
+"""The decode loop every path shares (`run`, `run --parallel`, the server): which sequences go into the
+next micro-batch, submitted to the context, and the rows that come back (llama.cpp server's
+update_slots batch building; vLLM's max_concurrent_batches).
 
     fill(seqs)  while fewer than `depth` micro-batches are in flight and some sequences are idle, submit
-                one: one token per decoding sequence, then prompt chunks (with a KV stream per slot,
-                short prompts one token per step beside decodes: _short_chunk); a scoring prompt's
-                chunk goes alone (_submit_scored); with lookahead > 1 a group's next step is queued
-                before its tokens are back (_follow_up)
+                one: one token per decoding sequence, then prompt chunks in what is left of n_batch (with
+                a KV stream per sequence, short prompts one token per step beside decodes: _short_chunk);
+                a scoring prompt's chunk goes alone (_submit_scored); with lookahead > 1 a group's next
+                step is queued before its tokens are back, fed them where they are chosen (_follow_up)
     take()      the oldest micro-batch, waited for: its token ids (chosen where the logits are) and/or
                 its logits
+    rows(...)   each output row's sequence, with its token or its row of logits
 
-On a pipeline of K stages the active sequences fall into K groups (depth K x lookahead, at most 4), so
-stage k works on one group while stage k+1 works on another. In one process depth is 1 and every idle
-sequence shares one batch. A sequence's micro-batches are queued in position order, so its KV writes
-happen in order; a micro-batch lists its sequences in slot order, so that consecutive slots form one
-ubatch (split_equal(sequential)).
+On a pipeline of K stages the active sequences fall into K groups, so stage k works on one group while
+stage k+1 works on another; in one process depth is 1 and every idle sequence shares one batch. A
+sequence's micro-batches are queued in position order, so its KV writes happen in order; a micro-batch
+lists its sequences in KV sequence order, so that consecutive ones form one ubatch
+(split_equal(sequential)). A sequence that stops while a step of it is in flight is done at once; that
+step's row for it is ignored, and the cells it took past the stop are freed by the caller (seq_rm).
 """
 from __future__ import annotations
 
@@ -21,23 +24,63 @@ import collections
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model.context import MAX_GRAPHS, LlamaContext, PendingLogits
-from ..model.ubatch import Batch
-from .requests import Event, prompt_logprobs
-from .slots import Sequence
+from .context import MAX_GRAPHS, LlamaContext, PendingLogits
+from .sampling import Sampler
+from .ubatch import Batch
 
-TRICKLE = 16        # with a KV stream per slot, prompts with at most this many tokens left trickle in
+TRICKLE = 16        # with a KV stream per sequence, prompts with at most this many tokens left trickle in
                     # beside decoding sequences (Steps._short_chunk)
+
+
+@dataclass(eq=False)
+class Seq:
+    """A sequence the loop steps: its KV sequence id, its prompt, the prompt and every token chosen after
+    it (history), how much of it the cache holds (n_past) and how many of its steps are in flight. The
+    server's sequences (serve/slots.py) add a request and say when they may be stepped."""
+    slot: int
+    prompt: list[int]
+    sampler: Sampler
+    history: list[int]
+    max_tokens: int
+    n_past: int = 0
+    n_gen: int = 0
+    n_flight: int = 0
+    done: bool = False                      # finished: rows of it still in flight are ignored
+    tokens: list[int] = field(default_factory=list)   # (run) the tokens chosen, an end excluded
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_past < len(self.prompt)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.n_flight > 0
+
+    def steppable(self) -> bool:
+        """May be put in a step when it has none in flight."""
+        return not self.done
+
+    def scoring(self) -> bool:
+        """Its prompt is scored: each chunk a step of its own, every row an output."""
+        return False
+
+    def wants_logits(self) -> bool:
+        """Its token's step must bring the logits back (logprobs, or choices that sample from them)."""
+        return self.sampler.params.logprobs is not None
+
+    def may_feed(self) -> bool:
+        """Its next step may be queued before its token is back (nothing here must see the token first)."""
+        return not self.wants_logits()
 
 
 @dataclass(slots=True)
 class MicroBatch:
     pending: PendingLogits
-    parts: list[tuple[Sequence, int, bool]]     # (sequence, tokens it put in, has an output row)
+    parts: list[tuple[Seq, int, bool]]          # (sequence, tokens it put in, has an output row)
     sampled: bool = False                       # tokens chosen where the logits are (no penalties)
     keep: bool = False                          # with its logits
     followed: bool = False                      # its group's next step is queued (fed its tokens)
@@ -45,47 +88,47 @@ class MicroBatch:
 
 
 class Steps:
-    """The micro-batches in flight over one context. n_batch: tokens per step; per_slot_streams: a KV
-    stream per slot (split_equal, hence _short_chunk); n_ctx_slot: a slot's cells."""
+    """The micro-batches in flight over one context. n_batch: tokens per step; n_ctx_seq: a sequence's
+    cells; depth: micro-batches in flight; n_groups: the micro-batches the active sequences fall into;
+    lookahead: a group's steps in flight (> 1: token feedback)."""
 
-    def __init__(self, ctx: LlamaContext, n_batch: int, per_slot_streams: bool, n_ctx_slot: int,
-                 depth: int, n_groups: int, lookahead: int) -> None:
+    def __init__(self, ctx: LlamaContext, n_batch: int, n_ctx_seq: int, depth: int = 1, n_groups: int = 1,
+                 lookahead: int = 1) -> None:
         self.ctx = ctx
-        self.n_batch, self.per_slot_streams, self.n_ctx_slot = n_batch, per_slot_streams, n_ctx_slot
-        self.depth = depth                      # micro-batches in flight
-        self.n_groups = n_groups                # micro-batches the active sequences fall into
-        self.lookahead = lookahead              # steps of a group in flight
+        self.n_batch, self.n_ctx_seq = n_batch, n_ctx_seq
+        self.per_seq_streams = not ctx.kv.unified   # split_equal: hence _short_chunk
+        self.depth, self.n_groups, self.lookahead = depth, n_groups, lookahead
         self.in_flight: collections.deque[MicroBatch] = collections.deque()
-        self.busy_s = 0.0                       # in-process compute time (one stage)
+        self.busy_s = 0.0                       # time in submit and in waiting for results
         self.n_fed = 0                          # steps queued before their tokens were back
         self.next_slot = 0                      # round-robin start when filling micro-batches
 
-    def fill(self, seqs: list[Sequence | None]) -> None:
-        """Submit micro-batches until `depth` are in flight or no sequence is idle."""
+    def fill(self, seqs: list) -> None:
+        """Submit micro-batches until `depth` are in flight or no sequence is idle. seqs: by KV sequence
+        id, None where there is none."""
         n = len(seqs)
-        per_batch = max(1, math.ceil(sum(s is not None for s in seqs) / self.n_groups))
+        per_batch = max(1, math.ceil(sum(s is not None and not s.done for s in seqs) / self.n_groups))
         while len(self.in_flight) < self.depth:
             idle = [s for k in range(n) if (s := seqs[(self.next_slot + k) % n]) is not None
-                    and not s.in_flight and not s.req.cancelled and s.parent is None]
+                    and not s.in_flight and s.steppable()]
             if not idle:
                 if not self._follow_up():
                     return
                 continue
-            scoring = next((s for s in idle if s.prefilling and s.req.prompt_logprobs is not None), None)
+            scoring = next((s for s in idle if s.prefilling and s.scoring()), None)
             if scoring is not None:
                 self._submit_scored(scoring)
                 continue
-            # decoding sequences first (one token each), then prompt chunks in what is left of n_batch
-            idle.sort(key=lambda s: s.prefilling)
+            idle.sort(key=lambda s: s.prefilling)  # decoding sequences first, then prompt chunks
             chosen = self._chunks(idle[:per_batch])
             self.next_slot = (chosen[-1][0].slot + 1) % n
             self._submit(chosen)
 
-    def _chunks(self, idle: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _chunks(self, idle: list[Seq]) -> list[tuple[Seq, list[int]]]:
         """Each sequence's tokens for the next step, while n_batch lasts: a decoding one its last token, a
         prefilling one its next prompt chunk."""
         short = self._short_chunk(idle)
-        chosen: list[tuple[Sequence, list[int]]] = []
+        chosen: list[tuple[Seq, list[int]]] = []
         n_tokens = 0
         for s in idle:
             budget = self.n_batch - n_tokens
@@ -94,19 +137,19 @@ class Steps:
             if not s.prefilling:
                 chunk = [s.history[-1]]
             else:
-                left = len(s.req.prompt) - s.n_past
-                chunk = s.req.prompt[s.n_past:s.n_past + min(budget, short if left <= TRICKLE else left)]
+                left = len(s.prompt) - s.n_past
+                chunk = s.prompt[s.n_past:s.n_past + min(budget, short if left <= TRICKLE else left)]
             chosen.append((s, chunk))
             n_tokens += len(chunk)
         return chosen
 
-    def _submit(self, chosen: list[tuple[Sequence, list[int]]]) -> None:
-        """One micro-batch of the chosen chunks, in slot order."""
+    def _submit(self, chosen: list[tuple[Seq, list[int]]]) -> None:
+        """One micro-batch of the chosen chunks, in sequence order."""
         tokens: list[int] = []
         pos: list[int] = []
         seq_ids: list[frozenset[int]] = []
         output: list[bool] = []
-        parts: list[tuple[Sequence, int, bool]] = []
+        parts: list[tuple[Seq, int, bool]] = []
         for s, chunk in sorted(chosen, key=lambda sc: sc[0].slot):
             last = s.n_past + len(chunk) == len(s.history)
             tokens += chunk
@@ -120,8 +163,7 @@ class Steps:
         # pipeline's last stage returns token ids only
         outs = [s for s, _, has_out in parts if has_out]
         sampled = bool(outs) and not any(s.sampler.penalized for s in outs)
-        # logprobs need the logits, and so do the choices that wait to sample from this prompt's
-        keep = any(s.sampler.params.logprobs is not None or s.children for s in outs)
+        keep = any(s.wants_logits() for s in outs)
         t0 = time.perf_counter()
         if sampled:
             pending = self.ctx.submit(batch, sampling=[s.sampler.row() for s in outs], keep_logits=keep)
@@ -132,12 +174,12 @@ class Steps:
         self.busy_s += time.perf_counter() - t0
         self.in_flight.append(MicroBatch(pending, parts, sampled, keep))
 
-    def _submit_scored(self, s: Sequence) -> None:
+    def _submit_scored(self, s: Seq) -> None:
         """A scoring sequence's next prompt chunk (at most n_batch tokens) as a step of its own, every row
         an output: its rows are computed as one process's batch of the same tokens is (`ggml-dist
-        logits`), whatever the other slots do; beside one-token decodes a ubatch would take the chunk's
-        first token with theirs (split_equal), and with it a different reduction order."""
-        chunk = s.req.prompt[s.n_past:s.n_past + self.n_batch]
+        logits`), whatever the other sequences do; beside one-token decodes a ubatch would take the
+        chunk's first token with theirs (split_equal), and with it a different reduction order."""
+        chunk = s.prompt[s.n_past:s.n_past + self.n_batch]
         batch = Batch.from_tokens(chunk, s.n_past, s.slot, all_outputs=True)
         last = s.n_past + len(chunk) == len(s.history)
         s.n_flight += 1
@@ -151,10 +193,10 @@ class Steps:
         not followed yet, where every sequence decodes one token chosen where the logits are, and
         wants at least one more. False if there is none.
 
-        Step-major, as generate_parallel: a stage runs its calls in order and a fed call waits at the
-        head of its queue for its token, so a group's step right behind its own previous one idles the
-        first stage while the later ones compute that one. Hence oldest first, and not behind the newest
-        micro-batch while another group has one in flight (which also undoes a group-major queue)."""
+        Step-major: a stage runs its calls in order and a fed call waits at the head of its queue for
+        its token, so a group's step right behind its own previous one idles the first stage while the
+        later ones compute that one. Hence oldest first, and not behind the newest micro-batch while
+        another group has one in flight (which also undoes a group-major queue)."""
         if self.lookahead < 2:
             return False
         newest = self.in_flight[-1] if self.in_flight else None
@@ -180,76 +222,74 @@ class Steps:
             return True
         return False
 
-    def _may_run_ahead(self, s: Sequence) -> bool:
-        """Whether s may have one more step queued than it has: no grammar, logprobs or choices waiting
-        on it, and the token it would choose is still wanted (max_tokens, the slot's context)."""
-        return (not s.done and not s.req.cancelled and s.constraint is None and s.parent is None
-                and not s.children and s.sampler.params.logprobs is None and s.n_flight < self.lookahead
-                and s.n_gen + s.n_flight < s.req.max_tokens and len(s.history) + s.n_flight + 1 < self.n_ctx_slot)
+    def _may_run_ahead(self, s: Seq) -> bool:
+        """Whether s may have one more step queued than it has: the token it would choose is still wanted
+        (max_tokens, its cells) and nothing must see the one before it first."""
+        return (not s.done and s.steppable() and s.may_feed() and s.n_flight < self.lookahead
+                and s.n_gen + s.n_flight < s.max_tokens and len(s.history) + s.n_flight + 1 < self.n_ctx_seq)
 
-    def _short_chunk(self, batch: list[Sequence]) -> int:
+    def _short_chunk(self, batch: list[Seq]) -> int:
         """Tokens that a short prompt (at most TRICKLE left) puts in this batch.
 
-        With a KV stream per slot, a ubatch takes the same number of tokens from each of a run of
+        With a KV stream per sequence, a ubatch takes the same number of tokens from each of a run of
         consecutive sequences (split_equal(sequential)): a prompt chunk beside one-token decodes is
         split off into ubatches of its own, each a graph run with its fixed cost (about a one-token
         step) plus a build and plan when its shape is new (~70 ms). So beside decoding sequences a
         short prompt goes in one token per step, and short prompts starting together take equal
         chunks (the shortest one's length), which keeps each step one ubatch. A prompt longer than
         TRICKLE takes its chunk as before: its own ubatch is cheaper than that many steps."""
-        if not self.per_slot_streams:
+        if not self.per_seq_streams:
             return self.n_batch                     # split_simple: any mix of chunks is one ubatch
         if any(not s.prefilling for s in batch):
             return 1
-        lefts = [len(s.req.prompt) - s.n_past for s in batch]
+        lefts = [len(s.prompt) - s.n_past for s in batch]
         return min([n for n in lefts if n <= TRICKLE], default=1)
 
     def take(self) -> tuple[MicroBatch, list[int] | None, np.ndarray | None]:
         """The oldest micro-batch, waited for: its token per output row (when chosen where the logits
-        are) and its logits [n_outputs, n_vocab] (when sampled here, or kept for logprobs or choices); a
-        scored chunk's rows are scored here, and only its last row (if any) is left to sample from."""
+        are) and its logits [n_outputs, n_vocab] (when sampled here, or kept)."""
         mb = self.in_flight.popleft()
         t0 = time.perf_counter()
         if mb.sampled:
             toks: list[int] | None = mb.pending.tokens()    # one per output row, in batch order
-            want = any(s.sampler.params.logprobs is not None or s.children for s, _, has_out in mb.parts
-                       if has_out)
-            logits = mb.pending.result() if want else None
+            logits = mb.pending.result() if mb.keep else None
         else:
             toks, logits = None, mb.pending.result()
         self.busy_s += time.perf_counter() - t0
-        if mb.scored:
-            assert logits is not None
-            logits = _score_chunk(mb, logits)
         return mb, toks, logits
 
+    @staticmethod
+    def rows(mb: MicroBatch, toks: list[int] | None,
+             logits: np.ndarray | None) -> list[tuple[Seq, int | None, np.ndarray | None]]:
+        """mb's parts are in the cache now (n_past, n_flight); then per output row of a sequence not done:
+        (sequence, the token chosen where the logits are or None, its row of logits or None)."""
+        out = []
+        row = 0
+        for s, n_tokens, has_out in mb.parts:
+            s.n_flight -= 1
+            s.n_past += n_tokens
+            if has_out:
+                row += 1
+                if not s.done:                  # else it stopped while this step was in flight
+                    out.append((s, toks[row - 1] if toks is not None else None,
+                                logits[row - 1] if logits is not None else None))
+        return out
 
-def _score_chunk(mb: MicroBatch, logits: np.ndarray) -> np.ndarray:
-    """A scored chunk's rows: row i gives the logprob of the prompt token after it, sent as the chunk's
-    prompt_logprobs event; returns the rows left to sample from (the prompt's last row, if the chunk
-    ends the prompt, which scores nothing)."""
-    s, n_tokens, last = mb.parts[0]
-    p0 = s.n_past                                   # the chunk's first position (not advanced yet)
-    targets = s.req.prompt[p0 + 1:p0 + n_tokens + 1]
-    if not s.done and not s.req.cancelled:
-        assert s.req.prompt_logprobs is not None, "only a scoring request's chunks are scored"
-        lps = prompt_logprobs(logits, targets, s.req.prompt_logprobs)
-        s.req.on_event(Event(prompt_logprobs=tuple(lps), index=s.index))
-    return logits[-1:] if last else logits[:0]
+    def clear(self) -> None:
+        self.in_flight.clear()
 
 
-def warm_step_shapes(ctx: LlamaContext, tok: int, n_parallel: int) -> None:
+def warm_step_shapes(ctx: LlamaContext, tok: int, n_seqs: int) -> None:
     """Decode once with each shape a step of one-token sequences takes (k consecutive streams, j of
     them with an output row: a trickled prompt token has none), so that no request waits while its
     step's graph is built, planned and bound (~45 ms for SmolLM2, each shape once per process: a
-    benchmark run of 8 clients built 25 of them in its first 22 s). With a KV stream per slot the
+    benchmark run of 8 clients built 25 of them in its first 22 s). With a KV stream per sequence the
     shapes are fixed by (k, j); over a pipeline or a unified cache n_kv grows with use, so there
-    they are not enumerated. Where there would be more than 3/4 of MAX_GRAPHS (past 8 slots), only
+    they are not enumerated. Where there would be more than 3/4 of MAX_GRAPHS (past 8 sequences), only
     the shapes where every sequence decodes (j = k) are warmed."""
-    P = n_parallel
-    shapes = [(k, j) for k in range(1, P + 1) for j in range(k + 1)]
+    shapes = [(k, j) for k in range(1, n_seqs + 1) for j in range(k + 1)]
     if len(shapes) > MAX_GRAPHS * 3 // 4:
-        shapes = [(k, k) for k in range(1, min(P, MAX_GRAPHS // 2) + 1)]
+        shapes = [(k, k) for k in range(1, min(n_seqs, MAX_GRAPHS // 2) + 1)]
     t0 = time.perf_counter()
     for k, j in shapes:
         ctx.decode(Batch(np.full(k, tok, np.int32), np.zeros(k, np.int32),
