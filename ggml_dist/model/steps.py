@@ -104,8 +104,9 @@ class Steps:
         self.next_slot = 0                      # round-robin start when filling micro-batches
 
     def fill(self, seqs: list) -> None:
-        """Submit micro-batches until `depth` are in flight or no sequence is idle. seqs: by KV sequence
-        id, None where there is none."""
+        """Submit micro-batches until `depth` are in flight or no sequence is idle. seqs: in KV sequence
+        order, None where there is none (the server's slots); each fill starts after the sequence the
+        previous micro-batch ended with (round robin)."""
         n = len(seqs)
         per_batch = max(1, math.ceil(sum(s is not None and not s.done for s in seqs) / self.n_groups))
         while len(self.in_flight) < self.depth:
@@ -121,7 +122,7 @@ class Steps:
                 continue
             idle.sort(key=lambda s: s.prefilling)  # decoding sequences first, then prompt chunks
             chosen = self._chunks(idle[:per_batch])
-            self.next_slot = (chosen[-1][0].slot + 1) % n
+            self.next_slot = (seqs.index(chosen[-1][0]) + 1) % n
             self._submit(chosen)
 
     def _chunks(self, idle: list[Seq]) -> list[tuple[Seq, list[int]]]:
