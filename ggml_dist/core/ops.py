@@ -10,7 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .context import Context
-from .tensor import MAX_DIMS, GLUOp, Op, Tensor, UnaryOp, are_same_shape, can_repeat, is_contiguous, nbytes
+from .tensor import (
+    MAX_DIMS,
+    GLUOp,
+    Op,
+    SortOrder,
+    Tensor,
+    UnaryOp,
+    are_same_shape,
+    can_repeat,
+    is_contiguous,
+    is_contiguous_rows,
+    nbytes,
+)
 from .types import TYPE_TRAITS, GGMLType, is_quantized
 
 
@@ -66,6 +78,32 @@ def mul(ctx: Context, a: Tensor, b: Tensor, inplace: bool = False) -> Tensor:
     return _binary(ctx, Op.MUL, a, b, inplace)
 
 
+def div(ctx: Context, a: Tensor, b: Tensor, inplace: bool = False) -> Tensor:
+    return _binary(ctx, Op.DIV, a, b, inplace)
+
+
+def add_id(ctx: Context, a: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+    """ggml_add_id: dst[:, i1, i2] = a[:, i1, i2] + b[:, ids[i1, i2]], a bias per selected expert
+    (a [ne0, n_used, n_tokens], b [ne0, n_expert], ids I32 [n_used, n_tokens])."""
+    _check(a.ne[0] == b.ne[0] and a.ne[1] == ids.ne[0] and a.ne[2] == ids.ne[1], "ADD_ID",
+           "a must be [b.ne0, ids.ne0, ids.ne1]", a, b, ids)
+    _check(ids.type == GGMLType.I32, "ADD_ID", "ids must be I32", ids)
+    _check(a.type == b.type == GGMLType.F32, "ADD_ID", "a and b must be F32", a, b)
+    return _node(ctx, Op.ADD_ID, a.type, a.ne, [a, b, ids])
+
+
+def sum_rows(ctx: Context, a: Tensor) -> Tensor:
+    """ggml_sum_rows: ne = (1, a.ne1, a.ne2, a.ne3), each row's sum (accumulated in double on the CPU)."""
+    _check(a.type == GGMLType.F32, "SUM_ROWS", "a must be F32", a)
+    return _node(ctx, Op.SUM_ROWS, a.type, (1, *a.ne[1:]), [a])
+
+
+def clamp(ctx: Context, a: Tensor, lo: float, hi: float) -> Tensor:
+    """ggml_clamp: min(max(a, lo), hi). As in ggml the result is a view of a: it runs in place."""
+    _check(a.type == GGMLType.F32, "CLAMP", "a must be F32", a)
+    return _inplace(ctx, Op.CLAMP, a, [a], (float(lo), float(hi)))
+
+
 def scale(ctx: Context, a: Tensor, s: float, b: float = 0.0, inplace: bool = False) -> Tensor:
     """ggml_scale / ggml_scale_bias: a*s + b."""
     params = (float(s), float(b))
@@ -119,6 +157,18 @@ def swiglu(ctx: Context, a: Tensor, b: Tensor | None = None) -> Tensor:
     return glu(ctx, a, b, GLUOp.SWIGLU)
 
 
+def swiglu_oai(ctx: Context, a: Tensor, b: Tensor, alpha: float, limit: float) -> Tensor:
+    """ggml_swiglu_oai (gpt-oss): x = min(a, limit), y = clamp(b, -limit, limit), x*sigmoid(alpha*x)*(y+1)."""
+    _check(is_contiguous_rows(a) and is_contiguous_rows(b), "GLU", "rows must be contiguous", a, b)
+    t = glu(ctx, a, b, GLUOp.SWIGLU_OAI)
+    t.op_params = (*t.op_params, float(alpha), float(limit))
+    return t
+
+
+def sigmoid(ctx: Context, a: Tensor) -> Tensor:
+    return unary(ctx, a, UnaryOp.SIGMOID)
+
+
 # -- matrix ---------------------------------------------------------------------------------------
 def mul_mat(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     """ggml_mul_mat: dst[i, j] = sum_k a[k, i] * b[k, j]; a broadcasts over b's dims 2 and 3."""
@@ -128,6 +178,20 @@ def mul_mat(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
     _check(a.nb[0] <= a.nb[1], "MUL_MAT", "a must not be transposed", a)
     _check(not is_quantized(b.type), "MUL_MAT", "b (activations) cannot be quantized", b)
     return _node(ctx, Op.MUL_MAT, GGMLType.F32, (a.ne[1], b.ne[1], b.ne[2], b.ne[3]), [a, b])
+
+
+def mul_mat_id(ctx: Context, as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
+    """ggml_mul_mat_id: one matrix per expert. as_ [K, M, n_expert] (a 3-D weight), b [K, n_b, n_tokens],
+    ids I32 [n_used, n_tokens]; dst[:, e, t] = as_[:, :, ids[e, t]] . b[:, e % n_b, t], ne = (M, n_used,
+    n_tokens). b is the tokens' rows (n_b = 1) or one row per selected expert (n_b = n_used)."""
+    _check(as_.nb[0] <= as_.nb[1] and as_.ne[3] == 1, "MUL_MAT_ID", "as must be 3-D, not transposed", as_)
+    _check(ids.type == GGMLType.I32 and ids.ne[2] == 1 and ids.ne[3] == 1, "MUL_MAT_ID",
+           "ids must be a 2-D I32 tensor", ids)
+    _check(b.ne[3] == 1 and ids.ne[1] == b.ne[2], "MUL_MAT_ID", "one expert list per b row", b, ids)
+    _check(as_.ne[0] == b.ne[0], "MUL_MAT_ID", "as.ne[0] must equal b.ne[0]", as_, b)
+    _check(ids.ne[0] % b.ne[1] == 0, "MUL_MAT_ID", "ids.ne[0] must be a multiple of b.ne[1]", b, ids)
+    _check(not is_quantized(b.type), "MUL_MAT_ID", "b (activations) cannot be quantized", b)
+    return _node(ctx, Op.MUL_MAT_ID, GGMLType.F32, (as_.ne[1], ids.ne[0], b.ne[2], 1), [as_, b, ids])
 
 
 def get_rows(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
@@ -152,6 +216,19 @@ def set_rows(ctx: Context, a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return t
 
 
+def argsort(ctx: Context, a: Tensor, order: SortOrder) -> Tensor:
+    """ggml_argsort: per row of a, the I32 indices that sort it (the CPU sorts with std::sort)."""
+    _check(a.type == GGMLType.F32 and a.nb[0] == 4, "ARGSORT", "a must be F32 with dense rows", a)
+    return _node(ctx, Op.ARGSORT, GGMLType.I32, a.ne, [a], (int(order),))
+
+
+def argsort_top_k(ctx: Context, a: Tensor, k: int) -> Tensor:
+    """ggml_argsort_top_k: the first k of a descending argsort, a view (ne0 = k) of the full sort."""
+    _check(a.ne[0] >= k > 0, "ARGSORT", f"k={k} must be in 1..ne[0]", a)
+    s = argsort(ctx, a, SortOrder.DESC)
+    return view_4d(ctx, s, k, s.ne[1], s.ne[2], s.ne[3], s.nb[1], s.nb[2], s.nb[3], 0)
+
+
 def argmax(ctx: Context, a: Tensor) -> Tensor:
     _check(a.n_dims <= 2, "ARGMAX", "a must be a matrix", a)
     return _node(ctx, Op.ARGMAX, GGMLType.I32, (a.ne[1], 1, 1, 1), [a])
@@ -170,6 +247,17 @@ def soft_max_ext(ctx: Context, a: Tensor, mask: Tensor | None, scale: float = 1.
                "mask must broadcast over a's dims 2, 3", a, mask)
     return _node(ctx, Op.SOFT_MAX, a.type, a.ne, [a, mask] if mask is not None else [a],
                  (float(scale), float(max_bias)))
+
+
+def soft_max_add_sinks(a: Tensor, sinks: Tensor) -> None:
+    """ggml_soft_max_add_sinks: attention sinks [n_head] (gpt-oss): each head's row is normalised as if
+    a logit sinks[head] were one more column (src[2] of the SOFT_MAX node)."""
+    _check(a.op == Op.SOFT_MAX and len(a.src) < 3, "SOFT_MAX", "sinks go on a soft_max without them", a)
+    _check(a.src[0] is not None and a.src[0].ne[2] == sinks.ne[0] and sinks.type == GGMLType.F32, "SOFT_MAX",
+           "one F32 sink per head (a.ne[2])", a, sinks)
+    if len(a.src) == 1:
+        a.src.append(None)
+    a.src.append(sinks)
 
 
 ROPE_TYPE_NORM = 0

@@ -23,11 +23,15 @@ class Op(enum.IntEnum):
     NONE = 0
     DUP = enum.auto()
     ADD = enum.auto()
+    ADD_ID = enum.auto()
     MUL = enum.auto()
+    DIV = enum.auto()
+    SUM_ROWS = enum.auto()
     SCALE = enum.auto()
     NORM = enum.auto()
     RMS_NORM = enum.auto()
     MUL_MAT = enum.auto()
+    MUL_MAT_ID = enum.auto()
     CPY = enum.auto()
     CONT = enum.auto()
     RESHAPE = enum.auto()
@@ -38,8 +42,10 @@ class Op(enum.IntEnum):
     SET_ROWS = enum.auto()
     SOFT_MAX = enum.auto()
     ROPE = enum.auto()
+    CLAMP = enum.auto()
     CONCAT = enum.auto()
     ARGMAX = enum.auto()
+    ARGSORT = enum.auto()
     FLASH_ATTN_EXT = enum.auto()
     UNARY = enum.auto()
     GLU = enum.auto()
@@ -47,8 +53,9 @@ class Op(enum.IntEnum):
 
 class UnaryOp(enum.IntEnum):
     """ggml_unary_op (stored in op_params[0] of a UNARY node)."""
+    SIGMOID = 7
+    GELU = 8
     SILU = 10
-    GELU = 7
 
 
 class GLUOp(enum.IntEnum):
@@ -56,6 +63,13 @@ class GLUOp(enum.IntEnum):
     REGLU = 0
     GEGLU = 1
     SWIGLU = 2
+    SWIGLU_OAI = 3          # op_params (op, swapped, alpha, limit): gpt-oss's clamped SwiGLU
+
+
+class SortOrder(enum.IntEnum):
+    """ggml_sort_order (op_params[0] of an ARGSORT node)."""
+    ASC = 0
+    DESC = 1
 
 
 class TensorFlag(enum.IntFlag):

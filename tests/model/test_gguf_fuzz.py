@@ -351,7 +351,7 @@ def test_bad_rope_freq_base_is_a_clean_error(layout: fz.Layout, tmp_path: Path, 
 
 
 @pytest.mark.parametrize("name,ttype,op", [
-    ("blk.0.attn_q.weight", GGMLType.MXFP4, "MUL_MAT"),      # a block layout, no kernel
+    ("blk.0.attn_q.weight", GGMLType.IQ4_NL, "MUL_MAT"),     # a block layout, no kernel
     ("blk.0.attn_k.weight", GGMLType.I64, "MUL_MAT"),
     ("blk.0.ffn_down.weight", GGMLType.F64, "MUL_MAT"),
     ("token_embd.weight", GGMLType.Q8_1, "MUL_MAT"),        # tied: the output projection too

@@ -170,7 +170,8 @@ def _attention(nodes: list[Tensor], i: int, b: Binding, rows: tuple | None = Non
         return None
     kq, sm, kqv = nodes[i], nodes[i + 1], nodes[i + 2]
     if (sm.op != Op.SOFT_MAX or sm.src[0] is not kq or len(sm.src) < 2 or sm.src[1] is None
-            or kqv.op != Op.MUL_MAT or kqv.src[1] is not sm or kq.ne[0] % 8 or sm.type != GGMLType.F32):
+            or ops._has_sinks(sm) or kqv.op != Op.MUL_MAT or kqv.src[1] is not sm or kq.ne[0] % 8
+            or sm.type != GGMLType.F32):
         return None
     array = b.array
     assert array is not None

@@ -53,16 +53,38 @@ def vexp(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def expf(x: npt.ArrayLike) -> np.ndarray:
+    """The C library's expf, which glibc rounds correctly (to within its 0.502 ulp bound): exp in double,
+    rounded once to f32. numpy's own f32 exp is a SIMD approximation that may differ in the last bit."""
+    with np.errstate(over="ignore", under="ignore"):
+        return np.exp(np.asarray(x, F32).astype(F64)).astype(F32)
+
+
 def exp_chunked(x: np.ndarray) -> np.ndarray:
-    """vexp on the leading multiple of 8 of the last axis, libm-like expf on the tail (as ggml)."""
+    """vexp on the leading multiple of 8 of the last axis, the C library's expf on the tail (as ggml)."""
     n8 = x.shape[-1] // 8 * 8
     if n8 == x.shape[-1]:
         return vexp(x)
     out = np.empty(x.shape, F32)
     out[..., :n8] = vexp(x[..., :n8])
-    with np.errstate(over="ignore"):
-        out[..., n8:] = np.exp(x[..., n8:].astype(F32))
+    out[..., n8:] = expf(x[..., n8:])
     return out
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """ggml's op_sigmoid, element by element: 1.f / (1.f + expf(-x))."""
+    x = np.asarray(x, F32)
+    return (F32(1) / (F32(1) + expf(-x)).astype(F32)).astype(F32)
+
+
+def swiglu_oai(g: np.ndarray, u: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+    """ggml_compute_forward_swiglu_oai_f32: x = min(g, limit), y = clamp(u, -limit, limit),
+    x / (1 + expf(alpha * -x)) * (y + 1), each step in f32."""
+    a, lim = F32(alpha), F32(limit)
+    x = np.minimum(np.asarray(g, F32), lim)
+    y = np.clip(np.asarray(u, F32), -lim, lim).astype(F32)
+    out_glu = (x / (F32(1) + expf((a * -x).astype(F32))).astype(F32)).astype(F32)
+    return (out_glu * (y + F32(1)).astype(F32)).astype(F32)
 
 
 def hsum_ha(v: np.ndarray) -> np.ndarray:

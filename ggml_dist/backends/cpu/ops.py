@@ -24,12 +24,12 @@ from typing import Any, overload
 
 import numpy as np
 
-from ...core.tensor import GLUOp, Op, Tensor, TensorFlag, UnaryOp
+from ...core.tensor import GLUOp, Op, SortOrder, Tensor, TensorFlag, UnaryOp
 from ...core.types import GGMLType, is_quantized
 from ..base import BufferUsage
 from . import numerics as nm
 from . import quants
-from .blocks import KPACK_TYPES, QPACK_TYPES
+from .blocks import KPACK_TYPES, QPACK_TYPES, ggml_repacks
 from .rope import bind_rope, rope_forward
 
 F32 = np.float32
@@ -121,7 +121,7 @@ def weights_mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, opts: Compute
     qk = None if opts.exact or x.shape[0] == 0 or w.shape[0] == 0 else _compiled("qkernels", opts)
     if qk is None or wtype not in qk.COVERED:
         return quants.mul_mat(wtype, w, x, exact=opts.exact, order=opts.order, vec_n=vec_n)
-    repacked = wtype in (GGMLType.Q4_0, GGMLType.Q4_K) and w.shape[0] % 8 == 0
+    repacked = ggml_repacks(wtype, w.shape[0])
     return qk.mul_mat_q(wtype, w, x, order=opts.order, repacked=repacked, vec_n=vec_n)
 
 
@@ -204,6 +204,38 @@ def _mul(t, dst, srcs, opts):
     store(dst, t.type, (a * _repeat(b, a.shape)).astype(F32))
 
 
+def _div(t, dst, srcs, opts):
+    if _ufunc_into(t, dst, srcs, np.divide):
+        return
+    a, b = _src(t, srcs, 0), _src(t, srcs, 1)
+    store(dst, t.type, (a / _repeat(b, a.shape)).astype(F32))
+
+
+def _add_id(t, dst, srcs, opts):
+    """ADD_ID: row (i1, i2) of a plus the bias row ids[i1, i2] of b (ggml_vec_add_f32: one f32 add)."""
+    a, b, ids = srcs[0], srcs[1], srcs[2]             # [ne3, ne2, ne1, ne0], [.., n_as, ne0], [.., ne2, ne1]
+    np.add(a, b[0, 0][ids[0, 0]][None], out=dst)
+
+
+def _sum_rows(t, dst, srcs, opts):
+    """SUM_ROWS: ggml_vec_sum_f32, a sequential sum in double, rounded to f32."""
+    store(dst, t.type, _seq_sum(_src(t, srcs, 0).astype(np.float64)).astype(F32))
+
+
+def _clamp(t, dst, srcs, opts):
+    """CLAMP: MAX(MIN(x, max), min) element by element (in place: dst is a view of the source)."""
+    lo, hi = F32(t.op_param(0)), F32(t.op_param(1))
+    np.maximum(np.minimum(srcs[0], hi), lo, out=dst)
+
+
+def _argsort(t, dst, srcs, opts):
+    """ARGSORT per row. ggml's std::sort is not stable: ties may come out in another order (the model
+    graphs' routers have none to speak of: test data keeps the k-th and (k+1)-th logits apart)."""
+    x = srcs[0]
+    desc = SortOrder(t.op_param(0)) == SortOrder.DESC
+    dst[...] = np.argsort(-x if desc else x, axis=-1, kind="stable")
+
+
 def _scale(t, dst, srcs, opts):
     s, b = F32(t.op_param(0, 1.0)), F32(t.op_param(1, 0.0))
     a = _src(t, srcs, 0)
@@ -235,7 +267,8 @@ def _norm(t, dst, srcs, opts):
 def _unary(t, dst, srcs, opts):
     x = _src(t, srcs, 0)
     uop = UnaryOp(t.op_param(0))
-    store(dst, t.type, nm.silu(x) if uop == UnaryOp.SILU else nm.gelu(x))
+    f = {UnaryOp.SILU: nm.silu, UnaryOp.GELU: nm.gelu, UnaryOp.SIGMOID: nm.sigmoid}[uop]
+    store(dst, t.type, f(x))
 
 
 def _glu(t, dst, srcs, opts):
@@ -247,6 +280,9 @@ def _glu(t, dst, srcs, opts):
         fk.swiglu(g, u, dst)
         return
     g, u = _glu_halves(_src(t, srcs, 0), _src(t, srcs, 1) if split else None, swapped)
+    if gop == GLUOp.SWIGLU_OAI:
+        store(dst, t.type, nm.swiglu_oai(g, u, t.op_param(2), t.op_param(3)))
+        return
     if gop == GLUOp.SWIGLU:
         act = nm.silu(g)
     elif gop == GLUOp.GEGLU:
@@ -299,6 +335,49 @@ def _mul_mat(t, dst, srcs, opts):
             xm = np.ascontiguousarray(to_f32(x[i3, i2:i2 + g2], b_t.type, K), F32).reshape(g2 * n11, K)
             r = weights_mul_mat(a_t.type, wm, xm, opts, vec_n=n11)
             dst[i3, i2:i2 + g2] = r.reshape(g2, n11, r.shape[-1])
+
+
+# the K-quants llama.cpp leaves in their blocks: its tiled kernel takes an expert's rows from 8 rows on
+_TILED_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+
+
+def mul_mat_id_vec_n(wtype: GGMLType, n_rows_w: int, n_rows: int) -> int:
+    """The row count that picks an expert's product path in ggml's MUL_MAT_ID (quants.mul_mat's vec_n).
+    A repacked weight's gemv (blocks.ggml_repacks: llama.cpp repacks 3-D experts too) takes one row at a
+    time; an unrepacked K-quant's rows go to the tiled kernel together (from 8 on); every other type runs
+    vec_dot per row (llamafile's tinyBLAS never takes MUL_MAT_ID), which is a row alone's order too."""
+    return n_rows if wtype in _TILED_TYPES and not ggml_repacks(wtype, n_rows_w) else 1
+
+
+def expert_rows(ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """ggml's row groups of a MUL_MAT_ID (matrix_rows): for each expert used, in ascending order, the
+    (token, slot) pairs that chose it, token-major as ggml lists them. ids: [n_tokens, n_used]."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")             # token-major within an expert, like ggml's scan
+    experts, starts = np.unique(flat[order], return_index=True)
+    bounds = [*starts.tolist(), len(order)]
+    n_used = ids.shape[1]
+    return [(int(e), order[bounds[k]:bounds[k + 1]] // n_used, order[bounds[k]:bounds[k + 1]] % n_used)
+            for k, e in enumerate(experts.tolist())]
+
+
+def _mul_mat_id(t, dst, srcs, opts):
+    """MUL_MAT_ID: the rows of each expert's tokens through that expert's matrix, one expert at a time,
+    by the MUL_MAT kernels (weights_mul_mat on the expert's view of the 3-D weight). dst[t, slot] =
+    W[ids[t, slot]] . X[t, slot % n_b]."""
+    a_t, b_t = t.src[0], t.src[1]
+    assert a_t is not None and b_t is not None
+    w, x, ids = srcs[0][0], srcs[1][0], srcs[2][0, 0]      # [n_as, M, row], [n_tok, n_b, K], [n_tok, n_used]
+    n_b, K, M = b_t.ne[1], b_t.ne[0], a_t.ne[1]
+    for e, tok, slot in expert_rows(ids):
+        if not 0 <= e < a_t.ne[2]:
+            raise IndexError(f"MUL_MAT_ID '{t.name}': expert id {e} outside 0..{a_t.ne[2] - 1}")
+        wm = w[e]
+        if a_t.type in (GGMLType.F16, GGMLType.BF16):
+            wm = np.ascontiguousarray(wm).view(np.uint8)
+        xm = np.ascontiguousarray(to_f32(x[tok, slot % n_b], b_t.type, K), F32)
+        vec_n = mul_mat_id_vec_n(a_t.type, M, len(tok))
+        dst[0, tok, slot] = weights_mul_mat(a_t.type, wm, xm, opts, vec_n=vec_n)
 
 
 def _mul_mat_packed(t, dst, srcs, opts) -> bool:
@@ -488,10 +567,14 @@ def _seq_sum(v: np.ndarray) -> np.ndarray:
     return np.cumsum(v, axis=-1)[..., -1:]
 
 
-def softmax_rows(w: np.ndarray) -> np.ndarray:
+def softmax_rows(w: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
     """ggml_compute_forward_soft_max_f32 per row, after scale and mask: scalar max, vexp on chunks
-    of 8, sequential sum of per-chunk HA sums and tail values in double, multiply by f32(1/S)."""
+    of 8, sequential sum of per-chunk HA sums and tail values in double, multiply by f32(1/S).
+    sinks (broadcast to w's rows: one per head): the max takes the sink in, and expf(sink - max) joins
+    the sum last, in double (gpt-oss's attention sinks)."""
     mx = w.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        mx = np.maximum(mx, sinks[..., None])
     with np.errstate(invalid="ignore"):
         d = (w - mx).astype(F32)
     d = np.where(np.isneginf(w), F32(-np.inf), d)
@@ -500,6 +583,8 @@ def softmax_rows(w: np.ndarray) -> np.ndarray:
     chunks = e[..., :n8].reshape(*e.shape[:-1], n8 // 8, 8)
     terms = np.concatenate([nm.hsum_ha(chunks), e[..., n8:]], axis=-1).astype(np.float64)
     s = _seq_sum(terms)[..., 0]
+    if sinks is not None:
+        s = s + nm.expf((sinks[..., None] - mx).astype(F32))[..., 0].astype(np.float64)
     inv = (1.0 / s).astype(F32)
     return (e * inv[..., None]).astype(F32)
 
@@ -526,19 +611,25 @@ def _soft_max(t, dst, srcs, opts):
     a_t = t.src[0]
     assert a_t is not None
     has_mask = len(t.src) > 1 and t.src[1] is not None
+    sinks = srcs[2][0, 0, 0][None, :, None] if _has_sinks(t) else None     # [1, n_head, 1]
     fk = _fk(opts)
-    if fk and _all_f32(t, 2 if has_mask else 1) and a_t.ne[0] % 8 == 0 and \
+    if fk and sinks is None and _all_f32(t, 2 if has_mask else 1) and a_t.ne[0] % 8 == 0 and \
             _has_unit_rows(srcs[0], dst, *srcs[1:2 if has_mask else 1]):
         slopes = _alibi_slopes_cached(a_t.ne[2], max_bias)
         fk.soft_max(srcs[0], scale, srcs[1] if has_mask else _ONE4, slopes, has_mask, dst)
         return
     w = (_src(t, srcs, 0) * scale).astype(F32)                 # [ne3, ne2, ne1, ne0]
-    if len(t.src) > 1 and t.src[1] is not None:
+    if has_mask:
         m = _src(t, srcs, 1)[..., : w.shape[2], :]
         m = _repeat(m, (w.shape[0], w.shape[1], w.shape[2], w.shape[3]))
         slope = _alibi_slopes(a_t.ne[2], max_bias)[None, :, None, None]
         w = (w + (slope * m).astype(F32)).astype(F32)
-    store(dst, t.type, softmax_rows(w))
+    store(dst, t.type, softmax_rows(w, sinks))
+
+
+def _has_sinks(t: Tensor) -> bool:
+    """A SOFT_MAX with attention sinks (src[2], ggml_soft_max_add_sinks)."""
+    return len(t.src) > 2 and t.src[2] is not None
 
 
 def _flash_attn_ext(t, dst, srcs, opts):
@@ -715,7 +806,7 @@ def _bind_soft_max(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound 
     assert a_t is not None
     has_mask = len(t.src) > 1 and t.src[1] is not None
     fk = b.fk
-    if fk is None or not _all_f32(t, 2 if has_mask else 1) or a_t.ne[0] % 8 or \
+    if fk is None or _has_sinks(t) or not _all_f32(t, 2 if has_mask else 1) or a_t.ne[0] % 8 or \
             not _has_unit_rows(srcs[0], dst, *srcs[1:2 if has_mask else 1]):
         return None
     scale, slopes = F32(t.op_param(0, 1.0)), _alibi_slopes_cached(a_t.ne[2], float(t.op_param(1, 0.0)))
@@ -799,6 +890,8 @@ def bind(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound:
 KERNELS: dict[Op, Kernel] = {
     Op.NONE: _nop, Op.VIEW: _nop, Op.RESHAPE: _nop, Op.PERMUTE: _nop, Op.TRANSPOSE: _nop,
     Op.ADD: _add, Op.MUL: _mul, Op.SCALE: _scale, Op.RMS_NORM: _rms_norm, Op.NORM: _norm,
+    Op.MUL_MAT_ID: _mul_mat_id, Op.DIV: _div, Op.ADD_ID: _add_id, Op.SUM_ROWS: _sum_rows, Op.CLAMP: _clamp,
+    Op.ARGSORT: _argsort,
     Op.UNARY: _unary, Op.GLU: _glu, Op.MUL_MAT: _mul_mat, Op.GET_ROWS: _get_rows,
     Op.SET_ROWS: _set_rows, Op.ARGMAX: _argmax, Op.SOFT_MAX: _soft_max,
     Op.FLASH_ATTN_EXT: _flash_attn_ext, Op.CPY: _cpy, Op.CONT: _cpy, Op.DUP: _cpy,
@@ -806,4 +899,4 @@ KERNELS: dict[Op, Kernel] = {
 }
 
 # ops whose kernels accept quantized operands (any position)
-QUANT_SRC_OPS = frozenset({Op.MUL_MAT, Op.GET_ROWS, Op.CPY, Op.CONT, Op.DUP})
+QUANT_SRC_OPS = frozenset({Op.MUL_MAT, Op.MUL_MAT_ID, Op.GET_ROWS, Op.CPY, Op.CONT, Op.DUP})

@@ -1,6 +1,7 @@
 """numba MUL_MAT kernels on quantized weights, bit-identical to quants.mul_mat(order="fast") and, through
 ``_mm_g`` / ``_mm_f16`` modes 1-2, to quants.mul_mat(order="ggml") (the x86 AVX2 lane orders, see the
-"order=ggml" section below; repacked Q4_0/Q4_K and Q2_K/Q3_K have the "fast" numerics in both orders).
+"order=ggml" section below; repacked Q4_0/Q4_K/MXFP4 and Q2_K/Q3_K have the "fast" numerics in both orders).
+MXFP4 has a kernel of its own (``_mm_mxfp4``, its section below) on _mm_g's layout.
 
 The weights stay in their GGUF blocks: each kernel decodes a group of ``_R`` weight rows at a time into a
 small int8 scratch (codes) plus per-block scales, then dots those rows with every activation row.
@@ -37,7 +38,7 @@ from numba import njit, prange
 from ...core.types import GGMLType, row_size
 from . import kernel_cache  # noqa: F401  (the cache locator, registered before any kernel is defined)
 from . import quants as Q
-from .blocks import BLOCKS, GGUF_KINDS
+from .blocks import BLOCKS, GGUF_KINDS, REPACK_TYPES
 from .entry import bound
 from .threads import get_threads, launch
 
@@ -52,7 +53,7 @@ _SERIAL_WORK = 1 << 17
 # kind codes passed to the kernels (one generic kernel per block size, branches per row, not per element):
 # blocks.py's gguf_kind, 0..9 = Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K
 _KIND = {t: k for k, t in enumerate(GGUF_KINDS)}
-COVERED = frozenset(_KIND) | {T.F16}
+COVERED = frozenset(_KIND) | {T.F16, T.MXFP4}
 # the block layouts as module constants, which numba compiles as literals: block bytes per kind, and the
 # codes' offset for kinds 0..6 (Q5: of the nibbles; the 32-bit qh sits just before them)
 _BS = tuple(BLOCKS[t].nbytes for t in GGUF_KINDS)
@@ -67,9 +68,13 @@ _Q2_QS, _Q2_D, _Q2_DMIN = (BLOCKS[T.Q2_K].off(f) for f in ("qs", "d", "dmin"))
 _Q3_QS, _Q3_SC, _Q3_D = (BLOCKS[T.Q3_K].off(f) for f in ("qs", "scales", "d"))
 _Q4_0_BS, _Q4_1_BS, _Q5_0_BS, _Q5_1_BS, _Q8_0_BS = (f.nbytes for f in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
 _Q4_0_QS, _Q4_1_QS, _Q5_0_QS, _Q5_1_QS, _Q8_0_QS = (f.off("qs") for f in (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0))
+_MXFP4_BS, _MXFP4_QS = BLOCKS[T.MXFP4].nbytes, BLOCKS[T.MXFP4].off("qs")
+assert BLOCKS[T.MXFP4].off("e") == 0
 
 # f16 bits -> f32 value (exact); numba has no float16 on the CPU
 _F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
+# E8M0 byte -> 2^(e-128) (GGML_E8M0_TO_FP32_HALF, MXFP4's scale)
+_E8M0_HALF = Q.e8m0_to_fp32_half(np.arange(256))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -689,6 +694,122 @@ def _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, g_lo, g_hi):
 
 
 # ------------------------------------------------------------------------------------------------
+# MXFP4 (quants module docstring): the _mm_g layout (4 rows, 32 lanes per block, yr from _prep_q8_g), the
+# codes turned into their kvalues_mxfp4 bytes while decoding. chain=False: ggml_vec_dot_mxfp4_q8_0's two
+# 8-lane accumulators (even / odd blocks), HA of their sum, a scalar fma for an odd last block;
+# chain=True: the repack kernels' (and "fast"'s) one fma per block, acc = fma(f32(isum), f32(e*dy), acc).
+_M7 = _U(0x0707070707070707)
+
+
+@njit(cache=True, inline="always")
+def _mxfp4_values(c):
+    """8 codes (one per byte, 0..15) -> their kvalues_mxfp4 as int8 bytes, bytewise with no carries:
+    magnitude index m = c & 7 gives m for m < 4, else m + (0, 1, 2, 5)[m & 3] (4, 6, 8, 12); bit 3 negates."""
+    m = c & _M7
+    t = c & _M2
+    extra = t + ((t & (t >> _U(1)) & _M1) << _U(1))              # m & 3 -> 0, 1, 2, 5
+    mag = m + (extra & (((c >> _U(2)) & _M1) * _U(0xFF)))        # m >= 4 only
+    neg = (_MH - mag) ^ _MH                                      # bytewise -mag (0x80 - mag never borrows)
+    s = ((c >> _U(3)) & _M1) * _U(0xFF)
+    return (mag & ~s) | (neg & s)
+
+
+@njit(cache=True)
+def _dec_row_mxfp4(row, r, cw, ds):
+    """One MXFP4 row as row r of the _mm_g layout: its values (int8) in cw (uint64 view), ds[_R*b + r] =
+    2^(e-128) of block b (one scale per block and row: _mm_g's 8 copies per lane cost a third of the decode)."""
+    for b in range(ds.shape[0] // _R):
+        o = b * _MXFP4_BS
+        ds[_R * b + r] = _E8M0_HALF[row[o]]
+        u0 = _u64(row, o + _MXFP4_QS)
+        u1 = _u64(row, o + _MXFP4_QS + 8)
+        _put4(cw, 16 * b + r, _mxfp4_values(u0 & _M4), _mxfp4_values(u1 & _M4),
+              _mxfp4_values((u0 >> _S4) & _M4), _mxfp4_values((u1 >> _S4) & _M4))
+
+
+@njit(parallel=True, cache=True, fastmath=False)
+def _mm_mxfp4(w, yr, dy, out, chain, n_chunks):
+    """MXFP4 weights w uint8 [M, row_bytes] times yr int8 [N, _R*K] (_prep_q8_g's layout), dy f32 [N, K/32]
+    -> out f32 [N, M]; chain: the repacked order, else vec_dot's."""
+    n_groups = (w.shape[0] + _R - 1) // _R
+    n_chunks = min(n_groups, n_chunks)
+    for ch in prange(n_chunks):
+        _mm_mxfp4_rows(w, yr, dy, out, chain, ch * n_groups // n_chunks, (ch + 1) * n_groups // n_chunks)
+
+
+@njit(cache=True, fastmath=False)
+def _mm_mxfp4_serial(w, yr, dy, out, chain):
+    """_mm_mxfp4 on the calling thread (no parallel launch: small matrices)."""
+    _mm_mxfp4_rows(w, yr, dy, out, chain, np.int64(0), (w.shape[0] + _R - 1) // _R)
+
+
+@njit(cache=True, fastmath=False)
+def _mm_mxfp4_rows(w, yr, dy, out, chain, g_lo, g_hi):
+    """_mm_mxfp4 for the row groups g_lo .. g_hi - 1 (rows _R*g ..)."""
+    M = w.shape[0]
+    N = yr.shape[0]
+    nb = yr.shape[1] // (_R * 32)
+    n_pairs = nb // 2                                    # vec_dot's 2-block loop; an odd last block is its tail
+    cw = np.zeros(_R * nb * 4, np.uint64)
+    c = cw.view(np.int8)
+    ds = np.zeros(nb * _R, F32)
+    acc = np.empty(64, F32)                              # [2][32]: even, odd blocks (chain: acc[0:_R])
+    tail_i = np.zeros(_R, F64)                           # vec_dot's odd last block: isum, f32(e*dy)
+    tail_d = np.zeros(_R, F64)
+    lane = np.empty(32, np.int32)
+    dd = np.empty(32, F32)                               # f32(e*dy) per lane (the fma loop vectorizes)
+    for g in range(g_lo, g_hi):
+        r0 = g * _R
+        nr = min(_R, M - r0)
+        if nr < _R:                                      # padding rows: zero values and scales
+            cw[:] = 0
+            ds[:] = 0
+        for r in range(nr):
+            _dec_row_mxfp4(w[r0 + r], r, cw, ds)
+        for n in range(N):
+            yn = yr[n]
+            acc[:] = 0
+            for b in range(nb):
+                ddy = dy[n, b]
+                cb = c[128 * b:128 * b + 128]
+                yb = yn[128 * b:128 * b + 128]
+                for j in range(32):
+                    lane[j] = (np.int32(cb[j]) * np.int32(yb[j]) + np.int32(cb[32 + j]) * np.int32(yb[32 + j])
+                               + np.int32(cb[64 + j]) * np.int32(yb[64 + j])
+                               + np.int32(cb[96 + j]) * np.int32(yb[96 + j]))
+                if chain or b == 2 * n_pairs:            # one fma per row: the chain, or vec_dot's tail block
+                    for r in range(nr):
+                        isum = 0
+                        for p in range(8):
+                            isum += lane[8 * r + p]
+                        d = F64(ds[_R * b + r] * ddy)                             # f32(e*dy)
+                        if chain:
+                            acc[r] = F32(F64(isum) * d + F64(acc[r]))
+                        else:
+                            tail_i[r] = isum
+                            tail_d[r] = d
+                    continue
+                for r in range(_R):
+                    d = ds[_R * b + r] * ddy
+                    for p in range(8):
+                        dd[8 * r + p] = d
+                a = acc[32 * (b & 1):32 * (b & 1) + 32]
+                for j in range(32):
+                    a[j] = F32(F64(dd[j]) * F64(lane[j]) + F64(a[j]))
+            for r in range(nr):
+                if chain:
+                    out[n, r0 + r] = acc[r]
+                    continue
+                a = acc[8 * r:8 * r + 8]                 # even blocks' lanes; lane _PI[p] sits at p
+                e = acc[32 + 8 * r:32 + 8 * r + 8]       # odd blocks'
+                res = (((a[0] + e[0]) + (a[2] + e[2])) + ((a[1] + e[1]) + (a[3] + e[3]))) + \
+                    (((a[4] + e[4]) + (a[6] + e[6])) + ((a[5] + e[5]) + (a[7] + e[7])))
+                if nb % 2:
+                    res = F32(tail_d[r] * tail_i[r] + F64(res))
+                out[n, r0 + r] = res
+
+
+# ------------------------------------------------------------------------------------------------
 # activation quantization for _mm_g in one call (quants.quantize_q8_0 / _q8_1 + the yr layout)
 @njit(cache=True)
 def _f16_round(v, lut):
@@ -835,11 +956,38 @@ def _n_gemm(wtype: GGMLType, repacked: bool, N: int, vec_n: int | None) -> int:
     return Q.gemm_rows(N, vec_n) if repacked and wtype == T.Q4_K else 0
 
 
+def _yr_layout(qy: np.ndarray) -> np.ndarray:
+    """Q8 codes int8 [N, ...] (any blocks, K per row) -> the _mm_g activation layout int8 [N, _R*K] (as
+    _prep_q8_g writes it): yr[n, 128g + 32i + 8r + p] = element 32g + 4*_PI[p] + i, for each of the _R rows r."""
+    N = qy.shape[0]
+    nb = qy[0].size // 32
+    yg = qy.reshape(N, nb, 8, 4)[:, :, _PI].transpose(0, 1, 3, 2)[:, :, :, None, :]
+    return np.ascontiguousarray(np.broadcast_to(yg, (N, nb, 4, _R, 8))).reshape(N, _R * 32 * nb)
+
+
+def _mul_mat_mxfp4(w: np.ndarray, x: np.ndarray, chain: bool, serial: bool, out: np.ndarray) -> np.ndarray:
+    """MXFP4 by _mm_mxfp4: X quantized to Q8_0 by _prep_q8_g (quants.quantize_q8_0 where x has a
+    non-finite value); chain: the repacked (and "fast") order, else vec_dot's."""
+    N, K = x.shape
+    wr = _readonly(w).reshape(w.shape[0], -1)
+    yr = np.empty((N, _R * K), np.int8)
+    dy = np.empty((N, K // 32), F32)
+    if not _prep_q8_g(np.ascontiguousarray(x, F32), False, _F16_LUT, yr, dy, np.empty_like(dy)):
+        qy, dy = Q.quantize_q8_0(x)
+        yr = _yr_layout(qy)
+    if serial:
+        _mm_mxfp4_serial(wr, yr, dy, out, chain)
+        return out
+    with launch() as nt:
+        _mm_mxfp4(wr, yr, dy, out, chain, 16 * nt)
+    return out
+
+
 def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast",
               repacked: bool = False, vec_n: int | None = None) -> np.ndarray | None:
     """quants.mul_mat(order=order, repacked=repacked) for covered types: w uint8 [M, row_bytes] (F16: uint8
     or float16 [M, K]); x f32 [N, K]. Returns f32 [N, M], or None if wtype is not covered.
-    order="ggml" with repacked Q4_0/Q4_K, and Q2_K/Q3_K, have the "fast" numerics (quants docstring)."""
+    order="ggml" with repacked Q4_0/Q4_K/MXFP4, and Q2_K/Q3_K, have the "fast" numerics (quants docstring)."""
     wtype = GGMLType(wtype)
     N, K = x.shape
     M = w.shape[0]
@@ -864,8 +1012,10 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
         with launch():
             _mm_f16(w16, y, _F16_LUT, out, mode)
         return out
+    repacked = repacked and wtype in REPACK_TYPES               # the only types x86 repacks
+    if wtype == T.MXFP4:
+        return _mul_mat_mxfp4(w, x, order == "fast" or repacked, serial, out)
     kind = _KIND[wtype]
-    repacked = repacked and wtype in (T.Q4_0, T.Q4_K)           # the only types x86 repacks
     tiled = Q.takes_tiled(wtype, repacked, N if vec_n is None else vec_n, order)
     ggml = order == "ggml" and kind <= 7 and not (repacked and wtype in (T.Q4_0, T.Q4_K)) and not tiled
     wr = _readonly(w).reshape(M, -1)
@@ -898,9 +1048,7 @@ def mul_mat_q(wtype: GGMLType, w: np.ndarray, x: np.ndarray, order: str = "fast"
     dy = np.ascontiguousarray(dy, F32)
     sy = np.ascontiguousarray(sy, F32)
     if ggml:
-        # yr[n, 128g + 32i + 8r + p] = element 32g + 4*_PI[p] + i, for each of the _R rows r
-        yg = qy.reshape(N, K // 32, 8, 4)[:, :, _PI].transpose(0, 1, 3, 2)[:, :, :, None, :]
-        yr = np.ascontiguousarray(np.broadcast_to(yg, (N, K // 32, 4, _R, 8))).reshape(N, _R * K)
+        yr = _yr_layout(qy)
         if serial:
             _mm_g_serial(kind, wr, yr, dy, sy, bsums, _F16_LUT, _SPREAD, out)
             return out

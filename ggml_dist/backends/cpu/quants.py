@@ -2,8 +2,8 @@
 
 API
 * ``dequantize(type, blocks, ne0)``: uint8 rows -> float32 rows (ggml ``dequantize_row_*``, §1.3).
-* ``quantize(type, x)``: float32 rows -> uint8 rows (weights; Q4_0..Q8_0 via gguf.quants, which is
-  bit-exact with ggml's ``quantize_row_*_ref``; K-quants with simple quantizers of our own, see
+* ``quantize(type, x)``: float32 rows -> uint8 rows (weights; Q4_0..Q8_0 and MXFP4 via gguf.quants, which
+  is bit-exact with ggml's ``quantize_row_*_ref``; K-quants with simple quantizers of our own, see
   ``quantize``).
 * ``quantize_q8_0 / quantize_q8_1 / quantize_q8_K``: activation quantization, exactly as §1.2 (x86).
 * ``VEC_DOT_TYPE``: what X is converted to before a matmul with a weight of a given type.
@@ -24,7 +24,7 @@ Accumulation orders used by ``order="ggml"`` (§1.5):
 * Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 (vec_dot and tinyBLAS_Q0): 8 f32 lanes, lane k of a block = exact integer
   sum over its elements 4k..4k+3; ``acc_k = fma(f32(dx*dy), lane_k, acc_k)`` over blocks; ``HA``;
   Q4_1/Q5_1 then add the sequential f32 sum of ``m*s``.
-* Repacked Q4_0 (``repacked``): one chain ``acc = fma(f32(isum_b), f32(dx*dy), acc)``.
+* Repacked Q4_0 and MXFP4 (``repacked``): one chain ``acc = fma(f32(isum_b), f32(dx*dy), acc)``.
 * Q4_K/Q5_K: 8 scale-weighted int lanes, ``acc = fma(d, lane, acc)``, mins in 4 lanes with
   ``fma(-dm, ...)``; result ``HA(acc) + ((m0+m2)+(m1+m3))``.  Repacked Q4_K: two chains, ``acc - accm``.
 * Q6_K: 8 lanes (``sc*q6*qy`` minus ``32*sc*bsum``), ``acc = fma(d, lane, acc)``, ``HA``.
@@ -34,6 +34,25 @@ Accumulation orders used by ``order="ggml"`` (§1.5):
   double (f16/bf16) or float (f32); n >= 2: tinyBLAS' single 8-lane accumulator and ``HA``.
   (BF16 uses the F16 structure; ggml's AVX2 bf16 dot may associate differently: ULP-level.)
 fma is emulated in float64 (exact product, one double rounding of the add: vanishingly rare).
+* MXFP4 (gpt-oss's experts; ggml-common.h block_mxfp4: an E8M0 byte ``e``, 16 bytes of 4-bit codes, byte j
+  low nibble -> element j, high -> element j+16). Value = ``kvalues_mxfp4[code] * 2^(e-128)`` (the E2M1
+  values doubled, so the scale is ``GGML_E8M0_TO_FP32_HALF(e)``: 2^(e-128), the f32 subnormals
+  2^-128 / 2^-127 for e = 0 / 1); every product is exact in f32 (or +-inf, e >= 254), so decode never
+  rounds. X is converted to Q8_0; ``d = f32(dy * 2^(e-128))`` (exact unless it leaves f32's normal range)
+  and the integer block sums are exact; the float steps are:
+  - not repacked (``ggml_vec_dot_mxfp4_q8_0``, arch/x86/quants.c): lanes as Q4_0 (lane k = elements
+    4k..4k+3), but TWO 8-lane accumulators, even blocks ``acc1 = fma(d, lane, acc1)`` and odd blocks
+    ``acc2``; result ``HA(acc1 + acc2)`` (lane-wise add first), then, when the block count is odd, the last
+    block in scalar C: ``sumf = fma(d, f32(isum), sumf)`` (GCC contracts ``sumf += d*(sumi1+sumi2)``:
+    checked against the oracle). llama.cpp takes this path for every row count: MXFP4 is neither a
+    llamafile (tinyBLAS) nor a tiled-kernel type, and MUL_MAT_ID outside the repack buffer is vec_dot too.
+  - repacked (``repacked``; ggml's rule: ``blocks.ggml_repacks``, ne[1] % 8 == 0 on AVX2;
+    ``ggml_gemv_mxfp4_8x8_q8_0`` and ``ggml_gemm_mxfp4_8x8_q8_0``, the q4_b32 8x8 LUT kernels of
+    arch/x86/repack.cpp): one chain ``acc = fma(f32(isum_b), f32(e_half*dy), acc)``, the "fast" order.
+    gemm (MUL_MAT, 4 rows of X at a time) and gemv (the rest, and MUL_MAT_ID always) have that same
+    formula, so unlike Q4_K a row's bits do not depend on how many rows came with it.
+  ``quantize`` is gguf.quants' MXFP4, bit-exact with ggml's quantize_row_mxfp4_ref (checked against the
+  oracle: e = floor(log2(amax)) - 2 + 127, each code the first of the 16 with the least |v*d - x|).
 * Tiled K-quants (``takes_tiled``: Q2_K..Q6_K not repacked, n >= 8 rows of X; llama.cpp 0.3.36's
   ``ggml_compute_forward_mul_mat_tiled``, AVX2 microtile, §1.6): per superblock the exact integer sums, then
   ``r = f32(d*f32(isum))``, ``r = fnmadd(dmin, f32(minsum), r)`` where the type has mins, and one chain
@@ -44,7 +63,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...core.types import TYPE_TRAITS, GGMLType, row_size
-from .blocks import BLOCKS, VEC_DOT_TYPE, assemble
+from .blocks import BLOCKS, REPACK_TYPES, VEC_DOT_TYPE, assemble, ggml_repacks
 
 F32 = np.float32
 F64 = np.float64
@@ -56,6 +75,10 @@ T = GGMLType
 # the block layouts (blocks.py): F["qs"] is the slice of a block's codes
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (BLOCKS[t] for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0))
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K = (BLOCKS[t] for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_K))
+MXFP4 = BLOCKS[T.MXFP4]
+
+# ggml-common.h kvalues_mxfp4: the E2M1 values doubled (code bit 3 is the sign; 8 is -0 = 0)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 # temporaries budget for mul_mat row chunks (bytes)
 _CHUNK_BYTES = 48 << 20
@@ -188,6 +211,19 @@ def _dec_q3_K(b):
     return _f16(b[..., Q3_K["d"]]), sc, q.reshape(*lead, 16, 16)
 
 
+def e8m0_to_fp32_half(e: np.ndarray) -> np.ndarray:
+    """GGML_E8M0_TO_FP32_HALF: E8M0 byte e -> 2^(e-128) as float32, from its bits (e < 2: the subnormals
+    2^-128, 2^-127; e = 255 gives 2^127, not NaN, as ggml's)."""
+    e = np.asarray(e).astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(F32)
+
+
+def _dec_mxfp4(b):
+    """-> d = 2^(e-128) f32 [..., nb]; q int8 [..., nb, 32] (kvalues_mxfp4 of the codes, element order)."""
+    return e8m0_to_fp32_half(b[..., MXFP4.off("e")]), KVALUES_MXFP4[_nibbles32(b[..., MXFP4["qs"]])]
+
+
 def _dec_q8_K(b):
     bs = b[..., Q8_K["bsums"]]
     bsums = (bs[..., 0::2].astype(np.uint16) | (bs[..., 1::2].astype(np.uint16) << 8)).view(np.int16)
@@ -251,6 +287,10 @@ def dequantize(type: GGMLType, blocks: np.ndarray, ne0: int) -> np.ndarray:
     elif type == T.Q8_K:
         d, q, _ = _dec_q8_K(b)
         y = q.astype(F32) * d[..., None]
+    elif type == T.MXFP4:
+        d, q = _dec_mxfp4(b)
+        with np.errstate(over="ignore"):                # e >= 254: +-inf, as ggml's float multiply
+            y = q.astype(F32) * d[..., None]
     else:
         raise NotImplementedError(f"dequantize: type {type.name} not supported")
     return np.asarray(y, F32).reshape(*lead, ne0)
@@ -421,8 +461,8 @@ def _quantize_q3_K(xb):
 def quantize(type: GGMLType, x: np.ndarray) -> np.ndarray:
     """float32 [..., ne0] -> uint8 [..., row_bytes].
 
-    F32/F16 (RNE)/BF16 (ggml_compute_fp32_to_bf16: RNE, NaN quieted) directly; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 via
-    gguf.quants (ggml's ``quantize_row_*_ref``); Q8_K as the activation quantizer. Q2_K..Q6_K use simple
+    F32/F16 (RNE)/BF16 (ggml_compute_fp32_to_bf16: RNE, NaN quieted) directly; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and
+    MXFP4 via gguf.quants (ggml's ``quantize_row_*_ref``); Q8_K as the activation quantizer. Q2_K..Q6_K use simple
     quantizers of our own: valid blocks with reasonable error, but NOT bit-identical to llama-quantize.
     """
     type = GGMLType(type)
@@ -436,7 +476,7 @@ def quantize(type: GGMLType, x: np.ndarray) -> np.ndarray:
         return _u8(x.astype(np.float16), lead)
     if type == T.BF16:
         return _u8(_f32_to_bf16_bits(x), lead)
-    if type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+    if type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4):
         import gguf.quants as gq
         from gguf.constants import GGMLQuantizationType
         out = gq.quantize(np.ascontiguousarray(x.reshape(-1, ne0)), GGMLQuantizationType(int(type)))
@@ -592,6 +632,22 @@ def _mm_q32(wtype, b, xq, repacked, order):
     return r
 
 
+def _mm_mxfp4(b, xq, repacked, order):
+    """MXFP4 (module docstring). b: [M, nb, 17] blocks; xq: Q8_0 activations (qs, d)."""
+    dx, qx = _dec_mxfp4(b)                                                  # [M, nb], [M, nb, 32]
+    qy, dy = xq
+    d = (dx.T[:, :, None] * dy.T[:, None, :]).astype(F32)                  # [nb, M, N] f32(e_half*dy)
+    if repacked or order == "fast":                                         # the gemv/gemm chain
+        return _chain(_isum(qx, qy), d)
+    nb = d.shape[0]
+    lanes = _lanes32(qx, qy, dtype=F64)                                     # [nb, 8, M, N]
+    h = nb - nb % 2                                                         # blocks in pairs
+    r = _ha(_chain(d[0:h:2, None], lanes[0:h:2]) + _chain(d[1:h:2, None], lanes[1:h:2]))
+    if nb % 2:                                                              # the scalar tail block
+        r = _fma(d[-1], lanes[-1].sum(axis=0), r)
+    return r
+
+
 def _mm_kq(wtype, b, xq, repacked, order, vec_n=None):
     qy, dy, bsums = xq                                                      # [N, nb, 256], [N, nb], [N, nb, 16]
     M, nb = b.shape[:2]
@@ -727,9 +783,9 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     exact=False: X is converted to VEC_DOT_TYPE[wtype] and the dot products follow ggml's float steps
     (see the module docstring for the accumulation orders). exact=True: W is dequantized (row chunks) and
     multiplied by the unquantized X in float32.
-    repacked: emulate the CPU_REPACK kernels (Q4_0, Q4_K only). None = ggml's rule on x86 AVX2:
-    repacked iff wtype is Q4_0/Q4_K and M % 8 == 0; pass False for tensors that are not in the repack
-    buffer (e.g. a tied token embedding used as output head).
+    repacked: emulate the CPU_REPACK kernels (Q4_0, Q4_K, MXFP4 only: blocks.REPACK_TYPES). None = ggml's
+    rule on x86 AVX2 (blocks.ggml_repacks): repacked iff wtype is one of those and M % 8 == 0; pass False for
+    tensors that are not in the repack buffer (e.g. a tied token embedding used as output head).
     order: "ggml" = the AVX2 accumulation orders of the module docstring (bit-faithful, costs one float64
     pass per block over 8 lanes x M x N); "fast" = one fma chain per output over blocks (the repacked
     kernels' order, ULP-level off the vec_dot order) and, for F32/F16/BF16, a float64 BLAS product
@@ -769,8 +825,8 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
     if vt is None:
         raise NotImplementedError(f"mul_mat: weight type {wtype.name} not supported")
     if repacked is None:
-        repacked = wtype in (T.Q4_0, T.Q4_K) and M % 8 == 0
-    repacked = bool(repacked) and wtype in (T.Q4_0, T.Q4_K)
+        repacked = ggml_repacks(wtype, M)
+    repacked = bool(repacked) and wtype in REPACK_TYPES
 
     if wtype in (T.F32, T.F16, T.BF16):
         if wtype == T.F32:
@@ -802,6 +858,8 @@ def mul_mat(wtype: GGMLType, w: np.ndarray, x: np.ndarray, exact: bool = False,
         b = _blocks(wtype, w[m0:m0 + step], K)
         if tiled:
             out[:, m0:m0 + step] = _mm_kq_tiled(wtype, b, xq).T
+        elif wtype == T.MXFP4:
+            out[:, m0:m0 + step] = _mm_mxfp4(b, xq, repacked, order).T
         elif vt in (T.Q8_0, T.Q8_1):
             out[:, m0:m0 + step] = _mm_q32(wtype, b, xq, repacked, order).T
         else:

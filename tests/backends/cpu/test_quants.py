@@ -16,7 +16,7 @@ from ggml_dist.core.types import GGMLType as T, row_size
 
 F32 = np.float32
 BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-GGUF_QUANT = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+GGUF_QUANT = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
 K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
@@ -35,7 +35,7 @@ def random_rows(t, M, K, seed=0):
         bb = b.reshape(M, nb, -1)
         keep = {T.Q4_0: [0, 1], T.Q4_1: [0, 1, 2, 3], T.Q5_0: [0, 1], T.Q5_1: [0, 1, 2, 3], T.Q8_0: [0, 1],
                 T.Q2_K: [80, 81, 82, 83], T.Q3_K: [108, 109], T.Q4_K: [0, 1, 2, 3], T.Q5_K: [0, 1, 2, 3],
-                T.Q6_K: [208, 209]}[t]
+                T.Q6_K: [208, 209], T.MXFP4: [0]}[t]
         mask = np.ones(bb.shape[-1], bool)
         mask[keep] = False
         bb[..., mask] = r.integers(0, 256, (M, nb, int(mask.sum())), dtype=np.uint8)
@@ -45,7 +45,7 @@ def random_rows(t, M, K, seed=0):
 
 # ------------------------------------------------------------------------------------------------
 # formats
-@pytest.mark.parametrize("t", BLOCK_TYPES + [T.F16, T.BF16])
+@pytest.mark.parametrize("t", [*BLOCK_TYPES, T.MXFP4, T.F16, T.BF16])
 def test_dequantize_random_bytes_matches_gguf(t):
     K = 512
     b = rng(1).integers(0, 256, (16, row_size(t, K)), dtype=np.uint8)
@@ -353,7 +353,7 @@ def test_mul_mat_quant_vs_reference(t, M, N, order):
     assert np.all(np.abs(out - x.astype(np.float64) @ wd.T) / scale < 3e-2)
 
 
-@pytest.mark.parametrize("t", BLOCK_TYPES + [T.F16, T.BF16, T.F32])
+@pytest.mark.parametrize("t", [*BLOCK_TYPES, T.MXFP4, T.F16, T.BF16, T.F32])
 def test_mul_mat_exact(t):
     K, M, N = 256, 20, 3
     x = rng(9).standard_normal((N, K)).astype(F32)
@@ -361,7 +361,7 @@ def test_mul_mat_exact(t):
         w = rng(10).standard_normal((M, K)).astype(F32)
         wd = w.astype(np.float64)
     else:
-        w = random_rows(t, M, K, seed=10) if t in BLOCK_TYPES else \
+        w = random_rows(t, M, K, seed=10) if t in BLOCK_TYPES or t == T.MXFP4 else \
             Q.quantize(t, rng(10).standard_normal((M, K)).astype(F32))
         wd = Q.dequantize(t, w, K).astype(np.float64)
     out = Q.mul_mat(t, w, x, exact=True)
