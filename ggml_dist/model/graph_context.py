@@ -21,6 +21,7 @@ from ..core.tensor import GLUOp, Tensor
 from ..core.types import GGMLType
 from .hparams import LlamaHParams
 from .kv_cache import KVCache
+from .moe import build_moe_ffn
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,26 +172,28 @@ class GraphContext:
         cur = ops.cont(ctx, cur, (hp.n_embd_head_v * hp.n_head, n)).set_name(f"kqv_out-{il}")
         return ops.mul_mat(ctx, self.w[f"blk.{il}.attn_output.weight"], cur).set_name(f"attn_out-{il}")
 
-    def build_ffn(self, ctx: Context, x: Tensor, il: int, gelu: bool = False) -> Tensor:
-        """build_ffn, LLM_FFN_SILU (or LLM_FFN_GELU) + LLM_FFN_PAR: Wdown · swiglu/geglu(Wgate·x, Wup·x)."""
-        gate = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_gate.weight"], x)
-        up = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_up.weight"], x)
+    def build_ffn(self, ctx: Context, x: Tensor, il: int, gelu: bool = False, suffix: str = "") -> Tensor:
+        """build_ffn, LLM_FFN_SILU (or LLM_FFN_GELU) + LLM_FFN_PAR: Wdown · swiglu/geglu(Wgate·x, Wup·x).
+        suffix picks the weights (qwen2moe's shared expert: ffn_gate_shexp, ...)."""
+        gate = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_gate{suffix}.weight"], x)
+        up = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_up{suffix}.weight"], x)
         if gelu:
             cur = ops.glu(ctx, gate, up, GLUOp.GEGLU).set_name(f"ffn_geglu-{il}")
         else:
             cur = ops.swiglu(ctx, gate, up).set_name(f"ffn_swiglu-{il}")
-        return ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_down.weight"], cur)
+        return ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_down{suffix}.weight"], cur)
 
-    def build_ffn_block(self, ctx: Context, il: int, attn_out: Tensor, inp_l: Tensor,
+    def build_ffn_block(self, ctx: Context, gf: Graph, il: int, attn_out: Tensor, inp_l: Tensor,
                         inp: GraphInputs) -> Tensor:
-        """h = attn_out + inp_l, then h + FFN(norm(h)). The last layer keeps only the rows that are
-        output (inp_out_ids), before the residual as llama.cpp does."""
+        """h = attn_out + inp_l, then h + FFN(norm(h)), the FFN a mixture of experts where the model's is
+        (model/moe.py). The last layer keeps only the rows that are output (inp_out_ids), before the
+        residual as llama.cpp does."""
         if il == self.hp.n_layer - 1 and inp.out_ids is not None:   # ne = (n_embd, n_outputs) from here
             attn_out = ops.get_rows(ctx, attn_out, inp.out_ids)
             inp_l = ops.get_rows(ctx, inp_l, inp.out_ids)
         ffn_inp = ops.add(ctx, attn_out, inp_l).set_name(f"ffn_inp-{il}")
         cur = self.build_norm(ctx, ffn_inp, f"blk.{il}.ffn_norm.weight", f"ffn_norm-{il}")
-        cur = self.build_ffn(ctx, cur, il)
+        cur = build_moe_ffn(self, ctx, gf, cur, il) if self.hp.moe is not None else self.build_ffn(ctx, cur, il)
         return ops.add(ctx, cur, ffn_inp).set_name(f"l_out-{il}")
 
     # -- the head -------------------------------------------------------------------------------------

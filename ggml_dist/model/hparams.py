@@ -39,13 +39,35 @@ class ArchSpec:
     rope_freqs: bool        # may carry rope_freqs.weight (llama3 rope scaling's frequency factors)
     gemma: bool = False     # Gemma 3: embeddings * sqrt(n_embd), Q * attention scale, post-attention and
                             # post-FFN norms, GEGLU, sliding-window layers (il % 6 < 5) with their own rope
+    moe: MoESpec | None = None  # the FFN is a mixture of experts (build_moe_ffn's arguments for the arch)
+    moe_optional: bool = False  # dense unless {arch}.expert_count > 0 (llama: Mixtral's files are "llama")
 
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """How an architecture calls build_moe_ffn (llama.cpp passes these as literals in its graph)."""
+    gating: int                 # EXPERT_GATING_*: probabilities from the router logits
+    norm_w: bool                # the top-k weights divided by their sum (clamped at 6.103515625e-5)
+    n_ff_exp_key: bool          # expert_feed_forward_length gives the expert width (else feed_forward_length)
+    shared_expert: bool = False     # qwen2moe: a dense SwiGLU expert every token takes, gated by sigmoid
+
+
+# llama_expert_gating_func_type
+EXPERT_GATING_SOFTMAX = 1
+EXPERT_GATING_SIGMOID = 2
+EXPERT_GATING_SOFTMAX_WEIGHT = 3    # softmax over the k selected logits (gpt-oss)
+EXPERT_GATING_NAMES = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
 
 ARCHS: dict[str, ArchSpec] = {
     "gemma3": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False, gemma=True),
-    "llama": ArchSpec(ROPE_TYPE_NORM, qkv_bias=False, qk_norm=False, rope_freqs=True),
+    "llama": ArchSpec(ROPE_TYPE_NORM, qkv_bias=False, qk_norm=False, rope_freqs=True,
+                      moe=MoESpec(EXPERT_GATING_SOFTMAX, norm_w=True, n_ff_exp_key=False), moe_optional=True),
     "qwen2": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=True, qk_norm=False, rope_freqs=False),
+    "qwen2moe": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=True, qk_norm=False, rope_freqs=False,
+                         moe=MoESpec(EXPERT_GATING_SOFTMAX, norm_w=False, n_ff_exp_key=True, shared_expert=True)),
     "qwen3": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False),
+    "qwen3moe": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False,
+                         moe=MoESpec(EXPERT_GATING_SOFTMAX, norm_w=True, n_ff_exp_key=True)),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 
@@ -72,10 +94,17 @@ ARCH_EXTRA_KEYS: dict[str, frozenset[str]] = {
                          "rope.freq_base_swa", "final_logit_softcapping"}),
 }
 
+# `{arch}.` keys of a mixture of experts that hparams_from_gguf reads (llama_model_base::load_hparams and the
+# MoE archs' load_arch_hparams); a dense architecture refuses a non-zero expert_count by name
+MOE_KEYS = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length",
+                      "expert_shared_feed_forward_length", "expert_group_count", "expert_group_used_count",
+                      "expert_weights_norm", "expert_weights_scale", "expert_gating_func",
+                      "expert_shared_count"})
+
 # `{arch}.` keys that leave the forward pass as it is at the value given (None: at any value)
 NEUTRAL_KEYS: dict[str, Any] = {
     "rope.scaling.finetuned": None,    # a note for tools: llama.cpp stores it and never reads it
-    "expert_count": 0,                 # a dense model (mixture of experts is not implemented)
+    "expert_count": 0,                 # a dense model: its architecture has no mixture-of-experts graph
     "expert_used_count": 0,
     "attention.causal": True,          # the causal mask, the only one built
     "pooling_type": 0,                 # LLAMA_POOLING_TYPE_NONE: logits, not pooled embeddings
@@ -122,6 +151,16 @@ class LlamaHParams:
     swa_layers: tuple[bool, ...] = ()   # is_swa(il): il % pattern < pattern - 1 (pattern 6 by default)
     rope_freq_base_swa: float = 10000.0     # rope.freq_base_swa (llama.cpp's default 10000) on SWA layers
     f_attention_scale: float = 0.0      # Q is scaled by it before attention (then kq_scale 1)
+    # a mixture of experts (zero elsewhere)
+    n_expert: int = 0                   # expert_count: the experts stacked in each ffn_*_exps weight
+    n_expert_used: int = 0              # expert_used_count: the top k each token takes
+    n_ff_exp: int = 0                   # an expert's FFN width
+    n_ff_shexp: int = 0                 # the shared expert's FFN width (qwen2moe)
+
+    @property
+    def moe(self) -> MoESpec | None:
+        """The architecture's build_moe_ffn arguments where this model's FFNs are mixtures of experts."""
+        return ARCHS[self.arch].moe if self.n_expert else None
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]
@@ -167,10 +206,13 @@ def _key(f: GGUFFile, key: str, kind: type, default: Any = None, required: bool 
 def check_keys(f: GGUFFile, arch: str) -> None:
     """Every `{arch}.*` key is read, or neutral at its value; any other one may change the math."""
     a = arch + "."
+    moe = ARCHS[arch].moe is not None
     for key, v in f.metadata.items():
         if not key.startswith(a) or key[len(a):] in ARCH_KEYS or key[len(a):] in ARCH_EXTRA_KEYS.get(arch, ()):
             continue
         k = key[len(a):]
+        if moe and k in MOE_KEYS:
+            continue                    # read, or refused by name, by _moe_hparams
         if k in NEUTRAL_KEYS and NEUTRAL_KEYS[k] in (None, v):
             continue
         if k in NEUTRAL_KEYS:
@@ -244,10 +286,11 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
     n_embd = _key(f, a + "embedding_length", int)
     n_head = _key(f, a + "attention.head_count", int)
     n_layer = _key(f, a + "block_count", int)
-    n_ff = _key(f, a + "feed_forward_length", int)
+    moe = ARCHS[arch].moe is not None and not ARCHS[arch].moe_optional
+    n_ff = _key(f, a + "feed_forward_length", int, default=0 if moe else None)   # optional where every FFN is experts
     n_ctx_train = _key(f, a + "context_length", int)
     for k, v in (("embedding_length", n_embd), ("attention.head_count", n_head), ("block_count", n_layer),
-                 ("feed_forward_length", n_ff), ("context_length", n_ctx_train)):
+                 ("feed_forward_length", n_ff if not moe else 1), ("context_length", n_ctx_train)):
         if v <= 0:
             raise GGUFError(f"{f.path}: {a}{k} = {v} must be positive")
     if n_layer > LLAMA_MAX_LAYERS:
@@ -275,7 +318,93 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
     )
     if ARCHS[arch].gemma:
         _gemma3_hparams(f, a, hp)
+    if ARCHS[arch].moe is not None:
+        _moe_hparams(f, a, hp)
     return hp
+
+
+def _moe_key_int(f: GGUFFile, key: str, n_layer: int, default: int | None = None) -> int:
+    """An int key that llama.cpp also takes as a per-layer array (get_key_or_arr): one value for every
+    layer is what the graphs here build; an array of differing values is refused by name."""
+    v = f.metadata.get(key, default)
+    if isinstance(v, list):
+        if len(v) != n_layer or len(set(v)) != 1:
+            raise GGUFError(f"{f.path}: {key} = {_short(v)}: a different value per layer is not implemented")
+        v = v[0]
+    if v is None:
+        raise GGUFError(f"{f.path}: missing metadata key '{key}'")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise GGUFError(f"{f.path}: metadata key '{key}' = {v!r} must be a non-negative integer")
+    return v
+
+
+LLAMA_MAX_EXPERTS = 512             # llama.cpp's limit (llama-hparams.h)
+
+
+def _moe_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
+    """load_hparams' expert keys and the MoE archs' load_arch_hparams: the expert count and top k, each
+    expert's width, the shared expert's; the keys llama.cpp's graphs for these archs do not read
+    (weights norm, scale, gating function: the graph passes literals) are accepted where they say what the
+    graph does and refused by name where they ask for something else; grouped routing is refused."""
+    spec = ARCHS[hp.arch]
+    moe = spec.moe
+    assert moe is not None
+    hp.n_expert = _moe_key_int(f, a + "expert_count", hp.n_layer, default=0 if spec.moe_optional else None)
+    hp.n_expert_used = _moe_key_int(f, a + "expert_used_count", hp.n_layer, default=0)
+    if hp.n_expert == 0:
+        if hp.n_expert_used:
+            raise GGUFError(f"{f.path}: {a}expert_used_count = {hp.n_expert_used} without experts")
+        extra = sorted(k for k in f.metadata if k.startswith(a) and k[len(a):] in MOE_KEYS - {"expert_count",
+                                                                                          "expert_used_count"})
+        if extra:
+            raise GGUFError(f"{f.path}: {extra[0]} in a dense model (expert_count 0)")
+        return
+    if hp.n_expert > LLAMA_MAX_EXPERTS or not 0 < hp.n_expert_used <= hp.n_expert:
+        raise GGUFError(f"{f.path}: {a}expert_count = {hp.n_expert}, {a}expert_used_count = {hp.n_expert_used}: "
+                        f"need 0 < used <= count <= {LLAMA_MAX_EXPERTS}")
+    groups = _moe_key_int(f, a + "expert_group_count", hp.n_layer, default=0)
+    if groups > 1:
+        raise GGUFError(f"{f.path}: {a}expert_group_count = {groups} (grouped expert routing, as DeepSeek V3's) "
+                        f"is not implemented")
+    if _moe_key_int(f, a + "expert_group_used_count", hp.n_layer, default=0):
+        raise GGUFError(f"{f.path}: {a}expert_group_used_count (grouped expert routing) is not implemented")
+    if _moe_key_int(f, a + "expert_shared_count", hp.n_layer, default=0) > (1 if moe.shared_expert else 0):
+        raise GGUFError(f"{f.path}: {a}expert_shared_count: shared experts beyond the {hp.arch} graph's "
+                        f"{int(moe.shared_expert)} are not implemented")
+    if moe.n_ff_exp_key:
+        hp.n_ff_exp = _moe_key_int(f, a + "expert_feed_forward_length", hp.n_layer, default=0) or \
+            hp.n_ff // hp.n_expert_used
+    else:
+        if a + "expert_feed_forward_length" in f.metadata:
+            raise GGUFError(f"{f.path}: {a}expert_feed_forward_length: the {hp.arch} graph's experts are "
+                            f"feed_forward_length wide; a separate expert width is not implemented")
+        hp.n_ff_exp = hp.n_ff
+    if hp.n_ff_exp <= 0:
+        raise GGUFError(f"{f.path}: {a}expert_feed_forward_length must be positive")
+    if moe.shared_expert:
+        hp.n_ff_shexp = _moe_key_int(f, a + "expert_shared_feed_forward_length", hp.n_layer, default=0) or hp.n_ff
+        if hp.n_ff_shexp <= 0:
+            raise GGUFError(f"{f.path}: {a}expert_shared_feed_forward_length must be positive")
+    elif a + "expert_shared_feed_forward_length" in f.metadata:
+        raise GGUFError(f"{f.path}: {a}expert_shared_feed_forward_length: the {hp.arch} graph has no shared "
+                        f"expert")
+    _check_moe_literal(f, a + "expert_weights_norm", moe.norm_w, hp.arch)
+    gating = f.metadata.get(a + "expert_gating_func", moe.gating)
+    if gating != moe.gating:
+        raise GGUFError(f"{f.path}: {a}expert_gating_func = {gating!r} "
+                        f"({EXPERT_GATING_NAMES.get(gating, 'unknown')}): llama.cpp's {hp.arch} graph gates "
+                        f"with {EXPERT_GATING_NAMES[moe.gating]}; another gating is not implemented for it")
+    scale = f.metadata.get(a + "expert_weights_scale", 0.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or float(scale) not in (0.0, 1.0):
+        raise GGUFError(f"{f.path}: {a}expert_weights_scale = {scale!r} (a scale on the expert weights) is "
+                        f"not implemented")
+
+
+def _check_moe_literal(f: GGUFFile, key: str, value: bool, arch: str) -> None:
+    v = f.metadata.get(key, value)
+    if v is not value:
+        raise GGUFError(f"{f.path}: {key} = {v!r}: llama.cpp's {arch} graph uses {value}; the other choice is "
+                        f"not implemented")
 
 
 def _gemma3_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
@@ -318,6 +447,10 @@ def _op_types(name: str, shape: tuple[int, ...],
         return "ROPE", frozenset({GGMLType.F32})        # the frequency factors are read as f32
     if name == "token_embd.weight":
         return ("GET_ROWS", GET_ROWS_TYPES) if not hp.tie_word_embeddings else ("MUL_MAT", MUL_MAT_TYPES)
+    if len(shape) == 3:
+        return "MUL_MAT_ID", MUL_MAT_TYPES              # the stacked experts
+    if name.endswith("ffn_gate_inp_shexp.weight"):      # a 1-row matrix: the shared expert's gate logit
+        return "MUL_MAT", MUL_MAT_TYPES
     return ("MUL_MAT", MUL_MAT_TYPES) if len(shape) == 2 else ("MUL", None)
 
 
@@ -352,9 +485,24 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
             want[b + "post_attention_norm.weight"] = (n_embd,)
             want[b + "post_ffw_norm.weight"] = (n_embd,)
         want[b + "ffn_norm.weight"] = (n_embd,)
-        want[b + "ffn_gate.weight"] = (n_embd, hp.n_ff)
-        want[b + "ffn_up.weight"] = (n_embd, hp.n_ff)
-        want[b + "ffn_down.weight"] = (hp.n_ff, n_embd)
+        want.update(_ffn_tensors(hp, b))
+    return want
+
+
+def _ffn_tensors(hp: LlamaHParams, b: str) -> dict[str, tuple[int, ...]]:
+    """One layer's FFN weights: the dense SwiGLU, or the router and the stacked experts (plus the shared
+    expert and its gate where the architecture has one)."""
+    n_embd = hp.n_embd
+    if hp.moe is None:
+        return {b + "ffn_gate.weight": (n_embd, hp.n_ff), b + "ffn_up.weight": (n_embd, hp.n_ff),
+                b + "ffn_down.weight": (hp.n_ff, n_embd)}
+    e, f = hp.n_expert, hp.n_ff_exp
+    want = {b + "ffn_gate_inp.weight": (n_embd, e), b + "ffn_gate_exps.weight": (n_embd, f, e),
+            b + "ffn_up_exps.weight": (n_embd, f, e), b + "ffn_down_exps.weight": (f, n_embd, e)}
+    if hp.moe.shared_expert:
+        s = hp.n_ff_shexp
+        want.update({b + "ffn_gate_inp_shexp.weight": (n_embd,), b + "ffn_gate_shexp.weight": (n_embd, s),
+                     b + "ffn_up_shexp.weight": (n_embd, s), b + "ffn_down_shexp.weight": (s, n_embd)})
     return want
 
 

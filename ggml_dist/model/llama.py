@@ -34,7 +34,7 @@ def build_llama(g: GraphContext, key: GraphKey) -> GraphResult:
         k = g.build_rope(ctx, k, inp.pos, rope_factors).set_name(f"Kcur-{il}")
         v.set_name(f"Vcur-{il}")
         cur = g.build_attn(ctx, gf, il, q, k, v, inp, key)          # ne = (n_embd, n_tokens)
-        h = g.build_ffn_block(ctx, il, cur, h, inp)                 # ne = (n_embd, n_tokens or n_outputs)
+        h = g.build_ffn_block(ctx, gf, il, cur, h, inp)                 # ne = (n_embd, n_tokens or n_outputs)
     return g.build_output(ctx, gf, h, inp, key)
 
 
@@ -43,7 +43,9 @@ ARCH_GRAPHS: dict[str, Callable[[GraphContext, GraphKey], GraphResult]] = {
     "gemma3": build_gemma3,
     "llama": build_llama,
     "qwen2": build_llama,
+    "qwen2moe": build_llama,        # qwen2's graph with the experts and the shared expert (model/moe.py)
     "qwen3": build_qwen3,
+    "qwen3moe": build_qwen3,        # qwen3's graph with the experts
 }
 
 

@@ -29,5 +29,5 @@ def build_qwen3(g: GraphContext, key: GraphKey) -> GraphResult:
         k = g.build_rope(ctx, k, inp.pos, None).set_name(f"Kcur-{il}")
         v.set_name(f"Vcur-{il}")
         cur = g.build_attn(ctx, gf, il, q, k, v, inp, key)          # ne = (n_embd, n_tokens)
-        h = g.build_ffn_block(ctx, il, cur, h, inp)                 # ne = (n_embd, n_tokens or n_outputs)
+        h = g.build_ffn_block(ctx, gf, il, cur, h, inp)                 # ne = (n_embd, n_tokens or n_outputs)
     return g.build_output(ctx, gf, h, inp, key)

@@ -127,7 +127,7 @@ def test_rope_scaling_keys(tmp_path: Path, kv: dict, freq_scale: float) -> None:
     (dict(extra_kv={"attn_logit_softcapping": 50.0}), r"'llama.attn_logit_softcapping'"),
     (dict(extra_kv={"attention.sliding_window": 16}), r"'llama.attention.sliding_window' = 16 \(sliding"),
     (dict(extra_kv={"some.new_key": 1.0}), r"metadata key 'llama.some.new_key' = 1.0 is not implemented"),
-    (dict(extra_kv={"expert_count": 8}), r"llama.expert_count = 8 is not supported \(only 0 is\)"),
+    (dict(arch="qwen2", extra_kv={"expert_count": 8}), r"qwen2.expert_count = 8 is not supported \(only 0 is\)"),
     (dict(extra_kv={"attention.causal": False}), r"llama.attention.causal = False is not supported"),
     # the three graphs rope whole heads of one size
     (dict(extra_kv={"rope.dimension_count": 2}), r"rope.dimension_count = 2 must equal the head size 4"),
