@@ -12,12 +12,16 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gquants
 
 from ..core.types import TYPE_TRAITS, GGMLType
+
+if TYPE_CHECKING:
+    from .synthetic_moe import SyntheticMoESpec
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,12 @@ def _weight(rng: np.random.Generator, type_name: str, rows: int, ne0: int, std: 
     return gquants.quantize(x, GGMLQuantizationType(t.value)), GGMLQuantizationType(t.value)
 
 
-def write_synthetic(path: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> Path:
-    """Write the model described by spec to path (overwriting) and return the path."""
+def write_synthetic(path: str | Path, spec: SyntheticSpec | SyntheticMoESpec = SyntheticSpec()) -> Path:
+    """Write the model described by spec to path (overwriting) and return the path (a mixture of experts:
+    synthetic_moe.write_moe)."""
+    if not isinstance(spec, SyntheticSpec):
+        from .synthetic_moe import write_moe
+        return write_moe(path, spec)
     s = spec
     if s.arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"synthetic models are llama, qwen2 or qwen3, not '{s.arch}'")
@@ -224,10 +232,19 @@ TINYLLAMA_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32
 # LLaMA-2-7B's dimensions (no GQA), Q4_0 throughout: ~3.6 GiB, a model bigger than one testbed host
 LLAMA2_7B_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=4096, n_layer=32, n_head=32, n_head_kv=32, n_ff=11008,
                                n_ctx_train=4096, wtype="Q4_0", embd_type="Q4_0", tied=False, seed=7)
-SHAPES = {"tinyllama": TINYLLAMA_Q4_0, "llama2-7b": LLAMA2_7B_Q4_0}
+SHAPES: dict[str, SyntheticSpec | SyntheticMoESpec] = {"tinyllama": TINYLLAMA_Q4_0, "llama2-7b": LLAMA2_7B_Q4_0}
 
 
-def cached_synthetic(spec: SyntheticSpec, force: bool = False) -> Path:
+def _register_moe_shapes() -> None:
+    """Qwen3-30B-A3B and gpt-oss-20b shapes (synthetic_moe.MOE_SHAPES), which imports this module lazily."""
+    from .synthetic_moe import MOE_SHAPES
+    SHAPES.update(MOE_SHAPES)
+
+
+_register_moe_shapes()
+
+
+def cached_synthetic(spec: SyntheticSpec | SyntheticMoESpec, force: bool = False) -> Path:
     """The model of `spec` in the user cache, written once (via a .part file, so a killed run never
     leaves a truncated file under the final name)."""
     from .pull import cache_dir

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ggml_dist.model.synthetic import SyntheticSpec
+from ggml_dist.model.synthetic_moe import SyntheticMoESpec
 
 TOP_K = 20
 N_GEN = 32
@@ -113,3 +114,40 @@ def gemma3_long_prompt() -> str:
     for i in range(60):
         out.append(f"{i + 1}. {subjects[i % 8]} {verbs[(3 * i + 1) % 8]} {objects[(5 * i + 2) % 8]}.")
     return " ".join(out)
+
+
+# -- mixtures of experts (ggml_dist/model/synthetic_moe.py; tests/data/moe_refs.npz) ---------------------
+# every architecture, the expert types llama.cpp treats differently (Q4_0 and MXFP4 repacked into 8x8
+# tiles, K-quants, F16, a real Q4_K_M mix from llama_model_quantize), each evaluated over MOE_TOKENS as one
+# batch and one token at a time; llama.cpp's chosen experts (ffn_moe_topk-{il}) are stored with the logits
+MOE_TOKENS = LONG_TOKENS[:32]
+MOE_N_CTX = 256
+MOE_TIE_MIN = 1e-3      # every reference token's k-th and (k+1)-th router logits differ by more than this
+# (the seeds below were chosen, among a few, for a margin >= 5e-3 in both runs and for every expert in use
+# in every layer; tests/data/make_reference.py prints the margins)
+MOE_SPECS = [
+    # Qwen3-MoE: q/k norms, heads of 32 (Wq not square), 16 experts top-4
+    SyntheticMoESpec(arch="qwen3moe", n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_expert=16,
+                     n_expert_used=4, n_ff_exp=64, exp_type="Q8_0", seed=2101),
+    # Q4_0 experts (ne[1] % 8 == 0: llama.cpp repacks them to q4_0_8x8 for MUL_MAT_ID)
+    SyntheticMoESpec(arch="qwen3moe", exp_type="Q4_0", tied=False, seed=102),
+    SyntheticMoESpec(arch="qwen3moe", exp_type="F16", wtype="F16", seed=1103),
+    # K-quant experts (random blocks: Q4_K; Q5_K gate/up with Q6_K down) and llama.cpp's own Q4_K_M mix of
+    # an F16 file (Q4_K experts, Q6_K ffn_down_exps in layer 1, Q5_K attn_output, Q8_0 attn_k/v): rows of 256
+    SyntheticMoESpec(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=256, exp_type="Q4_K",
+                     tied=False, seed=1104),
+    SyntheticMoESpec(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=256, exp_type="Q5_K",
+                     down_type="Q6_K", tied=False, seed=1110),
+    SyntheticMoESpec(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, n_ff_exp=256, tied=False,
+                     quantize="Q4_K_M", seed=3105),
+    # Qwen1.5-MoE: q/k/v biases, routed experts without renormalisation + a sigmoid-gated shared expert
+    SyntheticMoESpec(arch="qwen2moe", exp_type="Q4_1", tied=False, seed=106),
+    # Mixtral: "llama" with expert_count, the experts' width in feed_forward_length
+    SyntheticMoESpec(arch="llama", exp_type="Q5_0", tied=False, seed=2107),
+    SyntheticMoESpec(arch="llama", exp_type="F32", seed=3108),
+    # gpt-oss: biases, sinks, sliding window of 8 on even layers, yarn, MXFP4 experts (repacked), SWIGLU_OAI
+    # with gate/up values past its clamp (limit 7), SOFTMAX_WEIGHT gating
+    SyntheticMoESpec(arch="gpt-oss", n_embd=96, n_head=4, n_head_kv=2, head_dim=32, n_expert=8,
+                     n_expert_used=4, n_ff_exp=64, exp_type="MXFP4", tied=False, n_swa=8, exp_std=3.0,
+                     seed=1109),
+]
