@@ -139,14 +139,15 @@ class GraphContext:
 
     def build_rope(self, ctx: Context, x: Tensor, pos: Tensor, freq_factors: Tensor | None,
                    il: int | None = None) -> Tensor:
-        """ggml_rope_ext with the model's rope: ext_factor 0 (no YaRN), so beta_fast/slow are inert. With
-        il, a sliding-window layer's base and scale (get_rope_freq_base/scale: rope.freq_base_swa, 1)."""
+        """ggml_rope_ext with the model's rope (YaRN's ext_factor and attn_factor where the file scales
+        with yarn: hparams._rope_scaling). With il, a sliding-window layer's base and scale
+        (get_rope_freq_base/scale: rope.freq_base_swa; Gemma 3 does not scale there, gpt-oss does)."""
         hp = self.hp
         base, scale = hp.rope_freq_base, hp.rope_freq_scale
         if il is not None and hp.is_swa(il):
-            base, scale = hp.rope_freq_base_swa, 1.0
+            base, scale = hp.rope_freq_base_swa, hp.rope_freq_scale_swa
         return ops.rope_ext(ctx, x, pos, freq_factors, hp.n_rot, hp.spec.rope_type, hp.n_ctx_orig_yarn,
-                            base, scale, 0.0, hp.rope_attn_factor, 32.0, 1.0)
+                            base, scale, hp.rope_ext_factor, hp.rope_attn_factor, 32.0, 1.0)
 
     def build_attn(self, ctx: Context, gf: Graph, il: int, q: Tensor, k_cur: Tensor, v_cur: Tensor,
                    inp: GraphInputs, key: GraphKey, scale: float | None = None) -> Tensor:
@@ -165,12 +166,17 @@ class GraphContext:
             q = ops.reshape(ctx, q, hp.n_embd_head_k, hp.n_head, n // ns, ns)
         q = ops.permute(ctx, q, 0, 2, 1, 3)                         # ne = (head_dim, n_tokens/ns, n_head, ns)
         kq = ops.mul_mat(ctx, k, q).set_name(f"kq-{il}")            # ne = (n_kv, n_tokens/ns, n_head, ns)
-        kq = ops.soft_max_ext(ctx, kq, mask, scale, 0.0) \
-            .set_name(f"kq_soft_max-{il}")
+        kq = ops.soft_max_ext(ctx, kq, mask, scale, 0.0)
+        sinks = self.w.get(f"blk.{il}.attn_sinks.weight")
+        if sinks is not None:                                       # gpt-oss
+            ops.soft_max_add_sinks(kq, sinks)
+        kq.set_name(f"kq_soft_max-{il}")
         kqv = ops.mul_mat(ctx, v, kq)                               # ne = (head_dim, n_tokens/ns, n_head, ns)
         cur = ops.permute(ctx, kqv, 0, 2, 1, 3)                     # ne = (head_dim, n_head, n_tokens/ns, ns)
         cur = ops.cont(ctx, cur, (hp.n_embd_head_v * hp.n_head, n)).set_name(f"kqv_out-{il}")
-        return ops.mul_mat(ctx, self.w[f"blk.{il}.attn_output.weight"], cur).set_name(f"attn_out-{il}")
+        cur = ops.mul_mat(ctx, self.w[f"blk.{il}.attn_output.weight"], cur)
+        bias = self.w.get(f"blk.{il}.attn_output.bias")              # gpt-oss
+        return (cur if bias is None else ops.add(ctx, cur, bias)).set_name(f"attn_out-{il}")
 
     def build_ffn(self, ctx: Context, x: Tensor, il: int, gelu: bool = False, suffix: str = "") -> Tensor:
         """build_ffn, LLM_FFN_SILU (or LLM_FFN_GELU) + LLM_FFN_PAR: Wdown · swiglu/geglu(Wgate·x, Wup·x).

@@ -41,6 +41,8 @@ class ArchSpec:
                             # post-FFN norms, GEGLU, sliding-window layers (il % 6 < 5) with their own rope
     moe: MoESpec | None = None  # the FFN is a mixture of experts (build_moe_ffn's arguments for the arch)
     moe_optional: bool = False  # dense unless {arch}.expert_count > 0 (llama: Mixtral's files are "llama")
+    gpt_oss: bool = False   # gpt-oss: Wo bias, attention sinks, sliding-window layers il % 2 == 0 (same rope),
+                            # the FFN norm is post_attention_norm, the output rows taken after the last layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class MoESpec:
     norm_w: bool                # the top-k weights divided by their sum (clamped at 6.103515625e-5)
     n_ff_exp_key: bool          # expert_feed_forward_length gives the expert width (else feed_forward_length)
     shared_expert: bool = False     # qwen2moe: a dense SwiGLU expert every token takes, gated by sigmoid
+    oai: bool = False               # gpt-oss: biases on the router and every expert, SWIGLU_OAI activation
 
 
 # llama_expert_gating_func_type
@@ -62,6 +65,8 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma3": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False, gemma=True),
     "llama": ArchSpec(ROPE_TYPE_NORM, qkv_bias=False, qk_norm=False, rope_freqs=True,
                       moe=MoESpec(EXPERT_GATING_SOFTMAX, norm_w=True, n_ff_exp_key=False), moe_optional=True),
+    "gpt-oss": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=True, qk_norm=False, rope_freqs=False, gpt_oss=True,
+                        moe=MoESpec(EXPERT_GATING_SOFTMAX_WEIGHT, norm_w=False, n_ff_exp_key=True, oai=True)),
     "qwen2": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=True, qk_norm=False, rope_freqs=False),
     "qwen2moe": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=True, qk_norm=False, rope_freqs=False,
                          moe=MoESpec(EXPERT_GATING_SOFTMAX, norm_w=False, n_ff_exp_key=True, shared_expert=True)),
@@ -92,6 +97,7 @@ ARCH_KEYS = frozenset({
 ARCH_EXTRA_KEYS: dict[str, frozenset[str]] = {
     "gemma3": frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
                          "rope.freq_base_swa", "final_logit_softcapping"}),
+    "gpt-oss": frozenset({"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"}),
 }
 
 # `{arch}.` keys of a mixture of experts that hparams_from_gguf reads (llama_model_base::load_hparams and the
@@ -140,8 +146,9 @@ class LlamaHParams:
     n_embd_head_v: int          # attention.value_length, default n_embd / n_head
     n_rot: int                  # rope.dimension_count, default n_embd_head_k (must equal it)
     rope_freq_base: float = 10000.0
-    rope_freq_scale: float = 1.0    # 1 / rope.scaling.factor for linear scaling
-    rope_attn_factor: float = 1.0   # rope.scaling.attn_factor: scales cos and sin
+    rope_freq_scale: float = 1.0    # 1 / rope.scaling.factor (linear and YaRN scaling)
+    rope_attn_factor: float = 1.0   # ROPE's attn_factor: rope.scaling.attn_factor (times YaRN's correction)
+    rope_ext_factor: float = 0.0    # YaRN's extrapolation mix: 1 where rope.scaling.type is yarn
     n_ctx_orig_yarn: int = 0        # rope.scaling.original_context_length; 0: n_ctx_train
     f_norm_rms_eps: float = 1e-5
     tie_word_embeddings: bool = False   # no output.weight: the output projection reuses token_embd
@@ -150,6 +157,7 @@ class LlamaHParams:
     n_swa: int = 0                      # attention.sliding_window: a SWA layer's token sees n_swa positions
     swa_layers: tuple[bool, ...] = ()   # is_swa(il): il % pattern < pattern - 1 (pattern 6 by default)
     rope_freq_base_swa: float = 10000.0     # rope.freq_base_swa (llama.cpp's default 10000) on SWA layers
+    rope_freq_scale_swa: float = 1.0        # Gemma 3's SWA layers do not scale; gpt-oss's scale as the others
     f_attention_scale: float = 0.0      # Q is scaled by it before attention (then kq_scale 1)
     # a mixture of experts (zero elsewhere)
     n_expert: int = 0                   # expert_count: the experts stacked in each ffn_*_exps weight
@@ -223,7 +231,7 @@ def check_keys(f: GGUFFile, arch: str) -> None:
 
 
 def _short(v: Any) -> str:
-    return f"[{len(v)} values]" if isinstance(v, list) else repr(v)
+    return f"[{len(v)} values]" if isinstance(v, (list, np.ndarray)) else repr(v)
 
 
 def _head_sizes(f: GGUFFile, a: str, n_embd: int, n_head: int) -> tuple[int, int, int]:
@@ -251,19 +259,42 @@ def _rope_freq_base(f: GGUFFile, key: str) -> float:
     return base
 
 
-def _rope_freq_scale(f: GGUFFile, a: str) -> float:
-    """load_hparams and llama_context: the scaling type defaults to linear; 'none' never scales, 'linear'
-    divides positions by rope.scaling.factor (or the older rope.scale_linear), f32 1.0f/factor."""
+def _rope_scaling(f: GGUFFile, a: str) -> tuple[float, float, float]:
+    """(freq_scale, ext_factor, attn_factor) as load_hparams and llama_context set them: the scaling type
+    defaults to linear; 'none' never scales; 'linear' and 'yarn' divide positions by rope.scaling.factor
+    (or the older rope.scale_linear), f32 1.0f/factor. YaRN also mixes extrapolated and interpolated
+    frequencies (ext_factor 1, the ramp over beta_fast 32 .. beta_slow 1) and multiplies attn_factor by
+    get_mscale(factor) / (1 + 0.1 logf(factor)), which cancels the magnitude ROPE applies itself."""
     scaling = _key(f, a + "rope.scaling.type", str, default="linear")
-    if scaling not in ("none", "linear"):
-        raise GGUFError(f"{f.path}: {a}rope.scaling.type = '{scaling}' is not supported (none, linear): "
-                        f"yarn and longrope rope scaling are not implemented")
+    if scaling not in ("none", "linear", "yarn"):
+        raise GGUFError(f"{f.path}: {a}rope.scaling.type = '{scaling}' is not supported (none, linear, yarn): "
+                        f"longrope rope scaling is not implemented")
     factor = _key(f, a + "rope.scaling.factor", float, required=False)
     if factor is None:
         factor = _key(f, a + "rope.scale_linear", float, default=0.0)
+    attn_factor = np.float32(_key(f, a + "rope.scaling.attn_factor", float, default=1.0))
     if scaling == "none" or factor == 0.0:
-        return 1.0
-    return float(np.float32(1.0) / np.float32(factor))
+        return 1.0, 0.0, float(attn_factor)
+    freq_scale = np.float32(1.0) / np.float32(factor)
+    if scaling == "linear":
+        return float(freq_scale), 0.0, float(attn_factor)
+    f32, one = np.float32, np.float32(1.0)
+    scale = one / freq_scale                        # factor = 1.0f / cparams.rope_freq_scale
+    # get_mscale(factor, 1.0f) = 0.1f*1.0f*logf(factor) + 1.0f, and 1.0f + 0.1f*logf(factor): GCC fuses both
+    # into fma(0.1f, logf(factor), 1.0f) (one rounding), so they are one value v and the product v * (1/v)
+    mscale = one if scale <= one else _fma32(f32(0.1), _logf(scale), one)
+    yarn = f32(mscale * f32(one / _fma32(f32(0.1), _logf(scale), one)))
+    return float(freq_scale), 1.0, float(f32(yarn * attn_factor))
+
+
+def _logf(x: np.float32) -> np.float32:
+    """The C library's logf (correctly rounded): log in double, rounded once."""
+    return np.float32(math.log(float(x)))
+
+
+def _fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """fmaf: the exact product and sum, rounded once (double holds a product of two floats exactly)."""
+    return np.float32(float(a) * float(b) + float(c))
 
 
 def _n_vocab(f: GGUFFile, a: str) -> int:
@@ -301,6 +332,7 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
         raise GGUFError(f"{f.path}: {a}attention.head_count_kv = {n_head_kv} must be positive and divide "
                         f"head_count = {n_head}")
     head_k, head_v, n_rot = _head_sizes(f, a, n_embd, n_head)
+    freq_scale, ext_factor, attn_factor = _rope_scaling(f, a)
     n_ctx_orig = _key(f, a + "rope.scaling.original_context_length", int, default=n_ctx_train)
     if n_ctx_orig <= 0:
         raise GGUFError(f"{f.path}: {a}rope.scaling.original_context_length = {n_ctx_orig} must be positive")
@@ -309,8 +341,7 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
         n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_head_k=head_k, n_embd_head_v=head_v,
         n_rot=n_rot,
         rope_freq_base=_rope_freq_base(f, a + "rope.freq_base"),
-        rope_freq_scale=_rope_freq_scale(f, a),
-        rope_attn_factor=_key(f, a + "rope.scaling.attn_factor", float, default=1.0),
+        rope_freq_scale=freq_scale, rope_ext_factor=ext_factor, rope_attn_factor=attn_factor,
         n_ctx_orig_yarn=n_ctx_orig,
         f_norm_rms_eps=_key(f, a + "attention.layer_norm_rms_epsilon", float),
         tie_word_embeddings=layout.tied_head(f),
@@ -318,6 +349,8 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
     )
     if ARCHS[arch].gemma:
         _gemma3_hparams(f, a, hp)
+    if ARCHS[arch].gpt_oss:
+        _gpt_oss_hparams(f, a, hp)
     if ARCHS[arch].moe is not None:
         _moe_hparams(f, a, hp)
     return hp
@@ -327,6 +360,8 @@ def _moe_key_int(f: GGUFFile, key: str, n_layer: int, default: int | None = None
     """An int key that llama.cpp also takes as a per-layer array (get_key_or_arr): one value for every
     layer is what the graphs here build; an array of differing values is refused by name."""
     v = f.metadata.get(key, default)
+    if isinstance(v, np.ndarray):
+        v = v.tolist()
     if isinstance(v, list):
         if len(v) != n_layer or len(set(v)) != 1:
             raise GGUFError(f"{f.path}: {key} = {_short(v)}: a different value per layer is not implemented")
@@ -431,6 +466,36 @@ def _gemma3_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
     hp.f_attention_scale = float(np.float32(1.0) / np.sqrt(np.float32(d)))
 
 
+def _gpt_oss_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
+    """llama_model_openai_moe::load_arch_hparams: the sliding window (required), its layers
+    (load_swa_pattern(ml, 2): il % 2 == 0 unless attention.sliding_window_pattern says otherwise), the SWA
+    layers' rope base (rope.freq_base_swa, else the file's) at the same frequency scale."""
+    hp.n_swa = _key(f, a + "attention.sliding_window", int)
+    if hp.n_swa <= 0:
+        raise GGUFError(f"{f.path}: {a}attention.sliding_window = {hp.n_swa} must be positive")
+    hp.swa_layers = _swa_pattern(f, a, hp.n_layer, 2)
+    hp.rope_freq_base_swa = _rope_freq_base(f, a + "rope.freq_base_swa") \
+        if a + "rope.freq_base_swa" in f.metadata else hp.rope_freq_base
+    hp.rope_freq_scale_swa = hp.rope_freq_scale
+
+
+def _swa_pattern(f: GGUFFile, a: str, n_layer: int, default: int) -> tuple[bool, ...]:
+    """load_swa_pattern: attention.sliding_window_pattern is a layer period (il % n < n - 1 is SWA) or a
+    bool per layer; absent, the architecture's period."""
+    pat = f.metadata.get(a + "attention.sliding_window_pattern", default)
+    if isinstance(pat, np.ndarray):
+        pat = pat.tolist()
+    if isinstance(pat, list):
+        if len(pat) != n_layer or not all(isinstance(v, bool) for v in pat):
+            raise GGUFError(f"{f.path}: {a}attention.sliding_window_pattern = {_short(pat)}: expected "
+                            f"{n_layer} booleans")
+        return tuple(pat)
+    if isinstance(pat, bool) or not isinstance(pat, int) or pat <= 0:
+        raise GGUFError(f"{f.path}: {a}attention.sliding_window_pattern = {_short(pat)} is not supported "
+                        f"(a positive layer period or a bool per layer)")
+    return tuple(il % pat < pat - 1 for il in range(n_layer))
+
+
 # -- the tensors ------------------------------------------------------------------------------------
 # the weight types the CPU kernels compute for the op that reads a weight: a type with a block layout but
 # no kernel (IQ*, MXFP4, Q8_1, the integers, F64 as a matmul weight) would otherwise load and fail deep in
@@ -449,6 +514,8 @@ def _op_types(name: str, shape: tuple[int, ...],
         return ("GET_ROWS", GET_ROWS_TYPES) if not hp.tie_word_embeddings else ("MUL_MAT", MUL_MAT_TYPES)
     if len(shape) == 3:
         return "MUL_MAT_ID", MUL_MAT_TYPES              # the stacked experts
+    if name.endswith(("_exps.bias", "attn_sinks.weight")):
+        return ("ADD_ID" if name.endswith(".bias") else "SOFT_MAX"), frozenset({GGMLType.F32})
     if name.endswith("ffn_gate_inp_shexp.weight"):      # a 1-row matrix: the shared expert's gate logit
         return "MUL_MAT", MUL_MAT_TYPES
     return ("MUL_MAT", MUL_MAT_TYPES) if len(shape) == 2 else ("MUL", None)
@@ -484,9 +551,17 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         if spec.gemma:
             want[b + "post_attention_norm.weight"] = (n_embd,)
             want[b + "post_ffw_norm.weight"] = (n_embd,)
-        want[b + "ffn_norm.weight"] = (n_embd,)
+        if spec.gpt_oss:
+            want[b + "attn_output.bias"] = (n_embd,)
+            want[b + "attn_sinks.weight"] = (hp.n_head,)
+        want[b + ffn_norm_name(hp)] = (n_embd,)
         want.update(_ffn_tensors(hp, b))
     return want
+
+
+def ffn_norm_name(hp: LlamaHParams) -> str:
+    """The norm before a layer's FFN: ffn_norm.weight; gpt-oss calls it post_attention_norm.weight."""
+    return "post_attention_norm.weight" if hp.spec.gpt_oss else "ffn_norm.weight"
 
 
 def _ffn_tensors(hp: LlamaHParams, b: str) -> dict[str, tuple[int, ...]]:
@@ -499,6 +574,9 @@ def _ffn_tensors(hp: LlamaHParams, b: str) -> dict[str, tuple[int, ...]]:
     e, f = hp.n_expert, hp.n_ff_exp
     want = {b + "ffn_gate_inp.weight": (n_embd, e), b + "ffn_gate_exps.weight": (n_embd, f, e),
             b + "ffn_up_exps.weight": (n_embd, f, e), b + "ffn_down_exps.weight": (f, n_embd, e)}
+    if hp.moe.oai:
+        want.update({b + "ffn_gate_inp.bias": (e,), b + "ffn_gate_exps.bias": (f, e), b + "ffn_up_exps.bias": (f, e),
+                     b + "ffn_down_exps.bias": (n_embd, e)})
     if hp.moe.shared_expert:
         s = hp.n_ff_shexp
         want.update({b + "ffn_gate_inp_shexp.weight": (n_embd,), b + "ffn_gate_shexp.weight": (n_embd, s),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .gemma3 import build_gemma3
+from .gpt_oss import build_gpt_oss
 from .graph_context import GraphContext, GraphInputs, GraphKey, GraphResult, graph_max_nodes
 from .qwen3 import build_qwen3
 
@@ -41,6 +42,7 @@ def build_llama(g: GraphContext, key: GraphKey) -> GraphResult:
 # llama_model::build_graph's switch: each architecture's builder
 ARCH_GRAPHS: dict[str, Callable[[GraphContext, GraphKey], GraphResult]] = {
     "gemma3": build_gemma3,
+    "gpt-oss": build_gpt_oss,
     "llama": build_llama,
     "qwen2": build_llama,
     "qwen2moe": build_llama,        # qwen2's graph with the experts and the shared expert (model/moe.py)

@@ -72,7 +72,7 @@ def build_moe_ffn(g: GraphContext, ctx: Context, gf: Graph, cur: Tensor, il: int
     x = ops.reshape(ctx, cur, n_embd, 1, n_tokens)
     up = _experts(ctx, w, b, "ffn_up_exps", x, selected, f"ffn_moe_up-{il}")      # ne = (n_ff, k, n_tokens)
     gate = _experts(ctx, w, b, "ffn_gate_exps", x, selected, f"ffn_moe_gate-{il}")
-    if moe.gating == EXPERT_GATING_SOFTMAX_WEIGHT:                    # gpt-oss: LLM_FFN_SWIGLU_OAI_MOE
+    if moe.oai:                                                       # gpt-oss: LLM_FFN_SWIGLU_OAI_MOE
         act = ops.swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT).set_name(f"ffn_moe_swiglu_oai-{il}")
     else:
         act = ops.swiglu(ctx, gate, up).set_name(f"ffn_moe_swiglu-{il}")

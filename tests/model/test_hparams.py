@@ -23,6 +23,8 @@ def _add_kv(w: gguf.GGUFWriter, key: str, v) -> None:
         w.add_string(key, v)
     elif isinstance(v, int):
         w.add_uint32(key, v)
+    elif isinstance(v, list):
+        w.add_array(key, v)
     else:
         w.add_float32(key, v)
 
@@ -32,9 +34,10 @@ def write_model(path: Path, arch: str = "llama", n_embd: int = 8, n_head: int = 
                 skip: tuple[str, ...] = (), reshape: dict[str, tuple[int, ...]] | None = None,
                 extra_kv: dict | None = None, rope_scaling: tuple[str, float] | None = None,
                 skip_kv: tuple[str, ...] = (), head_dim: int = 0, rope_freqs: bool = False,
-                extra_tensors: dict[str, tuple[int, ...]] | None = None) -> Path:
+                extra_tensors: dict[str, tuple[int, ...]] | None = None, hp_extra: dict | None = None) -> Path:
     """A model of zeros with exactly the tensors expected_tensors names, give or take the edits asked
-    for (an architecture ARCHS does not know gets llama's tensors)."""
+    for (an architecture ARCHS does not know gets llama's tensors); hp_extra: more LlamaHParams fields
+    the tensors follow (n_expert, n_ff_exp, ...: their keys go in extra_kv)."""
     w = gguf.GGUFWriter(str(path), arch)
     kv = {
         "context_length": 64, "embedding_length": n_embd, "block_count": n_layer,
@@ -56,7 +59,8 @@ def write_model(path: Path, arch: str = "llama", n_embd: int = 8, n_head: int = 
     hd = head_dim or n_embd // n_head
     hp = LlamaHParams(arch=arch if arch in ARCHS else "llama", n_vocab=n_vocab, n_ctx_train=64, n_embd=n_embd,
                       n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, n_embd_head_k=hd,
-                      n_embd_head_v=hd, n_rot=hd, tie_word_embeddings=tied, rope_freqs=rope_freqs)
+                      n_embd_head_v=hd, n_rot=hd, tie_word_embeddings=tied, rope_freqs=rope_freqs,
+                      **(hp_extra or {}))
     for name, ne in (expected_tensors(hp) | (extra_tensors or {})).items():
         if name in skip:
             continue
@@ -111,6 +115,19 @@ def test_rope_scaling_keys(tmp_path: Path, kv: dict, freq_scale: float) -> None:
     assert hp.rope_freq_scale == freq_scale
     assert hp.rope_attn_factor == kv.get("rope.scaling.attn_factor", 1.0)
     assert hp.n_ctx_orig_yarn == kv.get("rope.scaling.original_context_length", 64)
+    assert hp.rope_ext_factor == 0.0
+
+
+# YaRN (any arch, as llama.cpp): positions divided by the factor, ext_factor 1, and attn_factor times
+# get_mscale(f) / (1 + 0.1 logf(f)) in f32: 1.0 or an ulp below (llama_context's cparams.yarn_attn_factor)
+@pytest.mark.parametrize("factor", [4.0, 32.0])
+def test_rope_scaling_yarn(tmp_path: Path, factor: float) -> None:
+    kv = {"rope.scaling.type": "yarn", "rope.scaling.factor": factor, "rope.scaling.original_context_length": 32}
+    hp = hparams_from_gguf(load_gguf(write_model(tmp_path / "y.gguf", extra_kv=kv)))
+    assert hp.rope_freq_scale == 1.0 / factor and hp.rope_ext_factor == 1.0
+    v = np.float32(np.float32(0.1) * np.float32(np.log(factor)) + np.float32(1))
+    assert abs(hp.rope_attn_factor - 1.0) <= float(np.spacing(np.float32(1))) and \
+        abs(hp.rope_attn_factor - float(np.float32(v * np.float32(1 / v)))) <= 1e-7
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -118,7 +135,6 @@ def test_rope_scaling_keys(tmp_path: Path, kv: dict, freq_scale: float) -> None:
     (dict(arch="gptneox"), "unsupported architecture 'gptneox'"),
     (dict(n_head=4, n_head_kv=3), "head_count_kv = 3"),
     # rope scaling that is not implemented is refused, naming the key
-    (dict(rope_scaling=("yarn", 4.0)), r"llama.rope.scaling.type = 'yarn' is not supported"),
     (dict(rope_scaling=("longrope", 1.0)), r"llama.rope.scaling.type = 'longrope' is not supported"),
     (dict(extra_kv={"rope.scaling.yarn_beta_fast": 32.0}), r"'llama.rope.scaling.yarn_beta_fast'"),
     # keys that change the math and are not read

@@ -30,11 +30,13 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: fl
 def rope_scalars(n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
                  attn_factor: float) -> tuple[np.float32, np.float32]:
     """(theta_scale, mscale) of ggml_rope_cache_init: powf(base, -2.0f/n_dims), and attn_factor with
-    YaRN's magnitude correction where ext_factor != 0."""
+    YaRN's magnitude correction where ext_factor != 0: mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale),
+    in f32 with the fma GCC makes of it and the C library's logf (correctly rounded: log in double)."""
     theta_scale = F32(np.float64(freq_base) ** np.float64(F32(-2.0 / n_dims)))   # powf(base, -2.0f/n_dims)
     mscale = F32(attn_factor)
     if ext_factor != 0.0:
-        mscale = F32(mscale * (1.0 + 0.1 * math.log(1.0 / freq_scale)))
+        inv = F32(F32(1.0) / F32(freq_scale))
+        mscale = F32(mscale * fma32(F32(0.1), F32(math.log(float(inv))), F32(1.0)))
     return theta_scale, mscale
 
 
