@@ -24,13 +24,21 @@ would give if splitting a batch cost nothing); `pipeline_bound` = min(k, N) x th
 N / min(k, N) sequences: a pipeline of k stages keeps every stage busy only with k micro-batches, so
 each holds N/k of the sequences, and a batch of N/k reads the weights as often as a batch of N does
 (on CPUs batched decode costs far less than N single steps: the one-host rates show by how much).
-`efficiency` = rate / pipeline_bound. A pipeline's greedy tokens of one sequence must equal one process's
-(`tokens_mismatch` lists any that do not); with N sequences `tokens_match_one_process` says whether they do
-(micro-batches of N/k rows against one batch of N: on some weight types a row's bits depend on the batch).
+`efficiency` = rate / pipeline_bound. A model bigger than one host has no one-host rate: where it is a
+synthetic shape, its bound comes from a slice of it that fits, the same shape with ceil(L/k) layers, on
+one host at N / min(k, N) sequences (`slice_points`): a stage of k runs such a slice, and k slices in a row
+take a token k times as long, so pipeline_bound = min(k, N) / k x the slice's rate (the slice carries the
+embeddings and the head, which every stage does not: the bound is a little low, by their share). On a
+mixture of experts the one-host rates fall less with N than a dense model's, since a batch's tokens read
+different experts: the bound is measured, not assumed. A pipeline's greedy tokens of one sequence must
+equal one process's (`tokens_mismatch` lists any that do not); with N sequences `tokens_match_one_process`
+says whether they do (micro-batches of N/k rows against one batch of N: on some weight types a row's bits
+depend on the batch).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -173,6 +181,20 @@ def _logits_check(c: Any, path: str, a: argparse.Namespace, n: int = 16) -> dict
             "argmax_equal": bool(np.array_equal(x.argmax(-1), y.argmax(-1)))}
 
 
+def _slice_points(c: Any, sampler: Any, name: str, k: int, a: argparse.Namespace) -> list[dict]:
+    """One host's rates on the shape `name` with ceil(L/k) layers (what one of k stages holds), at the
+    sequences N / min(k, N) that a pipeline of k stages gives each micro-batch."""
+    spec = SHAPES[name]
+    sliced = dataclasses.replace(spec, n_layer=-(-spec.n_layer // k))
+    path = str(cached_synthetic(sliced))
+    seqs = sorted({n // min(k, n) for n in _ints(a.sequences)})
+    print(f"ggml-dist bench cluster: {Path(path).name} (a stage's slice), ours on 1 host", file=sys.stderr, flush=True)
+    rows, _ = _ours(c, sampler, path, 1, a, seqs, "local")
+    for r in rows:
+        r["slice_layers"] = sliced.n_layer
+    return rows
+
+
 # -- serving --------------------------------------------------------------------------------------------
 def _serve(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace) -> dict:
     import secrets
@@ -212,10 +234,18 @@ def _serve(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace) -> di
 
 
 # -- the report -----------------------------------------------------------------------------------------
-def _bounds(rows: list[dict]) -> None:
-    """Each pipeline point's bounds and efficiency, from the one-host points at the same prompt."""
+def _bounds(rows: list[dict], slices: dict[int, list[dict]] | None = None) -> None:
+    """Each pipeline point's bounds and efficiency, from the one-host points at the same prompt; for a
+    model bigger than a host, from its slice's one-host points (slices: hosts -> the slice's rows)."""
     one = {(r["prompt"], r["sequences"]): r["decode_tok_s"] for r in rows if r["hosts"] == 1 and r["decode_tok_s"]}
     for r in rows:
+        if slices and r["hosts"] in slices:
+            k, m = r["hosts"], min(r["hosts"], r["sequences"])
+            sl = {(x["prompt"], x["sequences"]): x["decode_tok_s"] for x in slices[k] if x["decode_tok_s"]}
+            if r["sequences"] % m == 0 and sl.get((r["prompt"], r["sequences"] // m)):
+                r["pipeline_bound"] = round(m / k * sl[(r["prompt"], r["sequences"] // m)], 3)
+                r["efficiency"] = round(r["decode_tok_s"] / r["pipeline_bound"], 3)
+            continue
         base = one.get((r["prompt"], r["sequences"]))
         if base:
             r["x_one_host"] = round(r["decode_tok_s"] / base, 3)
@@ -303,6 +333,8 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                 if a.drop_caches:         # so the page cache of its weights is charged to the stages' hosts
                     Path("/proc/sys/vm/drop_caches").write_text("1\n")
                 m["logits_check"] = _logits_check(c, path, a)
+                if name in SHAPES and "ours" not in a.skip:
+                    m["slice_points"] = _slice_points(c, sampler, name, max(hosts_list), a)
             for k in hosts_list if fits else [max(hosts_list)]:
                 if "ours" not in a.skip:
                     print(f"ggml-dist bench cluster: {Path(path).name}, ours on {k} host(s)", file=sys.stderr,
@@ -324,7 +356,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                     m["serve"].append(_serve(c, sampler, path, k, a))
         ours = [r for r in m["points"] if r["impl"] == "ours"]
         m["tokens_mismatch"] = _check_tokens(ours)
-        _bounds(ours)
+        _bounds(ours, {max(hosts_list): m["slice_points"]} if m.get("slice_points") else None)
         _bounds([r for r in m["points"] if r["impl"] == "llama.cpp"])
         m["summary"] = _summary(m)
         report["models"].append(m)
@@ -359,8 +391,9 @@ def _summary(m: dict) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ggml-dist bench cluster", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m,tinyllama", help="comma list: known names, GGUF paths, "
-                    "or a synthetic shape of benchmarks/make_synthetic.py: tinyllama (the 1.1B TinyLlama-shape "
-                    "Q4_0), llama2-7b (LLaMA-2-7B's shape, Q4_0, ~3.6 GiB)")
+                    "or a synthetic shape (model/synthetic.py SHAPES): tinyllama (the 1.1B TinyLlama-shape Q4_0), "
+                    "llama2-7b (LLaMA-2-7B's shape, Q4_0, ~3.6 GiB), qwen3-30b-a3b[-q4_k] (4 layers of "
+                    "Qwen3-30B-A3B, 1.4 GiB), qwen3-30b-a3b-16l (16 layers, 5.5 GiB), gpt-oss-20b (4 layers)")
     ap.add_argument("--hosts", default="1,2", help="comma list of host counts (default 1,2)")
     ap.add_argument("--sequences", default="1,4", help="comma list of sequences decoded together (default 1,4)")
     ap.add_argument("--prompt", default="128", help="comma list of prompt lengths (default 128)")
