@@ -19,6 +19,9 @@ Saturation (every int16 below is exact, so each lane is the exact integer sum vp
   so one vpmaddwd per block gives its integer dot; the lanes kinds take one vpmaddwd per lane.
 * Q5 (lanes only; 5th bits merged into the nibble bytes by vnni's Emit.fifth_bits): u <= 31, pairs
   <= 7936.
+* MXFP4 (the chain only): the nibbles' kvalues_mxfp4 values (vpshufb, signed, |v| <= 12) by ggml's sign
+  trick (below): pairs <= 2 * 12 * 127 = 3048, a block's 8 pairs summed in int16 <= 24384, then one
+  vpmaddwd (its lanes start at 0: no yz).
 * Q8_0 x Q8_0 (both signed): ggml's sign trick, |x| as the unsigned operand and y with x's sign
   (vpsignb) as the signed one: |x| <= 128 (a -128 weight code, valid in a file, is 128 as u8) and
   |y| <= 127 give pairs <= 32512. A code y = -128 would wrap in vpsignb where x < 0; qpack._prep never
@@ -45,7 +48,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils
 
-from .vnni import BLOCK_BYTES, CHAIN_AHEAD, HAS_M, Q5, R, group_intrinsic
+from .vnni import BLOCK_BYTES, CHAIN_AHEAD, HAS_M, KVALUES_MXFP4, Q5, R, group_intrinsic
 
 N = 8                                   # int32 lanes (rows) per 256-bit vector
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -110,7 +113,7 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
         return b.bitcast(e.splat(y[t], lane(L), _INTS), _BYTES)
 
     dyt = [e.splat(dy[t], blk, e.FLOATS) for t in range(T)]
-    D = {(t, v): b.fmul(e.halves(d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy), exact
+    D = {(t, v): b.fmul(e.scales(kind, d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy)
 
     def fold(t, v, L, s):                                          # acc = fma(D, f32(lane), acc)
         b.store(e.fma(D[t, v], b.sitofp(s, e.FLOATS), b.load(acc[t, v, L])), acc[t, v, L])
@@ -122,6 +125,22 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
                 ax = _abs(e, x)
                 for t in range(T):
                     fold(t, v, L, _madd_ones(e, _maddubs(e, ax, _sign(e, codes(t, L), x))))
+        return
+
+    if kind == "mxfp4":                                            # the chain of the values, by the sign trick
+        s16m: dict[tuple[int, int], ir.Value] = {}
+        for l in range(4):
+            for v in vs:
+                x = weights(l, v)
+                lo_v = e.lut(KVALUES_MXFP4, b.and_(x, ir.Constant(_BYTES, [15] * 32)))
+                hi_v = e.lut(KVALUES_MXFP4, b.lshr(x, ir.Constant(_BYTES, [4] * 32)))
+                lo_a, hi_a = _abs(e, lo_v), _abs(e, hi_v)
+                for t in range(T):
+                    lo = _maddubs(e, lo_a, _sign(e, codes(t, l), lo_v))
+                    hi = _maddubs(e, hi_a, _sign(e, codes(t, 4 + l), hi_v))
+                    s16m[t, v] = b.add(lo, hi) if l == 0 else b.add(s16m[t, v], b.add(lo, hi))
+        for (t, v), s in s16m.items():                             # acc = fma(f32(isum), D, acc)
+            b.store(e.fma(b.sitofp(_madd_ones(e, s), e.FLOATS), D[t, v], b.load(acc[t, v, 0])), acc[t, v, 0])
         return
 
     def start(t, L, s):                                            # Q4_0, Q5_0: + -8 or -16 sum(y) of the lane
@@ -179,3 +198,4 @@ chain_x2, chain_x1 = _group("chain", 2, 2), _group("chain", 1, 8, prefetch=False
 q8_0_x2, q8_0_x1 = _group("q8_0", 2, 1), _group("q8_0", 1, 2)
 q5_0_x2, q5_0_x1 = _group("q5_0", 2, 1), _group("q5_0", 1, 2)
 q5_1_x2, q5_1_x1 = _group("q5_1", 2, 1), _group("q5_1", 1, 2)
+mxfp4_x2, mxfp4_x1 = _group("mxfp4", 2, 2), _group("mxfp4", 1, 8, prefetch=False, ahead=CHAIN_AHEAD)

@@ -74,8 +74,9 @@ BLOCKS: dict[GGMLType, BlockFormat] = {f.type: f for f in (
     BlockFormat(T.Q2_K, 256, (("scales", 16), ("qs", 64), ("d", 2), ("dmin", 2)), T.Q8_K, 8),
     BlockFormat(T.Q3_K, 256, (("hmask", 32), ("qs", 64), ("scales", 12), ("d", 2)), T.Q8_K, 9),
     BlockFormat(T.Q8_K, 256, (("d", 4), ("qs", 256), ("bsums", 32)), None),
-    # gpt-oss's experts; no gguf_kind: qkernels has a kernel of its own for it (_mm_mxfp4)
-    BlockFormat(T.MXFP4, 32, (("e", 1), ("qs", 16)), T.Q8_0, repack=True),
+    # gpt-oss's experts; no gguf_kind: qkernels has a kernel of its own for it (_mm_mxfp4); qpack packs it
+    # where ggml repacks it (its chain order, int8 kernels) and keeps the file's rows elsewhere
+    BlockFormat(T.MXFP4, 32, (("e", 1), ("qs", 16)), T.Q8_0, packed="qpack", repack=True),
 )}
 
 for _f in BLOCKS.values():          # an invariant: the table agrees with the file format's sizes

@@ -828,6 +828,58 @@ def _mm(w, x, dst, tiny, wt, yr):
                                     dst[i3, i2, n, m0 + r] = res[r]
 
 
+# F32 weights of one slice (a MoE router, ffn_gate_inp [n_embd, n_expert]): each (activation row, weight
+# row) straight from the arrays, lanes in registers, the same bits as _mm (its _mac steps, fold and tail)
+# without the lane-layout copies; rows of W split across threads, each row read once for all of X's rows
+@njit(cache=True, inline="always")
+def _dot_f32(wr, xr, acc, nl):
+    """_dot_lanes, _fold_hb / _ha_lanes and _tail of one row pair: nl = 32 (vec_dot) or 8 (tinyBLAS; K % 8
+    == 0), a constant once inlined."""
+    K = wr.shape[0]
+    ks = K - K % nl
+    for j in range(nl):
+        acc[j] = 0
+    for k0 in range(0, ks, nl):
+        for j in range(nl):
+            acc[j] = _mac(F64(wr[k0 + j]), F64(xr[k0 + j]), acc[j])
+    if nl == 8:
+        return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    for j in range(8):
+        acc[j] = (acc[j] + acc[16 + j]) + (acc[8 + j] + acc[24 + j])
+    sf = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    for k in range(ks, K):
+        sf = F32(sf + F32(F64(wr[k]) * F64(xr[k])))
+    return sf
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _mm_f32_rows(w, x, dst, tiny, m0, m1):
+    """dst[n, m] = W[m] . X[n] for weight rows m0 .. m1-1 (w f32 [M, K], x f32 [N, K], dst f32 [N, M]; rows
+    contiguous): mul_mat's F32 numerics (tiny: tinyBLAS's 8 lanes, else vec_dot_f32's 4 x 8)."""
+    acc = np.empty(32, F32)
+    for m in range(m0, m1):
+        wr = w[m]
+        for n in range(x.shape[0]):
+            dst[n, m] = _dot_f32(wr, x[n], acc, 8) if tiny else _dot_f32(wr, x[n], acc, 32)
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _mm_f32_par(w, x, dst, tiny, n_chunks):
+    M = w.shape[0]
+    n_chunks = min(M, n_chunks)
+    for c in prange(n_chunks):
+        _mm_f32_rows(w, x, dst, tiny, c * M // n_chunks, (c + 1) * M // n_chunks)
+
+
+def bind_mul_mat_f32(w, x, dst, tiny: bool) -> Callable[[], None]:
+    """mul_mat of one F32 weight slice w [M, K] by x [N, K] into dst [N, M] (2-D, rows contiguous) for
+    arrays fixed from now on: _mm_f32_rows, its rows split across threads where the product is big
+    enough to pay for a launch."""
+    M = w.shape[0]
+    return bind_split(x.shape[0] * M * w.shape[1] >= _PARALLEL_WORK and M > 1,
+                      (_mm_f32_rows, w, x, dst, tiny, 0, M), (_mm_f32_par, w, x, dst, tiny))
+
+
 @njit(cache=True, inline="always")
 def _load_row(xr, nl, yj):
     """yj = the activation row xr in the lane layout: each step's nl elements once per weight row; the

@@ -12,6 +12,10 @@ Every fused call gives the bits of the kernels it replaces.
     RMS_NORM, MUL(norm, w)                  fkernels.rms_norm(x, eps, w, fused=True)
     ADD, RMS_NORM, MUL(norm, w)             fkernels.add_rms_norm: the sum is written (the residual
                                             stream reads it again), the norm is not
+    MUL(experts, weights), k-1 ADDs         experts.bind_combine: a MoE layer's weighted sum of its k
+      of its slot views                     experts' outputs; only the last sum is written
+    ARGSORT(p) [, GET_ROWS(p, top k)]       experts.bind_topk: a MoE router's choice (every result written)
+    SUM_ROWS(w), CLAMP, DIV(w, clamped)     experts.bind_norm: its weights normalised (every result written)
     MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one call
       [, CONT(PERMUTE(KQV))]                (two parallel loops and the copy) instead of four
     ROPE(K), SET_ROWS(K), SET_ROWS(V)       fkernels.bind_cache_rows: a layer's new cache rows, each op
@@ -27,12 +31,15 @@ activation (the allocator may have put a moved product's result over a tensor th
     MUL_MAT(W1, x) ... MUL_MAT(W2, x) [... MUL_MAT(W3, x)]
                                             ops.bind_packed_products: x quantized once, the weights'
                                             groups shared among the threads in one launch
+    MUL_MAT_ID(E1, x, ids) ... MUL_MAT_ID(E2, x, ids)
+                                            ops.bind_packed_experts: a MoE layer's gate and up experts,
+                                            routed and quantized once, one launch
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ...core.tensor import Op, Tensor, TensorFlag
+from ...core.tensor import Op, SortOrder, Tensor, TensorFlag
 from ...core.types import GGMLType
 from . import ops
 from .ops import Binding, Bound, _alibi_slopes_cached, attention_product
@@ -50,6 +57,8 @@ def fuse(nodes: list[Tensor], i: int, b: Binding, taken: set[int]) -> tuple[Boun
         products = _shared_activation(nodes, i, b, taken)
         if products is not None:
             return products
+    if nodes[i].op == Op.MUL_MAT_ID:
+        return _shared_experts(nodes, i, b, taken)
     run = _consecutive(nodes, i, b)
     if run is None:
         return None
@@ -98,6 +107,41 @@ def _shared_activation(nodes: list[Tensor], i: int, b: Binding, taken: set[int]
     return None if call is None else (call, picked)
 
 
+def _shared_experts(nodes: list[Tensor], i: int, b: Binding, taken: set[int]) -> tuple[Bound, list[int]] | None:
+    """nodes[i], a packed MUL_MAT_ID (ops.packed_experts), with the later ones of the same activations and
+    ids whose weights share its call (a layer's expert gate and up), moved up to it under
+    _shared_activation's rule; None where there is no other."""
+    array = b.array
+    assert array is not None
+    t = nodes[i]
+    first = ops.packed_experts(t, array(t), _srcs(t, array), b.opts)
+    if first is None:
+        return None
+    picked = [i]
+    read_or_written: list[np.ndarray] = []
+    written: list[np.ndarray] = []
+    for j in range(i + 1, min(len(nodes), i + _LOOKAHEAD)):
+        if len(picked) == 2:
+            break
+        if j in taken:
+            continue
+        u = nodes[j]
+        dst, srcs = array(u), _srcs(u, array)
+        if u.op == Op.MUL_MAT_ID and u.src[1] is t.src[1] and u.src[2] is t.src[2]:
+            p = ops.packed_experts(u, dst, srcs, b.opts)
+            if (p is not None and first[0].shares_call(p[0]) and not _overlap([dst], read_or_written)
+                    and not _overlap(written, [first[1], first[2]])):
+                picked.append(j)
+                continue
+        read_or_written += [dst, *(a for a in srcs if a is not None)]
+        written.append(dst)
+    if len(picked) == 1:
+        return None
+    call = ops.bind_packed_experts([nodes[k] for k in picked], [array(nodes[k]) for k in picked],
+                                   [_srcs(nodes[k], array) for k in picked], b.opts)
+    return None if call is None else (call, picked)
+
+
 def _srcs(t: Tensor, array) -> list:
     return [array(x) if x is not None else None for x in t.src]
 
@@ -126,9 +170,122 @@ def _consecutive(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
                 return fk.bind_add_rms_norm(a_a, a_c, array(t), np.float32(norm.op_param(0)), array(w), dst), 3
     if t.op == Op.MUL_MAT:
         return _attention(nodes, i, b)
+    if t.op == Op.MUL:
+        return _experts_sum(nodes, i, b)
+    if t.op == Op.ARGSORT:
+        return _router_topk(nodes, i, b)
+    if t.op == Op.SUM_ROWS:
+        return _router_norm(nodes, i, b)
     if t.op == Op.ROPE:
         return _cache_rows(nodes, i, b)
     return None
+
+
+def _experts_sum(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+    """MUL(y, weights) and the k - 1 ADDs of its slot views (model/moe.py's weighted sum of the experts:
+    y [n, k, n_tok], weights [1, k, n_tok], slot s the view of y's ne[1] index s), as experts.bind_combine's
+    one call: the MUL's result and the partial sums are not written (each read only by the next ADD,
+    not outputs)."""
+    array = b.array
+    assert array is not None
+    m = nodes[i]
+    y, w = m.src[0], m.src[1]
+    if y is None or w is None or any(x.type != GGMLType.F32 for x in (m, y, w)):
+        return None
+    n, k, n_tok = y.ne[0], y.ne[1], y.ne[2]
+    if k < 2 or y.ne[3] != 1 or w.ne != (1, k, n_tok, 1) or i + k - 1 >= len(nodes) or m.flags & TensorFlag.OUTPUT:
+        return None
+    views = list(b.consumers.get(m, ()))
+    if len(views) != k or b.use_counts.get(m, 0) != k:
+        return None
+    prev: Tensor | None = None
+    for s in range(1, k):
+        a = nodes[i + s]
+        if a.op != Op.ADD or a.type != GGMLType.F32 or a.ne != (n, n_tok, 1, 1):
+            return None
+        first, other = a.src[0], a.src[1]
+        if first is None or other is None or not _slot(other, m, s) or \
+                not (_slot(first, m, 0) if s == 1 else first is prev):
+            return None
+        if s < k - 1 and (b.use_counts.get(a, 0) != 1 or a.flags & TensorFlag.OUTPUT):
+            return None
+        prev = a
+    assert prev is not None
+    from . import experts
+    ay, aw, out = _view(array(y), (n_tok, k, n)), _view(array(w), (n_tok, k)), _view(array(prev), (n_tok, n))
+    if ay is None or aw is None or out is None:
+        return None
+    call = experts.bind_combine(ay, aw, out)
+    return None if call is None else (call, k)
+
+
+def _router_topk(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+    """ARGSORT(p) of F32 rows [+ the GET_ROWS that follows it: p's rows (reshaped to one value per row)
+    at the top-k view of the sort, a MoE router's chosen weights] as experts.bind_topk's one call;
+    every result written."""
+    array = b.array
+    assert array is not None
+    t = nodes[i]
+    p = t.src[0]
+    if p is None or p.type != GGMLType.F32 or t.type != GGMLType.I32 or p.ne[2] != 1 or p.ne[3] != 1:
+        return None
+    E, n_tok = p.ne[0], p.ne[1]
+    g = nodes[i + 1] if i + 1 < len(nodes) else None
+    if g is not None:
+        src, ids = g.src[0], g.src[1]
+        if not (g.op == Op.GET_ROWS and g.type == GGMLType.F32 and src is not None and ids is not None
+                and src.view_src is p and src.view_offs == 0 and src.ne[:3] == (1, E, n_tok)
+                and ids.view_src is t and ids.view_offs == 0 and ids.ne[1:] == (n_tok, 1, 1)
+                and ids.nb[1] == t.nb[1] and g.ne[:3] == (1, ids.ne[0], n_tok)):
+            g = None
+    from . import experts
+    k = 0 if g is None else g.ne[1]
+    ap, at = _view(array(p), (n_tok, E)), _view(array(t), (n_tok, E))
+    ag = None if g is None else _view(array(g), (n_tok, k))
+    if ap is None or at is None or (g is not None and ag is None):
+        return None
+    call = experts.bind_topk(ap, at, SortOrder(t.op_param(0)) == SortOrder.DESC, ag)
+    return None if call is None else (call, 1 if g is None else 2)
+
+
+def _router_norm(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
+    """SUM_ROWS(w), CLAMP of the sum, DIV(w, the clamped sum) (a MoE router's weights normalised,
+    model/moe.py's norm_w) as experts.bind_norm's one call; every result written."""
+    array = b.array
+    assert array is not None
+    if i + 2 >= len(nodes):
+        return None
+    sr, cl, dv = nodes[i], nodes[i + 1], nodes[i + 2]
+    w = sr.src[0]
+    if (w is None or cl.op != Op.CLAMP or cl.src[0] is not sr or dv.op != Op.DIV or dv.src[0] is not w
+            or dv.src[1] is not cl or any(x.type != GGMLType.F32 for x in (w, sr, cl, dv))
+            or w.ne[2] != 1 or w.ne[3] != 1 or dv.ne != w.ne):
+        return None
+    k, n_tok = w.ne[0], w.ne[1]
+    from . import experts
+    views = [_view(array(x), shape) for x, shape in ((w, (n_tok, k)), (sr, (n_tok,)), (cl, (n_tok,)), (dv, (n_tok, k)))]
+    if any(v is None for v in views):
+        return None
+    aw, asr, acl, adv = views
+    assert aw is not None and asr is not None and acl is not None and adv is not None
+    call = experts.bind_norm(aw, asr, acl, adv, np.float32(cl.op_param(0)), np.float32(cl.op_param(1)))
+    return None if call is None else (call, 3)
+
+
+def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """a seen with another shape without a copy (the call writes through it), or None where that needs one."""
+    v = a.view()
+    try:
+        v.shape = shape
+    except (AttributeError, ValueError):
+        return None
+    return v
+
+
+def _slot(v: Tensor, m: Tensor, s: int) -> bool:
+    """v is the 2-D view of m's slot s (ne = (m.ne[0], m.ne[2]), rows m.nb[2] apart, offset s * m.nb[1])."""
+    return (v.op == Op.VIEW and v.view_src is m and v.ne[:2] == (m.ne[0], m.ne[2]) and v.nb[1] == m.nb[2]
+            and v.view_offs == s * m.nb[1])
 
 
 def _cache_rows(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:

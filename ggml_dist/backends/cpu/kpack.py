@@ -113,11 +113,12 @@ def _pack(wtype: GGMLType, w: np.ndarray) -> np.ndarray:
 
 class PackedKWeight:
     """One Q4_K/Q5_K/Q6_K weight matrix [M, K] packed for `kernels` (default: the host's, see
-    kernels_here()). ``repacked``: llama.cpp's q4_K_8x8 numerics (Q4_K with M % 8 == 0)."""
+    kernels_here()). ``repacked``: llama.cpp's q4_K_8x8 numerics (Q4_K with M % 8 == 0; ``rows`` in
+    place of M where given: experts.py's stacked experts, as qpack.PackedWeight's)."""
     raw: np.ndarray | None = None       # it never keeps the file's rows (qpack.packed_as)
 
     def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = (),
-                 kernels: Kernels | str | None = None) -> None:
+                 kernels: Kernels | str | None = None, rows: int | None = None) -> None:
         wtype = GGMLType(wtype)
         if wtype not in PACKABLE:
             raise ValueError(f"cannot pack {wtype.name}; packable: {sorted(t.name for t in PACKABLE)}")
@@ -134,7 +135,8 @@ class PackedKWeight:
         self.type, self.M, self.K, self.key = wtype, M, nbytes // _BLOCK[wtype] * 256, key
         self.kernels: Kernels = kernels
         self.qs = _pack(wtype, w)
-        self.repacked = wtype == T.Q4_K and M % 8 == 0
+        self.rows = M if rows is None else rows         # the height ggml's repack rule sees (qpack's rows)
+        self.repacked = wtype == T.Q4_K and self.rows % 8 == 0
         self._entries: tuple[Callable[..., bool], Callable[..., bool]] = _ENTRIES[kernels][wtype]  # (serial, parallel)
 
     def _mode(self, N: int, vec_n: int | None) -> tuple[int, int]:

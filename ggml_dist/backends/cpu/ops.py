@@ -380,6 +380,57 @@ def _mul_mat_id(t, dst, srcs, opts):
         dst[0, tok, slot] = weights_mul_mat(a_t.type, wm, xm, opts, vec_n=vec_n)
 
 
+def packed_experts(t, dst, srcs, opts: ComputeOptions) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, int] | None:
+    """(packed experts, x [n_tok * n_b, K], ids [n_tok, n_used], out [n_tok * n_used, M], n_b) where
+    MUL_MAT_ID node t runs as experts.py's packed call: a 3-D model weight of a type it packs with
+    opts' kernels (experts.packable), f32 activations and output, contiguous arrays (ids: rows of any
+    stride, the top-k view), opts taking the compiled ggml-order path. The experts are packed once
+    (they stay in t.extra). None where the packed path cannot apply."""
+    a_t, b_t, i_t = t.src[0], t.src[1], t.src[2]
+    if (opts.exact or not opts.numba or opts.order != "ggml" or opts.kernels == "float"
+            or a_t.view_src is not None or a_t.ne[3] != 1 or a_t.buffer.usage != BufferUsage.WEIGHTS
+            or b_t.type != GGMLType.F32 or t.type != GGMLType.F32 or i_t.type != GGMLType.I32
+            or a_t.type not in _PACKABLE | _KPACKABLE):
+        return None
+    x, ids, out = srcs[1][0], srcs[2][0, 0], dst[0]         # [n_tok, n_b, K], [n_tok, n_used], [n_tok, n_used, M]
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and ids.strides[-1] == 4 and ids.strides[0] % 4 == 0
+            and (ids.shape[0] <= 1 or ids.strides[0] >= 4 * ids.shape[1])):
+        return None
+    ex = _compiled("experts", opts)
+    if ex is None or not ex.packable(a_t.type, a_t.ne[1], opts.kernels):
+        return None
+    pe = ex.packed(a_t.type, srcs[0][0], a_t, opts.kernels)
+    n_tok, n_b, K = x.shape
+    return pe, x.reshape(n_tok * n_b, K), ids, out.reshape(-1, out.shape[-1]), n_b
+
+
+def bind_packed_experts(ts: list, dsts: list, srcss: list, opts: ComputeOptions) -> Bound | None:
+    """The packed MUL_MAT_IDs of nodes ts (packed_experts; more than one: the same activations and ids,
+    weights that share a call, fusion.py's gate and up) as one bound call; where the call gives them
+    back (a non-finite activation, an id out of range) every node takes _mul_mat_id. None where the
+    packed path cannot apply to them all."""
+    parts = []
+    for t, d, s in zip(ts, dsts, srcss):
+        p = packed_experts(t, d, s, opts)
+        if p is None:
+            return None
+        parts.append(p)
+    fallbacks = [partial(_mul_mat_id, t, d, s, opts) for t, d, s in zip(ts, dsts, srcss)]
+
+    def fallback() -> None:
+        for f in fallbacks:
+            f()
+    _, x, ids, _, n_b = parts[0]
+    ex = _compiled("experts", opts)
+    assert ex is not None
+    return ex.bind_experts([p[0] for p in parts], x, ids, [p[3] for p in parts], n_b,
+                           tiled=not opts.batch_invariant, fallback=fallback)
+
+
+def _bind_mul_mat_id(t, dst, srcs, b: Binding) -> Bound | None:
+    return bind_packed_experts([t], [dst], [srcs], b.opts)
+
+
 def _mul_mat_packed(t, dst, srcs, opts) -> bool:
     """MUL_MAT on a 2-D Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 model weight through its packed form (qpack.py: repacked once,
     ggml's "extra" buffer; the same bits as quants.mul_mat). False where that path does not apply."""
@@ -747,6 +798,22 @@ def attention_product(t: Tensor, srcs: list, b: Binding) -> tuple[np.ndarray, np
     return w, x, tiny, skip
 
 
+def _bind_mul_mat_f32(t, dst, srcs, b: Binding) -> Bound | None:
+    """An F32 weight of one slice (a MoE router) by F32 activations of one slice: _mul_mat_float's
+    numerics as fkernels.bind_mul_mat_f32's bound call."""
+    a_t, b_t = t.src[0], t.src[1]
+    opts, fk = b.opts, b.fk
+    if (fk is None or opts.exact or opts.order != "ggml" or a_t.type != GGMLType.F32 or b_t.type != GGMLType.F32
+            or t.type != GGMLType.F32 or a_t.ne[2] != 1 or a_t.ne[3] != 1 or b_t.ne[2] != 1 or b_t.ne[3] != 1):
+        return None
+    w, x, out = srcs[0][0, 0], srcs[1][0, 0], dst[0, 0]
+    if not _has_unit_rows(w, x, out) or np.may_share_memory(out, x) or np.may_share_memory(out, w):
+        return None
+    K, M = a_t.ne[0], a_t.ne[1]
+    tiny = row_count(opts, b_t.ne[1]) >= 2 and K % 8 == 0 and M % 4 == 0
+    return fk.bind_mul_mat_f32(w, x, out, tiny)
+
+
 def _bind_attention(t, dst, srcs, b: Binding) -> Bound | None:
     """An attention product (attention_product) as fkernels' bound product."""
     p = attention_product(t, srcs, b)
@@ -869,7 +936,7 @@ _BINDERS: dict[Op, Callable[[Tensor, np.ndarray, list, Binding], Bound | None]] 
     Op.ADD: _bind_ufunc(np.add), Op.MUL: _bind_ufunc(np.multiply), Op.RMS_NORM: _bind_rms_norm,
     Op.GLU: _bind_glu, Op.SOFT_MAX: _bind_soft_max, Op.SET_ROWS: _bind_set_rows, Op.ROPE: _bind_rope,
     Op.CPY: _bind_cpy, Op.CONT: _bind_cpy, Op.DUP: _bind_cpy, Op.GET_ROWS: _bind_get_rows,
-    Op.SCALE: _bind_scale,
+    Op.SCALE: _bind_scale, Op.MUL_MAT_ID: _bind_mul_mat_id,
 }
 
 
@@ -880,7 +947,8 @@ def bind(t: Tensor, dst: np.ndarray, srcs: list, b: Binding) -> Bound:
     kernel."""
     fast = None
     if t.op == Op.MUL_MAT:
-        fast = _bind_mul_mat_packed(t, dst, srcs, b.opts) or _bind_attention(t, dst, srcs, b)
+        fast = (_bind_mul_mat_packed(t, dst, srcs, b.opts) or _bind_attention(t, dst, srcs, b)
+                or _bind_mul_mat_f32(t, dst, srcs, b))
     else:
         binder = _BINDERS.get(t.op)
         fast = binder(t, dst, srcs, b) if binder is not None else None

@@ -28,6 +28,14 @@ brings lane l's bit (and lane 4+l's) to bit 4 of every byte at once; ``d`` (and 
 The packed weight again has the file's size. With the float kernels (a CPU without AVX2) Q5 is not
 repacked: PackedWeight keeps the file's rows and multiplies them with qkernels.mul_mat_q (the same bits).
 
+MXFP4 (int8 kernels, where llama.cpp repacks it: M % 8 == 0): Q4_0's nibble layout, and a plane of E8M0
+bytes [G, nb*R] in (block, row) order (seen as uint16 by the kernels' signature) for ``d``; the kernels
+turn each nibble into its kvalues_mxfp4 value with a vpshufb (vnni.py: + 12, unsigned, the lanes
+starting at -12 sum(y); avx2.py: signed, ggml's sign trick) and run the repack kernels' chain,
+acc = fma(f32(isum), f32(2^(e-128) * dy), acc) (ggml_gemv_mxfp4_8x8_q8_0). Elsewhere (vec_dot's two
+accumulators where M % 8 != 0, or no int8 kernels) it keeps the file's rows, as Q5 does with the float
+kernels.
+
 Numerics (ggml-numerics.md §1.5): a lane is the exact integer sum of its four products (f32 arithmetic on
 integers below 2^24 is exact, in any order). Then
 * "lanes" (ggml_vec_dot_*_q8_* and tinyBLAS_Q0_AVX): acc[L, r] = fma(f32(dx*dy), lane, acc[L, r]) over
@@ -56,7 +64,7 @@ from numba import njit, prange
 
 from ...core.types import GGMLType, row_size
 from . import avx2, vnni
-from .blocks import BLOCKS, QPACK_TYPES
+from .blocks import BLOCKS, QPACK_TYPES, ggml_repacks
 from .entry import F32P, I8P, I32P, U8P, U16P, Flat, address, array2, at, entry, pointer_block
 from .fkernels import _bits, _float, _fma, _half, _round_half
 from .threads import get_threads, launch
@@ -66,7 +74,7 @@ F32 = np.float32
 R = 64                                  # rows per group: the vector loops run over a group's rows
 PACKABLE = QPACK_TYPES                  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks.py's packed="qpack")
 _Q5 = (T.Q5_0, T.Q5_1)                  # int8 kernels only; with Kernels.FLOAT qkernels' product (see PackedWeight)
-_KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0, _KIND_Q5_0, _KIND_Q5_1 = 0, 1, 2, 3, 4, 5
+_KIND_Q4_0, _KIND_Q4_1, _KIND_Q4_0_CHAIN, _KIND_Q8_0, _KIND_Q5_0, _KIND_Q5_1, _KIND_MXFP4 = 0, 1, 2, 3, 4, 5, 6
 # multiply-adds from which a product is split across threads (a launch costs a few us with OpenMP, see
 # qkernels; ~50-100 us with numba's workqueue layer, where only large products gain)
 _PARALLEL_WORK = 1 << 18
@@ -91,14 +99,19 @@ def default_kernels() -> Kernels:
 
 
 class PackedWeight:
-    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0/Q5_0/Q5_1 in the layout of `kernels` (default:
+    """One weight matrix [M, K] of type Q4_0/Q4_1/Q8_0/Q5_0/Q5_1/MXFP4 in the layout of `kernels` (default:
     default_kernels(); vnni_layout=True/False is the older spelling of Kernels.VNNI/FLOAT). ``chain``
     picks the repacked-kernel numerics (llama.cpp repacks Q4_0 when M % 8 == 0). Q5 has no float
     kernels: with Kernels.FLOAT it keeps the file's rows (``raw``) and multiplies them with
-    qkernels.mul_mat_q (the same bits, decoded per block)."""
+    qkernels.mul_mat_q (the same bits, decoded per block). MXFP4 is packed for the int8 kernels where
+    llama.cpp repacks it (M % 8 == 0: one chain per row, ``KIND_MXFP4``); otherwise (vec_dot's two
+    accumulators, or no int8 kernels) it keeps the file's rows as Q5 does. ``rows``: the matrix height
+    that decides ggml's repack rule where it is not M (experts.py stacks a 3-D weight's experts, each
+    of ``rows`` rows padded to whole groups, into one matrix)."""
 
     def __init__(self, wtype: GGMLType, w: np.ndarray, key: tuple = (),
-                 vnni_layout: bool | None = None, kernels: Kernels | str | None = None) -> None:
+                 vnni_layout: bool | None = None, kernels: Kernels | str | None = None,
+                 rows: int | None = None) -> None:
         wtype = GGMLType(wtype)
         kernels = _checked_kernels(wtype, vnni_layout, kernels)
         bs = _BLOCK[wtype][0]
@@ -110,23 +123,24 @@ class PackedWeight:
         self.type, self.M, self.K, self.key = wtype, M, nb * 32, key
         self.kernels = kernels
         self.vnni = kernels is Kernels.VNNI
-        self.chain = wtype == T.Q4_0 and M % 8 == 0
+        self.rows = M if rows is None else rows
+        self.chain = wtype in (T.Q4_0, T.MXFP4) and self.rows % 8 == 0
         self.kind = {T.Q4_0: _KIND_Q4_0_CHAIN if self.chain else _KIND_Q4_0, T.Q4_1: _KIND_Q4_1,
-                     T.Q8_0: _KIND_Q8_0, T.Q5_0: _KIND_Q5_0, T.Q5_1: _KIND_Q5_1}[wtype]
+                     T.Q8_0: _KIND_Q8_0, T.Q5_0: _KIND_Q5_0, T.Q5_1: _KIND_Q5_1, T.MXFP4: _KIND_MXFP4}[wtype]
         self.q8_1 = wtype in (T.Q4_1, T.Q5_1)            # activations as Q8_1, plus the sum of m*s
         self.raw: np.ndarray | None = None
         int8 = kernels is not Kernels.FLOAT
         self._int8: tuple[Callable[..., bool], Callable[..., bool]] | None = \
             _INT8_ENTRIES[kernels] if int8 else None                # (serial, parallel) entry points
-        if wtype in _Q5 and not int8:
-            self.raw = w
+        if (wtype in _Q5 and not int8) or (wtype == T.MXFP4 and not (int8 and self.chain)):
+            self.raw, self._int8 = w, None
             self.qs = self.d = self.m = np.zeros((G, 1), np.uint16)
             return
         if M % R:
             w = np.concatenate([w, np.zeros((G * R - M, nbytes), np.uint8)])
         b = np.asarray(w, np.uint8).reshape(G, R, nb, bs)
         self.qs = _codes(wtype, b, kernels)
-        self.d = _f16_plane(b, 0)
+        self.d = _e8m0_plane(b) if wtype == T.MXFP4 else _f16_plane(b, 0)
         self.m = _f16_plane(b, 2) if self.q8_1 else np.zeros((G, 1), np.uint16)
 
     def bind(self, x: np.ndarray, out: np.ndarray, fallback: Callable[[], object] | None = None,
@@ -193,7 +207,8 @@ class PackedWeight:
             return None
         if x.shape[0] == 0:
             return np.empty((0, self.M), F32) if out is None else out
-        r = qkernels.mul_mat_q(self.type, self.raw, np.ascontiguousarray(x, F32), order="ggml")
+        r = qkernels.mul_mat_q(self.type, self.raw, np.ascontiguousarray(x, F32), order="ggml",
+                               repacked=ggml_repacks(self.type, self.rows))
         assert r is not None, f"qkernels covers {self.type.name}"
         if out is None:
             return r
@@ -381,6 +396,13 @@ def _make_work(Np: int, K: int) -> tuple[np.ndarray, ...]:
     return (np.zeros((Np, K), F32), Yb, Yb.view(np.int32), Yz, *scales)
 
 
+def _e8m0_plane(b: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 byte of every block [G, R, nb, 17] as uint8 [G, nb*R] in (block, row) order, seen as
+    uint16 [G, nb*R/2] (the kernels' scale plane type; they read its bytes, vnni.Emit.e8m0_half)."""
+    G, _, nb, _ = b.shape
+    return np.ascontiguousarray(b[..., 0].transpose(0, 2, 1)).reshape(G, nb * R).view(np.uint16)
+
+
 def _f16_plane(b: np.ndarray, off: int) -> np.ndarray:
     """The f16 field at byte `off` of every block, as uint16 bits [G, nb*R] in (block, row) order (the
     kernels widen them with _half, a vector conversion: the packed weight is no bigger than the file's)."""
@@ -430,7 +452,7 @@ def packed_as(cls: type[P], wtype: GGMLType, w: np.ndarray, t, kernels: Kernels 
             pw = t.extra = cls(wtype, w, key, kernels=want)
             release = getattr(t.buffer, "release_pages", None)
             if release is not None and pw.raw is None:      # the mapping's pages of t are not read again
-                release(t.data, row_size(wtype, pw.K) * pw.M)
+                release(t.data, getattr(pw, "file_bytes", 0) or row_size(wtype, pw.K) * pw.M)
     return pw
 
 
@@ -636,8 +658,8 @@ def _rows_q8(qs, d, Y, dy, out, g0, g1):
 # sums are cheap enough that decoding codes once per tile, as the float kernels below do, would not pay).
 # Each ISA has its own entry points, so a host compiles only the intrinsics it has; the code between them
 # takes the ISA's group function (_group_vnni, _group_avx2) as an argument, inlined.
-_LANE_BIAS_VNNI = (8, 0, 8, 128, 16, 0)     # per kind: -bias * (sum of a lane's 4 codes) starts a lane
-_LANE_BIAS_AVX2 = (8, 0, 8, 0, 16, 0)       # avx2.py keeps Q8_0 codes unbiased
+_LANE_BIAS_VNNI = (8, 0, 8, 128, 16, 0, vnni.MXFP4_BIAS)  # per kind: -bias * (sum of a lane's 4 codes) starts a lane
+_LANE_BIAS_AVX2 = (8, 0, 8, 0, 16, 0, 0)    # avx2.py keeps Q8_0 codes unbiased, MXFP4's signed (sign trick)
 
 
 @njit(cache=True, inline="always")
@@ -742,6 +764,8 @@ def _rows_v(kind, qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, group):
         _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q5_0, group)
     elif kind == _KIND_Q5_1:
         _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q5_1, group)
+    elif kind == _KIND_MXFP4:
+        _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_MXFP4, group)
     else:
         _rows_v_kind(qs, d, m, Y4, Yz, dy, sy, out, u0, u1, ts, _KIND_Q8_0, group)
 
@@ -773,6 +797,7 @@ def _group_fn(isa):
     q4_0_x2, q4_0_x1, q4_1_x2, q4_1_x1 = isa.q4_0_x2, isa.q4_0_x1, isa.q4_1_x2, isa.q4_1_x1
     chain_x2, chain_x1, q8_0_x2, q8_0_x1 = isa.chain_x2, isa.chain_x1, isa.q8_0_x2, isa.q8_0_x1
     q5_0_x2, q5_0_x1, q5_1_x2, q5_1_x1 = isa.q5_0_x2, isa.q5_0_x1, isa.q5_1_x2, isa.q5_1_x1
+    mxfp4_x2, mxfp4_x1 = isa.mxfp4_x2, isa.mxfp4_x1
 
     @njit(inline="always")
     def group(kind, two, q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf):
@@ -801,6 +826,11 @@ def _group_fn(isa):
                 q5_1_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
             else:
                 q5_1_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+        elif kind == _KIND_MXFP4:
+            if two:
+                mxfp4_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
+            else:
+                mxfp4_x1(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)
         else:
             if two:
                 q8_0_x2(q, d, m, Y4, Yz, n, dy, sy, res, pq, pd, pm, pf)

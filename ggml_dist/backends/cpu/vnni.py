@@ -26,7 +26,10 @@ token's -8, -16 or -128 sum(y) per lane (``yz``, from qpack._lane_starts) is vpd
 (exact: it does not saturate). Then acc = fma(f32(dx*dy), f32(lane), acc) per lane from acc = +0, block
 after block, and ggml's HA over the 8 lanes; Q4_1 and Q5_1 add the sequential f32 sum of m*s (from -0,
 so its first term is kept as is); the Q4_0 chain (repacked q4_0_8x8) runs
-acc = fma(f32(isum), f32(dx*dy), acc) per row, isum the block's integer dot.
+acc = fma(f32(isum), f32(dx*dy), acc) per row, isum the block's integer dot. MXFP4 ("mxfp4", repacked
+mxfp4_8x8 only) is that chain on Q4_0's layout with each nibble looked up (vpshufb) as its kvalues_mxfp4
+value + MXFP4_BIAS (0..24, vpdpbusd's unsigned operand; the lanes start at -12 sum(y)) and dx its E8M0
+scale 2^(e-128) (Emit.e8m0_half), read from a plane of one byte per row and block.
 
 Only hosts whose LLVM target has avx512vnni compile these (``AVAILABLE``); elsewhere, and with
 GGML_DIST_NO_VNNI=1, qpack takes avx2.py's kernels (the same layout and numerics on 256-bit vectors,
@@ -58,9 +61,16 @@ AVAILABLE = _host_has_vnni() and os.environ.get("GGML_DIST_NO_VNNI", "") in ("",
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _INTS = ir.VectorType(_I32, 16)
 # a group's bytes per block: Q5's are the Q4 nibbles (16R) and then its 5th-bit plane (4R)
-BLOCK_BYTES = {"q4_0": 16 * R, "q4_1": 16 * R, "chain": 16 * R, "q8_0": 32 * R, "q5_0": 20 * R, "q5_1": 20 * R}
+BLOCK_BYTES = {"q4_0": 16 * R, "q4_1": 16 * R, "chain": 16 * R, "q8_0": 32 * R, "q5_0": 20 * R, "q5_1": 20 * R,
+               "mxfp4": 16 * R}
 HAS_M = ("q4_1", "q5_1")                # a min per block: Q8_1 activations, the sequential sum of m*s
 Q5 = ("q5_0", "q5_1")
+CHAINS = ("chain", "mxfp4")             # one fma chain per row (the repack kernels' order)
+# bytes of a row's scale per block: f16 bits, MXFP4's E8M0 byte
+SCALE_BYTES = {k: 1 if k == "mxfp4" else 2 for k in BLOCK_BYTES}
+# ggml-common.h kvalues_mxfp4 (the E2M1 values doubled); the vnni kernels read them + MXFP4_BIAS, unsigned
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_BIAS = 12
 
 
 class Emit:
@@ -124,6 +134,29 @@ class Emit:
     def fma(self, a, b, c):
         return self.b.call(self.intrinsic(f"llvm.fma.v{self.n}f32", self.FLOATS, 3), [a, b, c])
 
+    def lut(self, table, idx):
+        """vpshufb: per byte, table[idx & 15] (idx < 128; table: 16 bytes, the same in every 128-bit
+        lane)."""
+        name = "llvm.x86.avx512.pshuf.b.512" if self.n == 16 else "llvm.x86.avx2.pshuf.b"
+        vals = [v & 0xFF for v in table] * (4 * self.n // 16)
+        return self.b.call(self.intrinsic(name, self.BYTES, 2), [ir.Constant(self.BYTES, vals), idx])
+
+    def e8m0_half(self, p, off):
+        """n E8M0 bytes at byte `off` of p (an i8 pointer) as f32 2^(e-128) (GGML_E8M0_TO_FP32_HALF: the
+        subnormals 2^-128, 2^-127 for e = 0, 1; exact)."""
+        b, ints = self.b, self.INTS
+        ev = b.zext(self.vector(p, off, ir.VectorType(_I8, self.n), 1), ints)
+        small = b.shl(ir.Constant(ints, [0x00200000] * self.n), b.and_(ev, ir.Constant(ints, [1] * self.n)))
+        big = b.shl(b.sub(ev, ir.Constant(ints, [1] * self.n)), ir.Constant(ints, [23] * self.n))
+        bits = b.select(b.icmp_unsigned("<", ev, ir.Constant(ints, [2] * self.n)), small, big)
+        return b.bitcast(bits, self.FLOATS)
+
+    def scales(self, kind, d, off):
+        """The f32 scales of n rows at element `off` of plane d: f16 bits, or MXFP4's E8M0 bytes."""
+        if kind == "mxfp4":
+            return self.e8m0_half(self.b.bitcast(d, _I8.as_pointer()), off)
+        return self.halves(d, off)
+
     def prefetch(self, p, off):
         """prefetcht1 of the line holding byte `off` of p (into L2: the next call reads it)."""
         fty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
@@ -163,7 +196,8 @@ def _group_codegen(kind, T, V, block, n, prefetch=True, ahead=0):
     prefetches the lines of the block `ahead` blocks on, codes and scales, across the end of the group
     into the next one (a group's rows are contiguous; past the weight's end a prefetch does not fault),
     a stream the hardware prefetchers then need not find alone."""
-    n_acc = 1 if kind == "chain" else 8
+    n_acc = 1 if kind in CHAINS else 8
+    sbytes = SCALE_BYTES[kind] * R                                 # a block's scale bytes of a group
     n_pass = R // n // V
     lines = BLOCK_BYTES[kind] // 64                                # cache lines per block of a group
 
@@ -189,22 +223,22 @@ def _group_codegen(kind, T, V, block, n, prefetch=True, ahead=0):
                     on = b.add(blk, _c64(ahead))
                     for j in range(lines):
                         e.prefetch(q, b.add(b.mul(on, _c64(BLOCK_BYTES[kind])), _c64(64 * j)))
-                    for j in range(2 * R // 64):
-                        e.prefetch(d8, b.add(b.mul(on, _c64(2 * R)), _c64(64 * j)))
+                    for j in range(-(-sbytes // 64)):
+                        e.prefetch(d8, b.add(b.mul(on, _c64(sbytes)), _c64(64 * j)))
                 with b.if_then(pf if prefetch else ir.Constant(ir.IntType(1), 0), likely=False):
                     unit = b.add(b.mul(_c64(k), nb), blk)         # lines unit*lines/n_pass ..
                     for j in range(-(-lines // n_pass)):
                         line = b.add(b.udiv(b.mul(unit, _c64(lines)), _c64(n_pass)), _c64(j))
                         e.prefetch(pq, b.mul(line, _c64(64)))
-                    if k == 0:                                     # the block's 2 * R bytes of d and m
+                    if k == 0:                                     # the block's scale bytes of d and m
                         for p in ((pd, pm) if kind in HAS_M else (pd,)):
-                            for j in range(2 * R // 64):
-                                e.prefetch(p, b.add(b.mul(blk, _c64(2 * R)), _c64(64 * j)))
+                            for j in range(-(-sbytes // 64)):
+                                e.prefetch(p, b.add(b.mul(blk, _c64(sbytes)), _c64(64 * j)))
                 block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm)
             for t in range(T):
                 for v in vs:
                     lanes = [b.load(acc[t, v, L]) for L in range(n_acc)]
-                    h = lanes[0] if kind == "chain" else _ha(b, lanes)
+                    h = lanes[0] if kind in CHAINS else _ha(b, lanes)
                     if kind in HAS_M:
                         h = b.fadd(h, b.load(sm[t, v]))
                     b.store(h, b.bitcast(b.gep(res, [_c64(t * R + n * v)]), e.FLOATS.as_pointer()), align=4)
@@ -221,7 +255,7 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
     def lane(L):                                                   # the block's word L of a token's codes
         return b.add(b.mul(blk, _c64(8)), _c64(L))
 
-    def rows(v):                                                   # the block's f16 of row vector v
+    def rows(v):                                                   # the block's scales of row vector v
         return b.add(b.mul(blk, _c64(R)), _c64(16 * v))
 
     def weights(L, v):
@@ -231,7 +265,7 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
         return zero if kind in HAS_M else e.splat(yz[t], lane(L), _INTS)
 
     dyt = [e.splat(dy[t], blk, e.FLOATS) for t in range(T)]
-    D = {(t, v): b.fmul(e.halves(d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy), exact
+    D = {(t, v): b.fmul(e.scales(kind, d, rows(v)), dyt[t]) for t in range(T) for v in vs}     # f32(dx*dy)
 
     def fold(t, v, L, s):                                          # acc = fma(D, f32(lane), acc)
         b.store(e.fma(D[t, v], b.sitofp(s, e.FLOATS), b.load(acc[t, v, L])), acc[t, v, L])
@@ -252,15 +286,18 @@ def _block(e, kind, blk, vs, q, d, m, y, yz, dy, sy, acc, sm):
             lo_x, hi_x = b.and_(x, _bytes(15)), b.lshr(x, _bytes(4))
             if kind in Q5:
                 lo_x, hi_x = e.fifth_bits(lo_x, hi_x, h[v], l)
+            if kind == "mxfp4":                                    # the values + MXFP4_BIAS, unsigned
+                lut = [v + MXFP4_BIAS for v in KVALUES_MXFP4]
+                lo_x, hi_x = e.lut(lut, lo_x), e.lut(lut, hi_x)
             for t in range(T):
                 lo = e.vpdpbusd(start(t, l), lo_x, e.splat(y[t], lane(l), _INTS))
                 hi = e.vpdpbusd(start(t, 4 + l), hi_x, e.splat(y[t], lane(4 + l), _INTS))
-                if kind == "chain":
+                if kind in CHAINS:
                     isum[t, v] = b.add(lo, hi) if l == 0 else b.add(isum[t, v], b.add(lo, hi))
                 else:
                     fold(t, v, l, lo)
                     fold(t, v, 4 + l, hi)
-    if kind == "chain":                                            # acc = fma(f32(isum), D, acc)
+    if kind in CHAINS:                                             # acc = fma(f32(isum), D, acc)
         for (t, v), s in isum.items():
             b.store(e.fma(b.sitofp(s, e.FLOATS), D[t, v], b.load(acc[t, v, 0])), acc[t, v, 0])
     if kind in HAS_M:                                              # sm += f32(m) * s, sequential
@@ -303,5 +340,7 @@ chain_x2, chain_x1 = group_intrinsic("chain", 2, 1), group_intrinsic("chain", 1,
 q8_0_x2, q8_0_x1 = group_intrinsic("q8_0", 2, 1), group_intrinsic("q8_0", 1, 4)
 q5_0_x2, q5_0_x1 = group_intrinsic("q5_0", 2, 1), group_intrinsic("q5_0", 1, 2)
 q5_1_x2, q5_1_x1 = group_intrinsic("q5_1", 2, 1), group_intrinsic("q5_1", 1, 2)
+mxfp4_x2 = group_intrinsic("mxfp4", 2, 1)
+mxfp4_x1 = group_intrinsic("mxfp4", 1, 4, prefetch=False, ahead=CHAIN_AHEAD)
 
 

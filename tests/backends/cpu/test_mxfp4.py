@@ -198,6 +198,34 @@ def test_compiled_twin_threads_readonly_and_non_finite(monkeypatch):
         np.testing.assert_array_equal(qk.mul_mat_q(T.MXFP4, w, x, order="ggml"), ref)
 
 
+@pytest.mark.parametrize("K,M", [(64, 8), (96, 72), (2880, 136), (96, 12)])
+def test_packed_int8_kernels_bit_identical(K, M):
+    # qpack's MXFP4 (vnni.py / avx2.py: vpshufb of the values, the repack kernels' chain) == quants.mul_mat
+    # repacked, for every token count and 1 and 2 threads; M % 8 != 0 (vec_dot's order) keeps the file's
+    # rows (qkernels' product), the same bits as the reference's
+    qpack = pytest.importorskip("ggml_dist.backends.cpu.qpack")
+    from ggml_dist.backends.cpu import threads as kt
+    kernels = (["avx2"] if qpack.avx2.AVAILABLE else []) + (["vnni"] if qpack.vnni.AVAILABLE else [])
+    if not kernels:
+        pytest.skip("no int8 kernels on this CPU")
+    w = weights(M, K, seed=K + M)
+    x = activations(17, K, seed=M)
+    x[3, :32] *= 1e-30                                 # a block of tiny activations: small d
+    n0 = kt.get_threads()
+    try:
+        for kern in kernels:
+            pw = qpack.PackedWeight(T.MXFP4, w, kernels=kern)
+            assert (pw.raw is None) == (M % 8 == 0) and pw.chain == (M % 8 == 0)
+            for n_threads in {1, min(2, kt._numba_num_threads())}:
+                kt.set_threads(n_threads)
+                for N in (1, 2, 3, 4, 9, 17):
+                    got = pw.mul_mat(x[:N])
+                    ref = Q.mul_mat(T.MXFP4, w, x[:N], order="ggml", repacked=M % 8 == 0)
+                    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), f"{kern} K={K} M={M} N={N}"
+    finally:
+        kt.set_threads(n0)
+
+
 def test_cpu_backend_entry_point():
     # ops.weights_mul_mat: the compiled twin and the numpy reference give one answer (a weight whose row
     # count llama.cpp does not repack: ops' own repack rule still names only Q4_0/Q4_K)
