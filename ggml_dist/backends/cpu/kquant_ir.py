@@ -19,8 +19,9 @@ per lane k: one vpmaddwd of (sc_2k, sc_2k+1) by the token's bsum pair, shifted l
 
 The integers are exact (every int16 bound above holds for codes |y| <= 128); the float steps are
 ggml's, per superblock with D = f32(dy*d), DM = f32(dy*dmin) (ggml-numerics.md §1.5, quants.mul_mat):
-* lanes: acc_k = fma(D, f32(lane_k), acc_k); Q4_K/Q5_K accm_i = fma(-DM, f32(mlane_i), accm_i); the result
-  HA(acc) (+ ((accm0+accm2)+(accm1+accm3))). Q6_K lanes can pass 2^24 (f32(lane) would round), so its
+* lanes: acc_k = fma(D, f32(lane_k), acc_k); Q4_K accm_i = fma(-DM, f32(mlane_i), accm_i), Q5_K one
+  accm = fma(-DM, f32(mlane_0+..+mlane_3), accm) (its AVX2 vec_dot sums the mins in a scalar); the result
+  HA(acc) + ((accm0+accm2)+(accm1+accm3)), or + accm. Q6_K lanes can pass 2^24 (f32(lane) would round), so its
   fma runs in f64 on the exact lane, rounded to f32: the reference's own emulation, step for step.
 * chain: acc = fma(f32(isum), D, acc), accm = fma(f32(minsum), DM, accm); result acc - accm.
 * gemm: the same, four steps per superblock (one per 64 values, sub-blocks 2c and 2c+1), in order.
@@ -294,6 +295,10 @@ class _Block:
                     for k in range(8):
                         b.store(e.fma(D, b.sitofp(iv[k], e.FLOATS), b.load(a[k])), a[k])
                     DMn = b.fneg(b.fmul(dmin, dyt))
+                    if self.wt == "q5_k":           # one scalar: summs = fma(-dm, f32(sum of the mins), summs)
+                        msum = b.add(b.add(ml[0], ml[1]), b.add(ml[2], ml[3]))
+                        b.store(e.fma(DMn, b.sitofp(msum, e.FLOATS), b.load(am[0])), am[0])
+                        continue
                     for i in range(4):
                         b.store(e.fma(DMn, b.sitofp(ml[i], e.FLOATS), b.load(am[i])), am[i])
                     continue
@@ -334,7 +339,7 @@ def _codegen(wt, mode, T, isa, V):
     n = 16 if isa == "vnni" else 8
     size = LAYOUT[wt]["size"]
     n_acc = 8 if mode == "lanes" else 1
-    n_accm = (4 if mode == "lanes" else 1) if wt != "q6_k" else 0
+    n_accm = (4 if mode == "lanes" and wt == "q4_k" else 1) if wt != "q6_k" else 0
     n_pass = R // n // V
     share = -(-(size // 64) // n_pass)                  # lines of the record ahead each pass prefetches
 
@@ -375,9 +380,11 @@ def _codegen(wt, mode, T, isa, V):
                     lanes = [b.load(p) for p in acc[t, v]]
                     if mode == "lanes":
                         h = _ha(b, lanes)
-                        if n_accm:
-                            m = [b.load(p) for p in accm[t, v]]
+                        m = [b.load(p) for p in accm.get((t, v), [])]
+                        if n_accm == 4:
                             h = b.fadd(h, b.fadd(b.fadd(m[0], m[2]), b.fadd(m[1], m[3])))
+                        elif n_accm == 1:
+                            h = b.fadd(h, m[0])
                     elif mode == "tiled":
                         h = lanes[0]
                     else:

@@ -668,14 +668,19 @@ def _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, g_lo, g_hi):
                                 for p in range(8):
                                     k = 2 * (p & 3) + (p >> 2)          # lane _PI[p]
                                     lane[8 * r + p] -= 32 * (mr[2 * k] * bn[2 * k] + mr[2 * k + 1] * bn[2 * k + 1])
-                        else:                           # Q4_K/Q5_K mins: 4 lanes per row, fma(-dm, ...)
-                            for r in range(_R):
+                        else:                           # Q4_K mins: 4 lanes per row, fma(-dm, ...);
+                            for r in range(_R):         # Q5_K's: one scalar, fma(-dm, f32(sum of the 8), .)
                                 dm = F64(-(ddy * d2[r, b]))
                                 mr = mn[r, 8 * b:8 * b + 8]
+                                tot = 0
                                 for i in range(4):
                                     ml = (mr[2 * i] * (bn[4 * i] + bn[4 * i + 1])
                                           + mr[2 * i + 1] * (bn[4 * i + 2] + bn[4 * i + 3]))
-                                    accm[4 * r + i] = F32(dm * F64(ml) + F64(accm[4 * r + i]))
+                                    if kind == 5:
+                                        accm[4 * r + i] = F32(dm * F64(ml) + F64(accm[4 * r + i]))
+                                    tot += ml
+                                if kind == 6:
+                                    accm[4 * r] = F32(dm * F64(tot) + F64(accm[4 * r]))
                         db = dw[32 * b:32 * b + 32]
                         for j in range(32):
                             acc[j] = F32(F64(ddy * db[j]) * F64(lane[j]) + F64(acc[j]))   # f32(dy*dx)
@@ -687,9 +692,11 @@ def _mm_g_rows(kind, w, yr, dy, sy, bsums, lut, sp, out, g_lo, g_hi):
                         for b in range(1, nb):
                             summs += d2[r, b] * sy[n, b]
                         res = res + summs
-                    elif kind == 5 or kind == 6:
+                    elif kind == 5:
                         m = accm[4 * r:4 * r + 4]
                         res = res + ((m[0] + m[2]) + (m[1] + m[3]))
+                    elif kind == 6:
+                        res = res + accm[4 * r]
                     out[n, r0 + r] = res
 
 

@@ -25,8 +25,10 @@ Accumulation orders used by ``order="ggml"`` (§1.5):
   sum over its elements 4k..4k+3; ``acc_k = fma(f32(dx*dy), lane_k, acc_k)`` over blocks; ``HA``;
   Q4_1/Q5_1 then add the sequential f32 sum of ``m*s``.
 * Repacked Q4_0 and MXFP4 (``repacked``): one chain ``acc = fma(f32(isum_b), f32(dx*dy), acc)``.
-* Q4_K/Q5_K: 8 scale-weighted int lanes, ``acc = fma(d, lane, acc)``, mins in 4 lanes with
-  ``fma(-dm, ...)``; result ``HA(acc) + ((m0+m2)+(m1+m3))``.  Repacked Q4_K: two chains, ``acc - accm``.
+* Q4_K/Q5_K: 8 scale-weighted int lanes, ``acc = fma(d, lane, acc)``; Q4_K's mins in 4 lanes with
+  ``fma(-dm, ...)``, result ``HA(acc) + ((m0+m2)+(m1+m3))``; Q5_K's in one scalar, ``summs = fma(-dm,
+  f32(sum_j m_j*s_j), summs)`` per superblock, result ``HA(acc) + summs``. Repacked Q4_K: two chains,
+  ``acc - accm``.
 * Q6_K: 8 lanes (``sc*q6*qy`` minus ``32*sc*bsum``), ``acc = fma(d, lane, acc)``, ``HA``.
 * Q2_K/Q3_K: NOT the AVX2 order: per superblock the exact integer sums, then
   ``sumf = f32(sumf + f32(f32(d*isum) - f32(dm*msum)))`` (Q3_K without the min term).
@@ -686,6 +688,8 @@ def _mm_kq(wtype, b, xq, repacked, order, vec_n=None):
                             sl[..., 0].transpose(1, 2, 0)[:, :, None, :].astype(F32))
                   + np.matmul(ml[..., 1].transpose(1, 2, 0)[..., None].astype(F32),
                               sl[..., 1].transpose(1, 2, 0)[:, :, None, :].astype(F32)))   # [nb, 4, M, N]
+        if wtype == T.Q5_K:         # one scalar: summs = fma(dmin, f32(sum of the 8 sub-blocks' m*s), summs)
+            return _ha(acc) + _chain(-dm, mlanes.astype(F64).sum(axis=1).astype(F32))
         accm = _chain(-dm[:, None], mlanes)
         return _ha(acc) + ((accm[0] + accm[2]) + (accm[1] + accm[3]))
     if wtype == T.Q6_K:
