@@ -13,7 +13,6 @@ eval callback (ctx.sched.set_eval_callback) when the node has been computed.
 from __future__ import annotations
 
 import hashlib
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -240,7 +239,7 @@ def _runs_moe(arch: str) -> bool:
 
 
 SUPPORTED = {a for a in MOE_ARCHS if _runs_moe(a)}
-TOL = 1e-4
+TOL = 1e-4          # the bound; measured: every spec bit-equal, batch and one token at a time
 
 
 def _cases():
@@ -264,9 +263,7 @@ def _check(spec: SyntheticMoESpec, mode: str, logits: np.ndarray) -> float:
     assert np.array_equal(logits.argmax(1), ids[:, 0]), f"{spec.name} {mode}: argmax differs"
     d = float(np.abs(np.take_along_axis(logits, ids, 1) - vals).max())
     assert d <= TOL, f"{spec.name} {mode}: max |dlogit| {d}"
-    if d:
-        warnings.warn(f"{spec.name} {mode}: within {TOL} of llama.cpp but not bit-equal (max |dlogit| {d:.3g})",
-                      stacklevel=2)
+    assert d == 0.0, f"{spec.name} {mode}: within {TOL} of llama.cpp but not bit-equal (max |dlogit| {d:.3g})"
     return d
 
 
