@@ -33,10 +33,10 @@ OVERSIZED = {
     "ggml_dist/bench/pipeline.py:run_one": 86,
     "ggml_dist/cli.py": 600,
     "ggml_dist/cli.py:_parser": 134,
-    "ggml_dist/model/context.py": 494,
+    "ggml_dist/model/context.py": 499,
     "ggml_dist/model/kv_cache.py": 433,
     "ggml_dist/model/tokenizer.py": 586,
-    "ggml_dist/scheduler/sched.py": 444,
+    "ggml_dist/scheduler/sched.py": 449,
     "ggml_dist/serve/app.py": 1099,
     "ggml_dist/serve/app.py:create_app": 421,
     "ggml_dist/serve/app.py:_generate": 92,
@@ -44,7 +44,7 @@ OVERSIZED = {
     "ggml_dist/serve/grammar.py": 831,
     "ggml_dist/serve/replicas.py": 596,
     "ggml_dist/testbed/cluster.py": 861,
-    "ggml_dist/workers/cluster.py": 776,
+    "ggml_dist/workers/cluster.py": 787,
     "ggml_dist/workers/placement.py": 404,
 }
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from ..backends import host
-from ..backends.base import tensor_get, tensor_set
+from ..backends.base import BackendOptions, tensor_get, tensor_set
 from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
@@ -67,6 +67,11 @@ class ContextParams:
     def compute_options(self) -> host.HostOptions:
         """The options of the host backends this context creates."""
         return host.compute_options(self.exact, self.numba, self.batch_invariant)
+
+    def backend_options(self, n_threads: int = 0) -> BackendOptions:
+        """What this context's numerics ask of a backend in another process (a stage's device)."""
+        return BackendOptions(exact=self.exact, compiled=self.numba, batch_invariant=self.batch_invariant,
+                              n_threads=n_threads)
 
 
 class StageOutputs(Protocol):

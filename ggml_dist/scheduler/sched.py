@@ -342,10 +342,15 @@ class Sched:
             label = f"split #{split_id}"
             if trace is not None:
                 backend.submit(lambda n=backend.name, lb=label: trace.begin(n, lb))
-            if self.callback_eval is None:
-                backend.graph_compute(sp.graph)
-            else:
+            if self.callback_eval is not None:
                 self._compute_with_callback(backend, sp.graph)
+            elif backend.graph_plan_compute is not None:      # planned once, replayed (not in ggml's sched)
+                if sp.plan is None:
+                    assert backend.graph_plan_create is not None, f"{backend.name}: graph_plan_compute alone"
+                    sp.plan = backend.graph_plan_create(sp.graph)
+                backend.graph_plan_compute(sp.plan)
+            else:
+                backend.graph_compute(sp.graph)
             if trace is not None:
                 backend.submit(lambda n=backend.name, lb=label: trace.end(n, lb))
             if self.has_events[B]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ..backends.base import GraphPlan
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
 from .assign import buffer_supported, is_weight, tensor_backend_id
@@ -27,6 +28,10 @@ class Split:
     inputs: list[Tensor] = field(default_factory=list)
     inputs_capacity: int = GGML_SCHED_MAX_SPLIT_INPUTS
     graph: Graph | None = None
+    # not in ggml: the backend's plan of `graph` (Backend.graph_plan_create), made at the first compute
+    # and replayed after; the split owns it, since its tensors keep their places for the split's life
+    # (a graph placed anew is split anew)
+    plan: GraphPlan | None = None
 
     @property
     def n_inputs(self) -> int:

@@ -39,11 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.base import DeviceInfo
+from ..backends.devices import DeviceKind, DeviceSpec, ray_resources
 from ..model.context import ContextParams, LlamaContext, StageLostError
 from ..model.model import LlamaModel
 from .compiled import CompiledChain
 from .direct import DirectChain, fall_back_line
-from .driver import default_copies, driver_context, plan_stages
+from .driver import default_copies, driver_context, plan_stages, stage_kinds
 from .health import HealthServer, StageWatch
 from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError
 from .proxy import Call, StageDevice, StageProxy
@@ -527,13 +529,15 @@ class Pipeline:
                budgets: list[int] | None = None, threads_per_stage: int = 1,
                max_restarts: int = 3, node_ids: list[str] | None = None,
                stage_model_path: str | None = None, nodes: list[NodeInfo] | None = None,
-               on_plan: Callable[[Placement], None] | None = None, calls: str = "auto") -> Pipeline:
+               on_plan: Callable[[Placement], None] | None = None, calls: str = "auto",
+               devices: list[DeviceKind] | None = None) -> Pipeline:
         """Place the layers (n_stages None: the fewest stages that fit the cluster's nodes), start one
         actor per stage and wait until every stage holds its weights. On a cluster this process joined
         (not a local Ray it started), stages go one per node, sized by the nodes' Ray memory; node_ids
         limits them to those nodes. on_plan sees the placement before any actor starts. calls:
         "compiled" runs a step's stage calls as one execution of a Ray Compiled Graph
-        (workers/compiled.py), "plain" as actor calls, "auto" picks (compiled_fits)."""
+        (workers/compiled.py), "plain" as actor calls, "auto" picks (compiled_fits). devices: each
+        stage's device kind (one for all, or one per stage; default the CPU)."""
         if calls not in ("auto", "direct", "compiled", "plain"):
             raise ValueError(f"calls must be 'auto', 'direct', 'compiled' or 'plain', not {calls!r}")
         import ray
@@ -544,7 +548,7 @@ class Pipeline:
             nodes = cluster_nodes()
         # the one memory account (driver.plan_stages): what `plan` prints, and run's table and --json
         placement = plan_stages(model, params, n_stages if nodes is not None else n_stages or 1, nodes=nodes,
-                                budgets=budgets, layers=layers, threads=threads_per_stage)
+                                budgets=budgets, layers=layers, threads=threads_per_stage, kinds=devices)
         if nodes is None and node_ids:           # stage k on node_ids[k], as the caller says
             placement = _pinned(placement, node_ids, STAGE_OVERHEAD_BYTES)
         if on_plan is not None:
@@ -562,22 +566,29 @@ class Pipeline:
             pl.chain = CompiledChain(n, lambda: pl.actors, pl._plain_call, pl.watch,
                                      lambda k: pl.infos[k].get("incarnation") if k < len(pl.infos) else None,
                                      lambda e: _stage_error(e, "a stage of the compiled graph"))
-        for sp in placement.stages:
+        options = params.backend_options(threads_per_stage)
+        for sp, kind in zip(placement.stages, stage_kinds(devices, n)):
             pl.specs.append(StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
-                                      sp.stage == n - 1, params.n_ctx, model.hp.n_embd_k_gqa,
-                                      model.hp.n_embd_v_gqa, int(params.type_k), params.n_seq_max, params.exact,
-                                      threads_per_stage, params.kv_unified, params.background_compile,
-                                      params.batch_invariant))
-            pl.actors.append(actor_cls.options(**stage_options(sp, threads_per_stage)).remote(pl.specs[-1]))
-            pl.proxies.append(StageProxy(sp.stage, sp.layers, pl._call(sp.stage), StageDevice(f"stage{sp.stage}")))
+                                      sp.stage == n - 1, params, model.hp.n_embd_k_gqa, model.hp.n_embd_v_gqa,
+                                      DeviceSpec(kind, options)))
+            pl.actors.append(actor_cls.options(**pl._actor_options(k=sp.stage)).remote(pl.specs[-1]))
         pl.infos = [{}] * n
         pl.watch.addresses = [""] * n
         for k in range(n):
             pl._await_stage(k, pl.launch_timeout_s)
+        for sp, info in zip(placement.stages, pl.infos):      # each stage's device, as it described itself
+            device: DeviceInfo = info["device"]
+            pl.proxies.append(StageProxy(sp.stage, sp.layers, pl._call(sp.stage),
+                                         StageDevice(f"stage{sp.stage}", device)))
         pl._connect_direct()
         pl.ctx = driver_context(model, params, placement, pl.proxies, n_copies or default_copies(n))
         pl.ctx.recovery.restore = pl.recover_stages
         return pl
+
+    def _actor_options(self, k: int) -> dict[str, Any]:
+        """Stage k's actor's Ray options: its memory and CPUs (resources.stage_options), and what its
+        device kind reserves besides."""
+        return {**stage_options(self.placement.stages[k], self.threads), **ray_resources(self.specs[k].device.kind)}
 
     def _call(self, k: int) -> Call:
         """How stage k's proxy reaches its actors: direct links, the compiled chain, or plain calls."""
@@ -715,7 +726,7 @@ class Pipeline:
             sp = dataclasses.replace(sp, node_ip=node.ip, node_id=node.node_id, node_memory_bytes=node.memory_bytes)
             self.placement.stages[k] = sp
             print(f"ggml-dist: {self._describe(k)}: a new stage actor", file=sys.stderr, flush=True)
-        self.actors[k] = self.actor_cls.options(**stage_options(sp, self.threads)).remote(self.specs[k])
+        self.actors[k] = self.actor_cls.options(**self._actor_options(k)).remote(self.specs[k])
         self.proxies[k].call = self._call(k)
         self.watch.addresses[k] = ""
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..backends.base import BufferUsage
-from ..backends.cpu.backend import CPUDevice
+from ..backends.devices import DeviceKind, DeviceSpec, kind_info, open_backend
 from ..core.context import Context
 from ..core.graph import Graph
 from ..core.tensor import Tensor
@@ -40,7 +40,7 @@ from .proxy import Call, Exports, PipelineOutputs, RemoteBuffer, StageDevice, St
 
 def driver_context(model: LlamaModel, params: ContextParams, placement: Placement,
                    proxies: list[StageProxy], n_copies: int) -> LlamaContext:
-    cpu = CPUDevice("driver").init_backend(opts=params.compute_options())
+    cpu = open_backend(DeviceSpec(DeviceKind.CPU, params.backend_options()), "driver")   # the last, the fallback
     stage_of = {il: p for p in proxies for il in range(*p.layers)}
     ctx = LlamaContext(model, params, backends=[*proxies, cpu], n_copies=n_copies,
                        weights=driver_weights(model, placement, proxies),
@@ -53,19 +53,30 @@ def driver_context(model: LlamaModel, params: ContextParams, placement: Placemen
     return ctx
 
 
+def stage_kinds(kinds: list[DeviceKind] | None, n_stages: int) -> list[DeviceKind]:
+    """Each stage's device kind: as given (one for all, or one per stage), else the CPU."""
+    if not kinds:
+        return [DeviceKind.CPU] * n_stages
+    if len(kinds) not in (1, n_stages):
+        raise PlacementError(f"{len(kinds)} device kinds for {n_stages} stages; give one for all, or one per stage")
+    return list(kinds) * n_stages if len(kinds) == 1 else list(kinds)
+
+
 def planned_compute(model: LlamaModel, params: ContextParams, n_stages: int, n_copies: int = 1,
-                    layers: list[tuple[int, int]] | None = None) -> list[int]:
+                    layers: list[tuple[int, int]] | None = None, kinds: list[DeviceKind] | None = None) -> list[int]:
     """Per stage of an n_stages split (balanced, or `layers`): the compute buffer the driver plans for
     it. The figure hardly depends on where the split falls (a layer's activations; the head's logits
     on the last). With one copy it is what the stage itself allocates
     (tests/workers/test_stage_local.py): the driver's n_copies input copies live in the driver's plan
-    only, since a stage receives each micro-batch's inputs in its call."""
+    only, since a stage receives each micro-batch's inputs in its call. Before any stage exists, its
+    device is its kind's description (devices.kind_info)."""
     pl = place(model.file, model.hp, n_stages, params.n_ctx, layers=layers)
 
     def never(*_: Any) -> Any:
         raise RuntimeError("a sizing proxy is never called")
-    proxies = [StageProxy(s.stage, s.layers, Call(never, never, never), StageDevice(f"stage{s.stage}"))
-               for s in pl.stages]
+    proxies = [StageProxy(s.stage, s.layers, Call(never, never, never),
+                          StageDevice(f"stage{s.stage}", kind_info(DeviceSpec(kind), f"stage{s.stage}")))
+               for s, kind in zip(pl.stages, stage_kinds(kinds, n_stages))]
     ctx = driver_context(model, params, pl, proxies, n_copies)
     return [ctx.sched.get_buffer_size(p) for p in proxies]
 
@@ -89,12 +100,13 @@ def kv_plan(params: ContextParams) -> tuple[int, int]:
 
 
 def plan_on_nodes(model: LlamaModel, params: ContextParams, nodes: list[NodeInfo], n_stages: int | None,
-                  threads: int = 1, layers: list[tuple[int, int]] | None = None) -> Placement:
+                  threads: int = 1, layers: list[tuple[int, int]] | None = None,
+                  kinds: list[DeviceKind] | None = None) -> Placement:
     memo: dict[int, list[int]] = {}
 
     def compute_of(k: int) -> list[int]:
         if k not in memo:
-            memo[k] = planned_compute(model, params, k)
+            memo[k] = planned_compute(model, params, k, kinds=kinds if kinds and len(kinds) == 1 else None)
         return memo[k]
     n_kv, kv_size = kv_plan(params)
     return place_on_nodes(ModelSizes.of(model.file, model.hp, n_kv, kv_size), nodes, n_stages, compute_of,
@@ -103,20 +115,21 @@ def plan_on_nodes(model: LlamaModel, params: ContextParams, nodes: list[NodeInfo
 
 def plan_stages(model: LlamaModel, params: ContextParams, n_stages: int | None, *,
                 nodes: list[NodeInfo] | None = None, budgets: list[int] | None = None,
-                layers: list[tuple[int, int]] | None = None, threads: int = 1) -> Placement:
+                layers: list[tuple[int, int]] | None = None, threads: int = 1,
+                kinds: list[DeviceKind] | None = None) -> Placement:
     """The placement and memory account of a pipeline, the one function behind `plan`, `run`'s table,
     `run --json`'s plan and Pipeline.launch: per stage its weights, KV cache, the compute buffer it
     allocates (planned_compute, one copy) and the stage process (STAGE_OVERHEAD_BYTES). nodes: one
     stage per node (n_stages None: the fewest that fit); else n_stages stages against the optional
     budgets (one machine, or stages pinned by the caller)."""
     if nodes is not None:
-        return plan_on_nodes(model, params, nodes, n_stages, threads, layers)
+        return plan_on_nodes(model, params, nodes, n_stages, threads, layers, kinds)
     if n_stages is None:
         raise PlacementError("--stages auto needs a cluster's nodes (--address, or a ray job) or one budget")
     n_kv, kv_size = kv_plan(params)
     ranges = [s.layers for s in place(model.file, model.hp, n_stages, n_kv, kv_size, layers=layers).stages]
     return place(model.file, model.hp, n_stages, n_kv, kv_size, planned_compute(model, params, n_stages,
-                 layers=ranges), 1, budgets, ranges, STAGE_OVERHEAD_BYTES)
+                 layers=ranges, kinds=kinds), 1, budgets, ranges, STAGE_OVERHEAD_BYTES)
 
 
 def bind_exports(sched: Any, graph: Graph, proxies: list[StageProxy]) -> None:

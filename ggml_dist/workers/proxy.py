@@ -1,6 +1,7 @@
 """The driver-side proxy: a stage actor seen through the backend protocol the scheduler uses.
 
-    StageDevice   supports_op (the actor runs the CPU kernels), its own non-host buffer type
+    StageDevice   the stage's device as its process described it (DeviceInfo: type, memory, op table),
+                  with a non-host buffer type of its alignment standing for its memory
     RemoteBuffer  where the driver's allocator places the stage's tensors: addresses only, no memory;
                   set_tensor snapshots a graph input for the next call, get_tensor fetches an export
     PipelineOutputs  what the stages do beyond the backend protocol (model/context.py's StageOutputs): the
@@ -24,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, Event
-from ..backends.cpu.backend import cpu_supports_op
+from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceInfo, Event
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
 from .plan import describe, plan_id, plan_name
@@ -148,24 +148,29 @@ class PipelineOutputs:
 
 
 class StageDevice(Device):
-    type = DeviceType.GPU                      # a non-CPU device: the scheduler expands onto it
+    """A stage's device on the driver: what the stage's own device answered (DeviceInfo), so the
+    scheduler asks it what the remote device supports. The scheduler places work on it as on any
+    backend but the last: ggml's scheduler expands assignments onto every backend before the last (the
+    CPU) by position, whatever their type."""
 
-    def __init__(self, name: str, free: int = 0, total: int = 0) -> None:
+    def __init__(self, name: str, info: DeviceInfo) -> None:
         self.name = name
-        self.buft = RemoteBufferType(name)
-        self._mem = (free, total)
+        self.info = info
+        self.type = info.type
+        self.op_table = info.op_table
+        self.buft = RemoteBufferType(name, info.alignment, info.max_size)
 
     def get_buffer_type(self) -> RemoteBufferType:
         return self.buft
 
     def supports_op(self, t: Tensor) -> bool:
-        return cpu_supports_op(t)
+        return self.info.op_table.supports(t)
 
     def supports_buft(self, buft: BufferType) -> bool:
         return buft is self.buft
 
     def memory(self) -> tuple[int, int]:
-        return self._mem
+        return self.info.memory
 
     def init_backend(self) -> StageProxy:
         raise RuntimeError("a stage proxy is created with its actor (workers/cluster.py)")

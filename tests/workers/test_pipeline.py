@@ -153,6 +153,29 @@ def test_pipeline_generate(local_ray, model_path, tmp_path):
         pl.shutdown()
 
 
+# a stage built from a device: the last stage on the fake accelerator (backends/accel.py: the CPU's
+# kernels behind a non-host buffer type, so its weights are uploaded into its own buffers) in a Ray actor,
+# beside a CPU stage; the driver's proxies describe each stage's device as it answered, and the logits
+# and greedy tokens are one process's
+def test_pipeline_stage_on_the_fake_accelerator(local_ray, model_path):
+    from ggml_dist.backends.base import DeviceType
+    from ggml_dist.backends.devices import DeviceKind
+    ref_batch, ref_steps = _reference(model_path, TOKENS)
+    m = LlamaModel.load(model_path)
+    want = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, TOKENS, 12)
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), devices=[DeviceKind.CPU, DeviceKind.ACCEL])
+    try:
+        assert [p.device.type for p in pl.proxies] == [DeviceType.CPU, DeviceType.GPU]
+        assert pl.infos[1]["device"].type == DeviceType.GPU
+        assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
+        for i, t in enumerate([5, 6, 7]):
+            assert np.array_equal(pl.ctx.decode(Batch.from_tokens([t], pos0=len(TOKENS) + i)), ref_steps[i])
+        pl.ctx.clear()
+        assert generate(pl.ctx, m.tokenizer, TOKENS, 12).tokens == want.tokens
+    finally:
+        pl.shutdown()
+
+
 # stages pinned to different nodes of a simulated multi-node cluster
 def test_pipeline_multinode_cluster(model_path):
     from ray.cluster_utils import Cluster
