@@ -9,7 +9,8 @@
                   call's input as a handle (token feedback)
     StageProxy    graph_compute(split) = one asynchronous actor call carrying the split's plan id (and
                   its description the first time), the inputs that came from the driver, and the
-                  producing stages' result handles
+                  producing stages' result handles; its graph plan (RemotePlan, kept by the scheduler's
+                  split) holds the split's descriptions, so a replayed split is described once
 
 Only this module and workers/cluster.py know that a handle is a Ray ObjectRef: `Call` wraps the
 submission function, so the scheduler sees a backend whose compute returns at once and whose
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceInfo, Event
+from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceInfo, Event, GraphPlan
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
 from .plan import describe, plan_id, plan_name
@@ -176,6 +177,15 @@ class StageDevice(Device):
         raise RuntimeError("a stage proxy is created with its actor (workers/cluster.py)")
 
 
+@dataclass(eq=False)
+class RemotePlan:
+    """A stage proxy's graph plan (GraphPlan): the split's description, one per sources of its inputs (a
+    token from the driver, or fed by the last stage's call), with its plan id. The scheduler's split keeps
+    it for the split's life."""
+    graph: Graph
+    descs: dict[tuple, tuple[str, dict]] = field(default_factory=dict)
+
+
 @dataclass
 class Call:
     """How a proxy reaches its actor: submit returns a handle at once; get waits for handles;
@@ -215,7 +225,6 @@ class StageProxy(Backend):
         self.pending_up: dict[Tensor, tuple[Any, str]] = {}      # input copy -> (handle, key)
         self.pending_sample: dict | None = None                   # PipelineOutputs.sample's request
         self.sent_plans: OrderedDict[str, None] = OrderedDict()   # mirrors the stage's plan LRU
-        self._descs: OrderedDict[tuple, tuple[str, dict]] = OrderedDict()
         self.last_handle: Any = None
         self.n_calls = 0
 
@@ -234,9 +243,20 @@ class StageProxy(Backend):
         return False                     # the scheduler falls back to get_tensor + set_tensor
 
     # -- compute ------------------------------------------------------------------------------------
+    def graph_plan_create(self, graph: Graph) -> RemotePlan:
+        """ggml_backend_graph_plan_create: the split as the stage will run it, described at its first compute."""
+        return RemotePlan(graph)
+
+    def graph_plan_compute(self, plan: GraphPlan) -> None:
+        assert isinstance(plan, RemotePlan), f"{plan!r} is not a stage proxy's plan"
+        self._submit(plan)
+
     def graph_compute(self, graph: Graph) -> None:
+        self._submit(RemotePlan(graph))
+
+    def _submit(self, plan: RemotePlan) -> None:
         assert self.exports is not None, "Exports.of(sched, graph) must be bound before compute"
-        pid, desc = self._describe(graph)
+        pid, desc = self._describe(plan)
         host = [WireTensor(f"h:{plan_name(t)}", t.type, t.ne, a) for t, a in self.pending_host.items()]
         ups = list({id(h): h for h, _ in self.pending_up.values()}.values())   # each producer's result once
         known = pid in self.sent_plans
@@ -246,7 +266,7 @@ class StageProxy(Backend):
         self.pending_host.clear()
         self.pending_up.clear()
         self.pending_sample = None
-        for t in graph.nodes:
+        for t in plan.graph.nodes:
             if t in self.exports.keys:
                 self.exports.handles[t] = handle
         self.last_handle = handle
@@ -261,13 +281,12 @@ class StageProxy(Backend):
         while len(self.sent_plans) > MAX_PLANS:
             self.sent_plans.popitem(last=False)
 
-    def _describe(self, graph: Graph) -> tuple[str, dict]:
-        """The split's plan: cached per (nodes, input sources), so a reused graph costs a dict lookup."""
-        ck = (tuple(map(id, graph.nodes)), tuple((id(t), k) for t, (_, k) in self.pending_up.items()),
-              tuple(map(id, self.pending_host)))
-        hit = self._descs.get(ck)
+    def _describe(self, plan: RemotePlan) -> tuple[str, dict]:
+        """The split's plan id and description for the sources of this call's inputs (a graph input from
+        the driver, or another call's result), kept in its RemotePlan: a replayed split costs a lookup."""
+        ck = (tuple((t, k) for t, (_, k) in self.pending_up.items()), tuple(self.pending_host))
+        hit = plan.descs.get(ck)
         if hit is not None:
-            self._descs.move_to_end(ck)
             return hit
         assert self.exports is not None
         up_keys = {t: k for t, (_, k) in self.pending_up.items()}
@@ -285,12 +304,10 @@ class StageProxy(Backend):
                 return "kv", t.name
             return None
 
+        graph = plan.graph
         exports = [(t, self.exports.keys[t]) for t in graph.nodes if t in self.exports.keys]
         desc = describe(graph.nodes, resolve, exports)
-        out = (plan_id(desc), desc)
-        self._descs[ck] = out
-        while len(self._descs) > 16:
-            self._descs.popitem(last=False)
+        out = plan.descs[ck] = (plan_id(desc), desc)
         return out
 
     def fetch(self, handle: Any, key: str) -> np.ndarray:
