@@ -226,8 +226,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _exit_on_stop_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "serve":
+        # a server's signals are its own from here (serve/server.py takes them over once its modules
+        # are in), whatever the disposition it inherited
+        import signal
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _exit_on_stop_signal)
     if getattr(args, "verbose", False):           # read by workers/cluster.connect (and serve's replicas)
         import os
         os.environ["GGML_DIST_VERBOSE"] = "1"
@@ -570,8 +580,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"ggml-dist serve: {name} on http://{args.host}:{args.port}/v1 ({args.parallel} slots of "
           f"{args.ctx // args.parallel} tokens{f' over {args.replicas} replicas' if args.replicas > 1 else ''}); "
           f"loading, see /health", file=sys.stderr)
-    serve(cfg, name, args.host, args.port, opts=opts)
-    return 0
+    stopped_by = serve(cfg, name, args.host, args.port, opts=opts)
+    return 128 + stopped_by if stopped_by else 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

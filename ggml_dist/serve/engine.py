@@ -198,12 +198,17 @@ class Engine:
             self._cv.notify()
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then the runtime (a pipeline's stage actors). A load still running
+        30 s later ends the runtime itself once it is open (_run)."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout=30)
-        if self.runtime is not None:
-            self.runtime.shutdown()
+        if self._thread.ident is not None:          # started (a stop can come before start())
+            self._thread.join(timeout=30)
+        with self._cv:
+            rt, self.runtime = self.runtime, None
+        if rt is not None:
+            rt.shutdown()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -282,6 +287,10 @@ class Engine:
             print(f"ggml-dist serve: {self.load_error}", file=sys.stderr)
             self.ready.set()
             return
+        with self._cv:
+            if self._stopping and self.runtime is not None:     # shut down while it loaded: its runtime
+                rt, self.runtime = self.runtime, None            # is ours to end
+                rt.shutdown()
         self.ready.set()
         steps, slots = self.steps, self.slots
         assert steps is not None

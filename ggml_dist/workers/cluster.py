@@ -76,6 +76,10 @@ class _LocalRay:
 
 
 _local: _LocalRay | None = None
+# held by a local start from before its ray.init until its processes are recorded in _local:
+# shutdown_local takes it, so a stop that comes while a local Ray starts (a server's engine thread
+# starts it) waits for the start and then ends every process of it
+_start_lock = threading.Lock()
 
 
 def connect(address: str | None = None, num_cpus: int | None = None,
@@ -200,19 +204,20 @@ def _start_local(**init_kwargs: Any) -> None:
     shutdown_local lets go. Records the instance's processes, and registers shutdown_local."""
     global _local
     import ray
-    before = set(_children(os.getpid()))
-    with _loopback_only():
-        if threading.current_thread() is threading.main_thread():
-            ray.init(**init_kwargs)
-            release = None
-            # ray.init set SIGTERM to sys.exit, but its core worker then put absl's failure handler
-            # in front, which aborts the process 3 s later; a stop takes longer than that
-            signal.signal(signal.SIGTERM, exit_on_signal)
-        else:
-            release = _init_in_owner_thread(init_kwargs)
-    table = _proc_table()
-    roots = [p for p in _children(os.getpid(), table) if p not in before]
-    _local = _LocalRay(_descendants(roots, table), release)   # daemons + agents; workers come later
+    with _start_lock:
+        before = set(_children(os.getpid()))
+        with _loopback_only():
+            if threading.current_thread() is threading.main_thread():
+                ray.init(**init_kwargs)
+                release = None
+                # ray.init set SIGTERM to sys.exit, but its core worker then put absl's failure handler
+                # in front, which aborts the process 3 s later; a stop takes longer than that
+                signal.signal(signal.SIGTERM, exit_on_signal)
+            else:
+                release = _init_in_owner_thread(init_kwargs)
+        table = _proc_table()
+        roots = [p for p in _children(os.getpid(), table) if p not in before]
+        _local = _LocalRay(_descendants(roots, table), release)   # daemons + agents; workers come later
     atexit.unregister(shutdown_local)
     atexit.register(shutdown_local)             # after Ray's own atexit hook, so it runs before it
 
@@ -247,9 +252,15 @@ def shutdown_local(timeout_s: float = 5.0) -> None:
     """End the local Ray this process started, every process of it: ray.shutdown() stops the daemons
     it spawned, and they their workers and agents; whatever is still there timeout_s later is killed,
     by pid (an agent whose raylet was killed rather than stopped stays up). Does nothing when this
-    process joined a cluster, or started none; safe to call twice."""
+    process joined a cluster, or started none; safe to call twice. A local start in progress (in
+    another thread) is waited for first, up to a minute."""
     global _local, _started_local
-    local, _local = _local, None
+    locked = _start_lock.acquire(timeout=60)
+    try:
+        local, _local = _local, None
+    finally:
+        if locked:
+            _start_lock.release()
     if local is None:
         return
     import ray
