@@ -43,7 +43,7 @@ OVERSIZED = {
     "ggml_dist/serve/engine.py": 534,
     "ggml_dist/serve/grammar.py": 831,
     "ggml_dist/serve/replicas.py": 596,
-    "ggml_dist/testbed/cluster.py": 861,
+    "ggml_dist/testbed/cluster.py": 591,
     "ggml_dist/workers/cluster.py": 798,
     "ggml_dist/workers/placement.py": 404,
 }
