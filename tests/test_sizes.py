@@ -41,7 +41,7 @@ OVERSIZED = {
     "ggml_dist/serve/app.py:create_app": 421,
     "ggml_dist/serve/app.py:_generate": 92,
     "ggml_dist/serve/engine.py": 534,
-    "ggml_dist/serve/grammar.py": 831,
+    "ggml_dist/serve/grammar.py": 414,
     "ggml_dist/serve/replicas.py": 596,
     "ggml_dist/testbed/cluster.py": 591,
     "ggml_dist/workers/cluster.py": 798,

@@ -11,6 +11,7 @@ side, or on a Ray pipeline.
     llama_server.py  llama-server's own API: /completion, /props, /slots, /apply-template, /embedding
     stop.py     stop strings over streamed text (held back until they can no longer match)
     grammar.py  constrained decoding: response_format, grammar and json_schema as llguidance token masks
+                (its limits: grammar_limits.py; GBNF to Lark: gbnf.py)
     tools.py    tool calls: tools rendered by the chat template, calls parsed from the text, forced calls
     metrics.py  Prometheus text exposition
     server.py   `serve` (blocking, for the CLI) and `ServerThread` (tests, benchmarks)
