@@ -65,6 +65,16 @@ class UnsupportedOpError(RuntimeError):
     """A backend was asked to compute an op it does not implement."""
 
 
+class StageLostError(RuntimeError):
+    """A backend in another process lost the state its caller relies on (a pipeline stage died or was
+    restarted): raised by the transports that reach it, where a result is waited for; a context recovers
+    by restoring the backend and replaying its ubatch log (model/recovery.py)."""
+
+    def __init__(self, msg: str, stage: int = -1) -> None:
+        super().__init__(msg)
+        self.stage = stage
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """What a run asks of every backend it creates (ggml_backend_dev_init's params, typed): the numerics

@@ -13,11 +13,9 @@ Lifecycle (§3.7): reset -> [set_tensor_backend] -> alloc_graph -> graph_compute
 With n_copies > 1 (pipeline parallelism) every split input has one copy per micro-batch slot and
 cur_copy rotates on each alloc_graph, so micro-batch m+1's first splits can run while m's later
 splits still run on other (asynchronous) backends. Not in ggml: save_plan/restore_plan keep an
-allocated graph's assignments, splits and allocator plan, so a graph whose shape comes back is bound
-again without being split and planned again.
-
-Layers, bottom-up: constants; the Sched (lifecycle, saved plans, split_graph, alloc_splits,
-compute_splits, getters and callbacks, debug).
+allocated graph's assignments, splits and allocator plan (a shape that comes back is not split and
+planned again), and a split keeps its backend's graph plan (bound once, replayed). Layers, bottom-up:
+constants; the Sched (lifecycle, saved plans, split_graph, alloc_splits, compute_splits, getters, debug).
 """
 from __future__ import annotations
 
@@ -342,15 +340,10 @@ class Sched:
             label = f"split #{split_id}"
             if trace is not None:
                 backend.submit(lambda n=backend.name, lb=label: trace.begin(n, lb))
-            if self.callback_eval is not None:
-                self._compute_with_callback(backend, sp.graph)
-            elif backend.graph_plan_compute is not None:      # planned once, replayed (not in ggml's sched)
-                if sp.plan is None:
-                    assert backend.graph_plan_create is not None, f"{backend.name}: graph_plan_compute alone"
-                    sp.plan = backend.graph_plan_create(sp.graph)
-                backend.graph_plan_compute(sp.plan)
+            if self.callback_eval is None:
+                sp.compute(backend)
             else:
-                backend.graph_compute(sp.graph)
+                self._compute_with_callback(backend, sp.graph)
             if trace is not None:
                 backend.submit(lambda n=backend.name, lb=label: trace.end(n, lb))
             if self.has_events[B]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..backends.base import GraphPlan
+from ..backends.base import Backend, GraphPlan
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
 from .assign import buffer_supported, is_weight, tensor_backend_id
@@ -36,6 +36,17 @@ class Split:
     @property
     def n_inputs(self) -> int:
         return len(self.inputs)
+
+    def compute(self, backend: Backend) -> None:
+        """Run the split's graph on its backend: through the backend's plan of it where the backend has
+        the graph_plan slots (planned at the first compute, replayed after), else graph_compute."""
+        assert self.graph is not None
+        if backend.graph_plan_create is None or backend.graph_plan_compute is None:
+            backend.graph_compute(self.graph)
+            return
+        if self.plan is None:
+            self.plan = backend.graph_plan_create(self.graph)
+        backend.graph_plan_compute(self.plan)
 
 
 def _grow_set(arr: list[int], i: int, v: int) -> None:

@@ -34,8 +34,10 @@ from typing import Any, cast
 
 import uvicorn
 
-from .app import MAX_BODY_BYTES, Admission, HTTPPolicy, create_app, is_loopback
-from .engine import Engine, EngineConfig, ServingEngine
+from .app import create_app
+from .engine import Engine, ServingEngine
+from .engine_config import EngineConfig
+from .guard import MAX_BODY_BYTES, Admission, HTTPPolicy, is_loopback
 from .metrics import Metrics
 
 HEADER_TIMEOUT_S = 10.0           # a request's headers, from its connection's start or last response
@@ -253,14 +255,14 @@ def serve(cfg: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int
     """Serve until SIGTERM or SIGINT (then drain: the module docstring); the engine loads in the
     background meanwhile. Returns the signal that stopped it, once the engine, its stages and the local
     Ray it started have ended (the caller exits 128 + it)."""
-    from ..runtime import runs_on_ray, shutdown_local
+    from ..runtime import shutdown_local
     stop = _StopSignals()
     engine: ServingEngine | None = None
     config: uvicorn.Config | None = None
     try:
         opts = opts or ServeOptions(policy=HTTPPolicy.for_bind(host, max_body_bytes=max_body_bytes))
-        if runs_on_ray(cfg.n_stages, cfg.address):
-            protect_ray_token(joining=bool(cfg.address or os.environ.get("RAY_ADDRESS")))
+        if cfg.run.distributed:
+            protect_ray_token(joining=bool(cfg.run.address or os.environ.get("RAY_ADDRESS")))
         engine = make_engine(cfg, Metrics())
         engine.start()
         admission = Admission()

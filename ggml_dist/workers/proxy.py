@@ -4,15 +4,12 @@
                   with a non-host buffer type of its alignment standing for its memory
     RemoteBuffer  where the driver's allocator places the stage's tensors: addresses only, no memory;
                   set_tensor snapshots a graph input for the next call, get_tensor fetches an export
-    PipelineOutputs  what the stages do beyond the backend protocol (model/context.py's StageOutputs): the
-                  last stage chooses the tokens from its logits, and a sampled token goes to a later
-                  call's input as a handle (token feedback)
     StageProxy    graph_compute(split) = one asynchronous actor call carrying the split's plan id (and
                   its description the first time), the inputs that came from the driver, and the
                   producing stages' result handles; its graph plan (RemotePlan, kept by the scheduler's
                   split) holds the split's descriptions, so a replayed split is described once
 
-Only this module and workers/cluster.py know that a handle is a Ray ObjectRef: `Call` wraps the
+Only this module and workers/actor.py know that a handle is a Ray ObjectRef: `Call` wraps the
 submission function, so the scheduler sees a backend whose compute returns at once and whose
 copies are recorded, not performed. Ray resolves a call's argument refs before running it: the
 dependency between stages is the event.
@@ -94,7 +91,7 @@ class RemoteBuffer(Buffer):
 
     def get_tensor_async(self, t: Tensor, suffix: str = "") -> Fetch:
         """A fetch of t's value as made by the call that last computed it (captured now); suffix
-        ":tok": the tokens that call chose from it (PipelineOutputs.sample)."""
+        ":tok": the tokens that call chose from it (driver.DriverPipeline.sample)."""
         proxy = self.buft.proxy
         assert proxy is not None and proxy.exports is not None
         key, handle = proxy.exports.keys.get(t), proxy.exports.handles.get(t)
@@ -105,47 +102,6 @@ class RemoteBuffer(Buffer):
 
     def clear(self, value: int = 0) -> None:
         pass                                   # the stage clears its own memory
-
-
-class PipelineOutputs:
-    """The stages' side of model/context.py's StageOutputs: the proxies of one pipeline, which share the
-    current graph's Exports (workers/driver.py bind_exports)."""
-
-    def __init__(self, proxies: list[StageProxy]) -> None:
-        self.proxies = proxies
-
-    def _exports(self) -> Exports:
-        ex = self.proxies[0].exports
-        assert ex is not None, "Exports.of(sched, graph) must be bound before compute"
-        return ex
-
-    def sample(self, t: Tensor, rows: list, keep_logits: bool) -> bool:
-        """The next call that computes t (the logits) samples one token per row where it runs (rows:
-        model/sampling.RowSampling) and returns the tokens, and t's value only if keep_logits."""
-        buft = getattr(t.buffer, "buft", None)
-        proxy = buft.proxy if isinstance(buft, RemoteBufferType) else None
-        if proxy is None:
-            return False
-        proxy.pending_sample = {"export": self._exports().keys[t], "rows": [r.to_list() for r in rows],
-                                "keep": keep_logits}
-        return True
-
-    def fetch_tokens(self, t: Tensor) -> Fetch:
-        assert isinstance(t.buffer, RemoteBuffer)
-        return t.buffer.get_tensor_async(t, ":tok")
-
-    def feed(self, t: Tensor, fetch: Callable[[], np.ndarray] | None) -> bool:
-        """The next compute takes graph input t from `fetch` (a Fetch of this pipeline's): the stage
-        that reads t gets the producing call's handle, and the transport hands it the result from stage to
-        stage. Not while the calls run as a compiled graph (its executions take their inputs from the
-        driver). fetch None: withdraw t's feed if the compute did not take it."""
-        feeds = self._exports().feeds
-        if fetch is None:
-            return feeds.pop(t, None) is not None
-        if not isinstance(fetch, Fetch) or not fetch.proxy.call.takes_refs():
-            return False
-        feeds[t] = (fetch.handle, fetch.key)
-        return True
 
 
 class StageDevice(Device):
@@ -223,7 +179,7 @@ class StageProxy(Backend):
         self.exports: Exports | None = None
         self.pending_host: dict[Tensor, np.ndarray] = {}
         self.pending_up: dict[Tensor, tuple[Any, str]] = {}      # input copy -> (handle, key)
-        self.pending_sample: dict | None = None                   # PipelineOutputs.sample's request
+        self.pending_sample: dict | None = None                   # DriverPipeline.sample's request
         self.sent_plans: OrderedDict[str, None] = OrderedDict()   # mirrors the stage's plan LRU
         self.last_handle: Any = None
         self.n_calls = 0

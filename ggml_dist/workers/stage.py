@@ -2,7 +2,7 @@
 split plans.
 
 A plain class, testable without Ray; `ray.remote(...)` is applied where actors are created
-(workers/cluster.py). The stage knows devices only through the device protocol: its spec names a device
+(workers/actor.py). The stage knows devices only through the device protocol: its spec names a device
 kind and its options (backends/devices.py), and the backend opened from them holds the KV cache and the
 compute arena in its buffer type, and computes every plan (bound once through its graph_plan slot where
 it has one). One `compute` call per micro-batch runs every split this stage has in the graph:
@@ -109,17 +109,40 @@ class StagePlan:
     bound: GraphPlan | None = None
 
 
+# one call's wall times: (start, compute start, compute end, end, plan label)
+CallSpan = tuple[float, float, float, float, str]
+
+
 @dataclass
 class StageStats:
+    """A stage's figures since it started: kept by the stage, and sent as a snapshot (StageWorker.get_stats)."""
     n_calls: int = 0
     n_plans: int = 0
     compute_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0        # each call's part before its compute: finding the plan, decoding, inputs
     bytes_in: int = 0            # every message received: the driver's inputs and upstream results
     bytes_in_host: int = 0       # of which from the driver (tokens, positions, masks, KV slots)
     bytes_out: int = 0
-    timeline: list = field(default_factory=list)   # per call, wall times: (start, compute start,
-                                                   # compute end, end, plan label)
+    cpu_s: float = 0.0           # the process's CPU seconds, every thread (in a snapshot)
+    timeline: list[CallSpan] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage says of itself (StageWorker.info; its Ray actor adds where it listens)."""
+    stage: int
+    pid: int
+    incarnation: str             # this process's life: a restarted stage has another
+    node: str                    # the host's name
+    node_id: str                 # Ray's node id ("" outside Ray)
+    needs_weights: bool          # cannot read the model file and was sent none yet
+    layers: tuple[int, int]
+    weight_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    device: DeviceInfo
+    health: str = ""             # the health port's address (workers/health.py)
+    node_ip: str = ""
 
 
 class StageWorker:
@@ -185,7 +208,7 @@ class StageWorker:
         return sum(t.nbytes for t in self.weights.values())
 
     # -- info ---------------------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> StageInfo:
         node_id = ""
         try:
             import ray
@@ -193,22 +216,15 @@ class StageWorker:
                 node_id = ray.get_runtime_context().get_node_id()
         except ImportError:
             pass
-        return {"stage": self.spec.stage_id, "pid": os.getpid(), "incarnation": self.incarnation,
-                "node": os.uname().nodename,
-                "node_id": node_id, "needs_weights": self.needs_weights,
-                "layers": list(self.spec.layers), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
-                "kv_bytes": self.kv.nbytes, "compute_bytes": self.compute_bytes(),
-                "device": DeviceInfo.of(self.device)}
+        return StageInfo(self.spec.stage_id, os.getpid(), self.incarnation, os.uname().nodename, node_id,
+                         self.needs_weights, self.spec.layers, sum(t.nbytes for t in self.weights.values()),
+                         self.kv.nbytes, self.compute_bytes(), DeviceInfo.of(self.device))
 
     def compute_bytes(self) -> int:
         return self.arena.buffer.size if self.plans and self.arena.buffer is not None else 0
 
-    def get_stats(self) -> dict[str, Any]:
-        s = self.stats
-        return {"n_calls": s.n_calls, "n_plans": s.n_plans, "compute_s": s.compute_s,
-                "decode_s": s.decode_s, "bytes_in": s.bytes_in, "bytes_in_host": s.bytes_in_host,
-                "bytes_out": s.bytes_out, "cpu_s": time.process_time(),    # every thread of the process
-                "timeline": list(s.timeline)}
+    def get_stats(self) -> StageStats:
+        return replace(self.stats, cpu_s=time.process_time(), timeline=list(self.stats.timeline))
 
     def ping(self) -> int:
         return os.getpid()

@@ -66,7 +66,7 @@ def test_defaults_of_the_optional_slots():
     buf = _SizeOnlyBuffer(64)
     slots = (buf.usage, buf.base, buf.get_tensor_async)
     assert slots == (BufferUsage.ANY, None, None)
-    # the device layer knows devices only: sampling and token feedback are a pipeline's (StageOutputs)
+    # the device layer knows devices only: sampling and token feedback are a pipeline's (PipelineHooks)
     assert not hasattr(buf, "set_sampling") and not hasattr(buf, "feed")
     assert buf.init_tensor(t) is None and buf.reset() is None and buf.release_pages(0, 64) is None
     buft = _MinimalBufferType()

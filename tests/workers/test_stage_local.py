@@ -30,7 +30,7 @@ def local_pipeline(path, n_stages: int, params: ContextParams, n_copies: int = 1
         workers.append(w)
         call = Call(submit=lambda pid, desc, inp, *ups, w=w: w.compute(pid, desc, inp, *ups),
                     get=lambda hs: hs, wait=lambda hs: None)
-        proxies.append(StageProxy(sp.stage, sp.layers, call, StageDevice(f"stage{sp.stage}", w.info()["device"])))
+        proxies.append(StageProxy(sp.stage, sp.layers, call, StageDevice(f"stage{sp.stage}", w.info().device)))
     ctx = driver_context(model, params, pl, proxies, n_copies=n_copies)
     return model, ctx, workers
 
