@@ -25,8 +25,8 @@ class StageActor:
     def __init__(self, spec: StageSpec) -> None:
         import ray
 
-        from ..backends.cpu.compile_progress import install
-        install(f"stage {spec.stage_id}")         # its compiles reach the driver's log (log_to_driver)
+        from ..backends.host import compile_progress
+        compile_progress.install(f"stage {spec.stage_id}")   # its compiles reach the driver's log (log_to_driver)
         self.worker = StageWorker(spec)
         self.health = HealthServer(ray.util.get_node_ip_address(), self.worker.progress)
         self.loop: StageLoop | None = None
