@@ -20,7 +20,8 @@ from ggml_dist.bench.pipeline import _decode_continuous
 from ggml_dist.model.context import ContextParams
 from ggml_dist.model.pull import resolve_model
 from ggml_dist.model.ubatch import Batch
-from ggml_dist.workers.cluster import Pipeline, connect
+from ggml_dist.workers.cluster import Pipeline
+from ggml_dist.workers.local_ray import connect
 from ggml_dist.workers.placement import ModelSizes
 
 
@@ -36,7 +37,7 @@ def stage_ms(path: str, layers: list[tuple[int, int]], steps: int) -> list[float
         after = pl.stats()
     finally:
         pl.shutdown()
-    return [(a["compute_s"] - b["compute_s"]) / (a["n_calls"] - b["n_calls"]) * 1e3 for a, b in zip(after, before)]
+    return [(a.compute_s - b.compute_s) / (a.n_calls - b.n_calls) * 1e3 for a, b in zip(after, before)]
 
 
 def main() -> None:

@@ -270,6 +270,8 @@ def _prompt_counters(url: str) -> tuple[int, int]:
 def soak(args: argparse.Namespace) -> dict:
     """N clients for --duration s: random request kinds; any unexpected answer counts as an error."""
     from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+    from ggml_dist.model.context import ContextParams
+    from ggml_dist.runtime import RunConfig
     from ggml_dist.serve import EngineConfig, ServerThread
     chatml = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
               "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
@@ -319,8 +321,8 @@ def soak(args: argparse.Namespace) -> dict:
                 except Exception as e:
                     note(kind, False, f"{type(e).__name__}: {e}")
 
-    cfg = EngineConfig(path, n_parallel=args.parallel, n_ctx=args.parallel * 256, max_queue=args.soak,
-                       chat_template=chatml)
+    cfg = EngineConfig(RunConfig(path, ContextParams(n_ctx=args.parallel * 256)), n_parallel=args.parallel,
+                       max_queue=args.soak, chat_template=chatml)
     with ServerThread(cfg) as srv:
         url = srv.url
         threads = [threading.Thread(target=client, args=(k,)) for k in range(args.soak)]

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from ggml_dist.model.context import ContextParams
     from ggml_dist.model.generate import generate
     from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
-    from ggml_dist.workers.cluster import Pipeline, connect
+    from ggml_dist.workers.cluster import Pipeline
+    from ggml_dist.workers.local_ray import connect
     from ggml_dist.workers.placement import STAGE_OVERHEAD_BYTES
     connect(num_cpus=max(2, a.stages))
     with tempfile.TemporaryDirectory() as d:

@@ -6,12 +6,13 @@
                     inside `ray job submit`, where it is one stage), else a Pipeline on Ray (joining the
                     cluster at the address, or RAY_ADDRESS, or a local Ray it starts)
     open_runtime    acts on it: the model mapped here, or the stage actors started and holding weights
-    Runtime         what the callers (cli, serve, bench) ask of either: the model and its context, how
-                    many micro-batches it takes in flight (depth), how many stages, whether the last
+    Runtime         what the callers (cli, serve, bench) ask of either, typed: the model and its context,
+                    how many micro-batches it takes in flight (depth), how many stages, whether the last
                     stage's tokens feed the first's next step (feeds_tokens), whether a sequence's cells
                     can be moved between streams here (moves_sequences: the KV lives in this process),
-                    the stages' figures, the plan, shutdown. `pipeline` is the Ray pipeline itself, for
-                    what only a pipeline has (fault injection, traces, stage calls); None in one process
+                    the plan, the stages' figures and descriptions (StageStats, StageInfo), how the steps
+                    reached them, a trace, fault injection (kill_stage, wedge_stage), shutdown. Asked of
+                    one process, what only a pipeline has is empty (stats, infos) or refused (faults)
 
 serve/ and bench/ reach workers/ only through this module (tests/test_layers.py).
 """
@@ -21,13 +22,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from .backends.devices import DeviceKind
 from .model.context import ContextParams, LlamaContext
 from .model.model import LlamaModel
-from .workers.cluster import connect, exit_on_signal, local_ray_cpu_s, shutdown_local  # noqa: F401 - the face
+from .workers.cluster import Pipeline
 from .workers.driver import default_copies  # noqa: F401 - the face
+from .workers.local_ray import connect, exit_on_signal, local_ray_cpu_s, shutdown_local  # noqa: F401 - the face
 from .workers.placement import Placement
+from .workers.stage import StageInfo, StageStats
 
 
 def runs_on_ray(n_stages: int | None, address: str | None) -> bool:
@@ -38,6 +41,10 @@ def runs_on_ray(n_stages: int | None, address: str | None) -> bool:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """One run's configuration, built once (config.run_config, from the options `run`, `logits`, `plan` and
+    `serve` share) and passed down whole: the server's configuration holds it, and a stage's spec carries
+    its context (params) and backend options by value. A new option is a field here (or of ContextParams,
+    for the context's numerics) and its use."""
     model_path: str | Path
     params: ContextParams
     n_stages: int | None = 1                     # None: the fewest stages that fit the cluster's nodes
@@ -51,6 +58,8 @@ class RunConfig:
     node_ids: list[str] | None = None            # stage k on node_ids[k] (a testbed's pinned hosts)
     label: str = "ggml-dist"                     # the prefix of the lines it prints
     show_plan: bool = True                       # print the placement's table before the stages start
+    devices: tuple[DeviceKind, ...] = ()         # each stage's device kind (one for all, or one per stage)
+    verbose: bool | None = None                  # Ray's own notices (None: $GGML_DIST_VERBOSE)
 
     @property
     def distributed(self) -> bool:
@@ -58,48 +67,75 @@ class RunConfig:
 
 
 class Runtime:
-    """A model's context in this process (pipeline None) or over a Ray pipeline's stages."""
+    """A model's context in this process, or over a Ray pipeline's stages (`_pipeline`)."""
 
-    def __init__(self, model: LlamaModel, ctx: LlamaContext, pipeline: Any = None) -> None:
-        self.model, self.ctx, self.pipeline = model, ctx, pipeline
+    def __init__(self, model: LlamaModel, ctx: LlamaContext, pipeline: Pipeline | None = None) -> None:
+        self.model, self.ctx, self._pipeline = model, ctx, pipeline
 
     @property
     def distributed(self) -> bool:
-        return self.pipeline is not None
+        return self._pipeline is not None
 
     @property
     def depth(self) -> int:
         """Micro-batches the context takes in flight before it needs one back."""
-        return self.ctx.n_copies if self.pipeline is not None else 1
+        return self.ctx.n_copies if self._pipeline is not None else 1
 
     @property
     def n_stages(self) -> int:
-        return len(self.pipeline.proxies) if self.pipeline is not None else 1
+        return len(self._pipeline.proxies) if self._pipeline is not None else 1
 
     @property
     def moves_sequences(self) -> bool:
         """A sequence's cells can be moved or swapped between KV streams here (the cache is this
         process's); a pipeline's stages hold theirs."""
-        return self.pipeline is None
+        return self._pipeline is None
 
     def feeds_tokens(self) -> bool:
         """The last stage's sampled token goes straight to the first stage's next step."""
-        return self.pipeline is not None and self.pipeline.feeds_tokens()
+        return self._pipeline is not None and self._pipeline.feeds_tokens()
 
     @property
     def placement(self) -> Placement | None:
-        return self.pipeline.placement if self.pipeline is not None else None
+        return self._pipeline.placement if self._pipeline is not None else None
 
-    def stats(self) -> list[dict]:
+    def stats(self) -> list[StageStats]:
         """Each stage's figures (compute_s, calls, ...); none in one process (the caller times it)."""
-        return self.pipeline.stats() if self.pipeline is not None else []
+        return self._pipeline.stats() if self._pipeline is not None else []
+
+    def stage_infos(self) -> list[StageInfo]:
+        """What each stage last said of itself (its process, node, device, memory); none in one process."""
+        if self._pipeline is None:
+            return []
+        return [i for i in self._pipeline.infos if i is not None]
 
     def calls_used(self) -> str | None:
-        return self.pipeline.calls_used() if self.pipeline is not None else None
+        return self._pipeline.calls_used() if self._pipeline is not None else None
+
+    def write_trace(self, path: str) -> None:
+        """A Chrome/Perfetto trace of the stages' calls so far (workers/timeline.py)."""
+        self._stages("a trace").write_trace(path)
+
+    def kill_stage(self, k: int) -> None:
+        """Fault injection: kill stage k's process (Ray restarts it; the context recovers)."""
+        self._stages("kill-stage").kill_stage(k)
+
+    def wedge_stage(self, k: int) -> None:
+        """Fault injection: stage k's next call blocks, its process alive (its watch declares it lost)."""
+        self._stages("wedge-stage").wedge_stage(k)
+
+    def set_recover_timeout(self, seconds: float) -> None:
+        """How long a recovery may wait for a lost stage to come back before it gives up."""
+        self._stages("a recovery timeout").recover_timeout_s = seconds
+
+    def _stages(self, what: str) -> Pipeline:
+        if self._pipeline is None:
+            raise ValueError(f"{what} needs a pipeline: add --stages 2 (or more)")
+        return self._pipeline
 
     def shutdown(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.shutdown()
+        if self._pipeline is not None:
+            self._pipeline.shutdown()
 
 
 def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = None) -> Runtime:
@@ -112,9 +148,8 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
             kernel_threads.set_threads(cfg.threads)
         model = LlamaModel.load(cfg.model_path)
         return Runtime(model, LlamaContext(model, cfg.params))
-    from .workers.cluster import Pipeline
     n = cfg.n_stages or 1
-    joined = connect(cfg.address, num_cpus=max(2, n * cfg.threads))
+    joined = connect(cfg.address, num_cpus=max(2, n * cfg.threads), verbose=cfg.verbose)
     if joined != "already connected":
         print(f"{cfg.label}: {joined}", file=sys.stderr)
     if on_plan is None and cfg.show_plan:
@@ -122,5 +157,5 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
             print(p.table(), file=sys.stderr, flush=True)
     pl = Pipeline.launch(str(cfg.model_path), cfg.n_stages, cfg.params, n_copies=cfg.n_copies, layers=cfg.layers,
                          threads_per_stage=cfg.threads, node_ids=cfg.node_ids, on_plan=on_plan,
-                         calls=cfg.stage_calls)
+                         calls=cfg.stage_calls, devices=list(cfg.devices) or None)
     return Runtime(pl.model, pl.ctx, pl)

@@ -46,7 +46,7 @@ def local_ray():
     down after it. test_recovery.py has its own, one per test: its tests kill and restart stages."""
     import ray
 
-    from ggml_dist.workers.cluster import connect
+    from ggml_dist.workers.local_ray import connect
     connect(num_cpus=4)
     yield
     ray.shutdown()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ggml_dist.bench import decode
+from ggml_dist.bench import decode, llamacpp, simd
 
 needs_llamacpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                     reason="llama-cpp-python (a dev-only extra) is not installed")
@@ -76,24 +76,24 @@ def test_system_info_old_format_and_other_backends():
 
 
 def test_cpuinfo_and_lscpu_flags():
-    model, flags = decode.parse_cpuinfo(CPUINFO)
+    model, flags = simd.parse_cpuinfo(CPUINFO)
     assert model == "AMD EPYC 9R14 96-Core Processor"
     assert "avx512_vnni" in flags and "avx2" in flags and "hypervisor" not in flags and "bmi1" not in flags
-    assert decode.simd_names(flags) == ["SSE3", "SSSE3", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512",
+    assert simd.simd_names(flags) == ["SSE3", "SSSE3", "AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512",
                                         "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"]
-    model, flags = decode.parse_cpuinfo(LSCPU_AVX2)
+    model, flags = simd.parse_cpuinfo(LSCPU_AVX2)
     assert model.startswith("Intel(R) Core(TM) i7-8700")
     assert flags == ["pni", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"]
-    assert decode.best_tier(decode.simd_names(flags)) == "AVX2"
-    assert decode.parse_cpuinfo("") == ("", [])
+    assert decode.best_tier(simd.simd_names(flags)) == "AVX2"
+    assert simd.parse_cpuinfo("") == ("", [])
 
 
 def test_host_info_of_this_host(monkeypatch):
     monkeypatch.setenv("GGML_DIST_FORCE_AVX2", "1")
     host = decode.host_info()
     assert host["cpu"] and host["machine"]
-    assert set(host["flags"]) <= set(decode._X86_FLAGS)
-    assert host["simd"] == decode.simd_names(host["flags"])
+    assert set(host["flags"]) <= set(simd._X86_FLAGS)
+    assert host["simd"] == simd.simd_names(host["flags"])
     assert host["env"]["GGML_DIST_FORCE_AVX2"] == "1"
     json.dumps(host)
 
@@ -111,12 +111,12 @@ def test_ours_info_names_the_kernel_path():
 def test_flash_attention_log():
     auto = ("llama_context: n_ctx = 256\nllama_context: flash_attn            = auto\n"
             "llama_context: kv_unified = true\nresolve_fused_ops: Flash Attention enabled\n")
-    assert decode.parse_fa_log(auto) == "enabled"
-    assert decode.parse_fa_log("llama_context: flash_attn            = disabled\n") == "disabled"
-    assert decode.parse_fa_log("llama_context: flash_attn = auto\n") == "auto"         # unresolved
-    assert decode.parse_fa_log("llama_new_context_with_model: flash_attn = 0\n") == "disabled"
-    assert decode.parse_fa_log("llama_context: Flash Attention was auto, set to enabled\n") == "enabled"
-    assert decode.parse_fa_log("llama_context: n_ctx = 256\n") is None
+    assert llamacpp.parse_fa_log(auto) == "enabled"
+    assert llamacpp.parse_fa_log("llama_context: flash_attn            = disabled\n") == "disabled"
+    assert llamacpp.parse_fa_log("llama_context: flash_attn = auto\n") == "auto"         # unresolved
+    assert llamacpp.parse_fa_log("llama_new_context_with_model: flash_attn = 0\n") == "disabled"
+    assert llamacpp.parse_fa_log("llama_context: Flash Attention was auto, set to enabled\n") == "enabled"
+    assert llamacpp.parse_fa_log("llama_context: n_ctx = 256\n") is None
 
 
 def test_simd_comparison_and_summary_without_llamacpp():

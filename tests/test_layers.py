@@ -95,8 +95,9 @@ def test_imports_only_go_down():
 
 
 # backends/: base.py (the device protocol) below cpu/ (the CPU backend) below accel.py (a fake GPU made of
-# the CPU's kernels). Inside cpu/, the numpy reference path imports no numba; the compiled twins do.
-BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.host", "backends.accel")
+# the CPU's kernels) below devices.py (the device kinds, which open each). Inside cpu/, the numpy reference
+# path imports no numba; the compiled twins do.
+BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.host", "backends.accel", "backends.devices")
 REFERENCE = ("base", "cpu/quants", "cpu/blocks", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
              "cpu/numerics", "cpu/fusion", "host")
 
@@ -130,7 +131,7 @@ def test_the_reference_kernels_do_not_import_numba():
 def test_every_backends_module_is_either_reference_or_compiled():
     """A new module of backends/ is put on one side or the other: on the reference side (REFERENCE)
     it must not import numba; a module that imports numba is a compiled one."""
-    known = set(REFERENCE) | {"__init__", "accel", "cpu/__init__"}
+    known = set(REFERENCE) | {"__init__", "accel", "devices", "cpu/__init__"}
     for path in sorted((PACKAGE / "backends").rglob("*.py")):
         name = path.relative_to(PACKAGE / "backends").with_suffix("").as_posix()
         what = f"backends/{name}.py: reference (add it to REFERENCE) or compiled (it imports no numba)?"

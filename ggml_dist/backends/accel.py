@@ -17,14 +17,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..core.tensor import VIEW_OPS, Op, Tensor
-from .base import BufferType, Device, DeviceType
-from .cpu.backend import CPUBackend, CPUBufferType, cpu_supports_op
+from .base import BufferType, Device, DeviceType, OpTable
+from .cpu.backend import CPU_OPS, CPUBackend, CPUBufferType
 from .cpu.ops import ComputeOptions
 
 
 class AccelDevice(Device):
     """A ggml_backend_device of type GPU whose memory and kernels are really the CPU's."""
     type = DeviceType.GPU
+    op_table: OpTable
 
     def __init__(self, name: str, supported_ops: Iterable[Op] | None = None,
                  offload_ops: Iterable[Op] = frozenset(), shares_cpu_buft: bool = False,
@@ -34,6 +35,10 @@ class AccelDevice(Device):
         CPU backends share ggml_backend_cpu_buffer_type())."""
         self.name = name
         self.supported_ops = None if supported_ops is None else frozenset(supported_ops)
+        # view ops and NONE own no compute: every ggml backend accepts them, whatever their sources
+        no_compute = VIEW_OPS | {Op.NONE}
+        ops = CPU_OPS.ops if self.supported_ops is None else CPU_OPS.ops & self.supported_ops
+        self.op_table = OpTable(ops | no_compute, CPU_OPS.quantized_src | no_compute)
         self.offload_ops = frozenset(offload_ops)
         self.shares_cpu_buft = shares_cpu_buft
         if shares_cpu_buft:
@@ -50,12 +55,7 @@ class AccelDevice(Device):
         return self.buft
 
     def supports_op(self, t: Tensor) -> bool:
-        # view ops and NONE own no compute; every ggml backend accepts them
-        if t.op == Op.NONE or t.op in VIEW_OPS:
-            return True
-        if self.supported_ops is not None and t.op not in self.supported_ops:
-            return False
-        return cpu_supports_op(t)
+        return self.op_table.supports(t)
 
     def supports_buft(self, buft: BufferType) -> bool:
         if buft is self.buft:

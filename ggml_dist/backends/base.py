@@ -16,20 +16,27 @@ supports, and callers read the slot instead of probing for it. Two kinds:
   * `None` slots, where the caller takes another path without one, and tests `is not None` as ggml
     tests a NULL pointer: `Buffer.base` (host bytes; None: copies go through get/set_tensor),
     `Buffer.get_tensor_async`, `Backend.event_record` / `event_wait` (events:
-    the scheduler orders streams with them; None: it synchronises) and `Backend.cpy_tensor_async`
-    (None: the scheduler's own copy, scheduler/copy.py).
+    the scheduler orders streams with them; None: it synchronises), `Backend.cpy_tensor_async`
+    (None: the scheduler's own copy, scheduler/copy.py), `Backend.graph_plan_create` /
+    `graph_plan_compute` (ggml's graph_plan_*: a graph bound once and replayed; None: graph_compute
+    every time) and `Device.op_table` (what the device computes, as data; None: ask supports_op).
+
+What crosses a process boundary is data, never a device object: `BackendOptions` (what a run asks of a
+backend, ggml_backend_dev_init's params typed), `OpTable` and `DeviceInfo` (what a device is and
+computes: a stage's device answers its driver-side proxy with it).
 """
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..core.graph import Graph
-from ..core.tensor import Tensor, nbytes
-from ..core.types import TYPE_TRAITS, GGMLType
+from ..core.tensor import Op, Tensor, nbytes
+from ..core.types import TYPE_TRAITS, GGMLType, is_quantized
 
 # element types that map to a numpy dtype; BF16 is raw uint16 bits (numpy has no bfloat16)
 NP_DTYPE: dict[GGMLType, np.dtype] = {
@@ -56,6 +63,51 @@ class BufferUsage(enum.IntEnum):
 
 class UnsupportedOpError(RuntimeError):
     """A backend was asked to compute an op it does not implement."""
+
+
+class StageLostError(RuntimeError):
+    """A backend in another process lost the state its caller relies on (a pipeline stage died or was
+    restarted): raised by the transports that reach it, where a result is waited for; a context recovers
+    by restoring the backend and replaying its ubatch log (model/recovery.py)."""
+
+    def __init__(self, msg: str, stage: int = -1) -> None:
+        super().__init__(msg)
+        self.stage = stage
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What a run asks of every backend it creates (ggml_backend_dev_init's params, typed): the numerics
+    and the threads. Each device kind maps them onto its own options (backends/devices.py; the CPU's
+    ComputeOptions), so they travel by value to a stage in another process.
+
+    exact: f32 activations in MUL_MAT instead of ggml's vec_dot conversion (--exact).
+    compiled: the compiled kernels where the device has them (False: its reference kernels, the same bits).
+    batch_invariant: every row reduced in the order of a row alone (--deterministic).
+    n_threads: kernel threads (0: the device's default)."""
+    exact: bool = False
+    compiled: bool = True
+    batch_invariant: bool = False
+    n_threads: int = 0
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """The ops a device computes, as data: a device may answer supports_op from it, and a device in
+    another process (a stage's) sends it to the proxy that stands for it on the driver.
+
+    ops: the ops it computes, for sources of any non-block element type.
+    quantized_src: of those, the ops whose sources may also be block-quantized (the kernel dequantizes
+    blocks on the fly); the others refuse a quantized source."""
+    ops: frozenset[Op]
+    quantized_src: frozenset[Op] = frozenset()
+
+    def supports(self, t: Tensor) -> bool:
+        if t.op not in self.ops:
+            return False
+        if t.op in self.quantized_src:
+            return True
+        return not any(s is not None and is_quantized(s.type) for s in t.src)
 
 
 @runtime_checkable
@@ -108,6 +160,11 @@ class Event(Protocol):
     def wait(self) -> object: ...
 
 
+class GraphPlan(Protocol):
+    """ggml_backend_graph_plan_t: what Backend.graph_plan_create returns; opaque but for its graph."""
+    graph: Graph
+
+
 @runtime_checkable
 class Backend(Protocol):
     """ggml_backend: computes graphs whose tensors live in buffers it can use."""
@@ -124,6 +181,13 @@ class Backend(Protocol):
     # (optional) cpy_tensor_async(src_backend, src, dst) -> bool: this backend's own copy of src into
     # dst (one of its tensors); False: the caller copies synchronously. None: the scheduler's own copy
     cpy_tensor_async: Callable[[Any, Tensor, Tensor], bool] | None = None
+    # (optional) ggml's graph_plan_create / graph_plan_compute, both or neither: graph_plan_create(graph)
+    # binds a graph whose tensors are placed (kernels, views, options) into a GraphPlan, and
+    # graph_plan_compute(plan) replays it (in stream order, as graph_compute). The plan is valid while
+    # the graph's tensors stay where they were placed: whoever owns the graph keeps its plan, and makes a
+    # new one when it places them again (a scheduler's split, a stage's plan). None: graph_compute
+    graph_plan_create: Callable[[Graph], GraphPlan] | None = None
+    graph_plan_compute: Callable[[GraphPlan], None] | None = None
 
     def graph_compute(self, graph: Graph) -> None: ...
     def synchronize(self) -> None: ...
@@ -138,6 +202,9 @@ class Device(Protocol):
     """ggml_backend_device: what the scheduler asks before placing work."""
     name: str
     type: DeviceType
+    # (optional) what the device computes, as data (supports_op's answer for every tensor); None: only
+    # supports_op knows, and the device cannot be described to another process
+    op_table: OpTable | None = None
 
     def get_buffer_type(self) -> BufferType: ...
     def supports_op(self, t: Tensor) -> bool: ...
@@ -148,6 +215,26 @@ class Device(Protocol):
     def offload_op(self, t: Tensor) -> bool:
         """(optional) run t here although its weights live elsewhere (ggml's offload_op). Default: no."""
         return False
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device as data (ggml_backend_dev_get_props): what a stage's device tells its driver-side proxy,
+    which answers the scheduler's questions with it."""
+    name: str
+    type: DeviceType
+    memory: tuple[int, int]              # (free, total) bytes
+    alignment: int                       # of its buffer type
+    max_size: int
+    op_table: OpTable
+
+    @classmethod
+    def of(cls, dev: Device) -> DeviceInfo:
+        buft = dev.get_buffer_type()
+        if dev.op_table is None:
+            raise UnsupportedOpError(f"device '{dev.name}' declares no op_table, so it cannot be described to "
+                                     f"another process; give its Device class an OpTable")
+        return cls(dev.name, dev.type, dev.memory(), buft.alignment, buft.max_size, dev.op_table)
 
 
 # -- binding tensors to arrays ----------------------------------------------------------------------

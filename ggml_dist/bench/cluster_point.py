@@ -27,30 +27,26 @@ import numpy as np
 from ..model.context import ContextParams, LlamaContext
 from ..model.generate import generate, generate_parallel
 from ..model.sampling import SamplingParams
+from ..runtime import RunConfig, Runtime, connect, open_runtime
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _open(spec: dict[str, Any], params: ContextParams) -> tuple[Any, LlamaContext, Any]:
+def _open(spec: dict[str, Any], params: ContextParams) -> Runtime:
     if spec["mode"] == "local":
-        from ..backends.cpu import threads
-        from ..model.model import LlamaModel
-        threads.set_threads(spec["threads"])
-        model = LlamaModel.load(spec["model"])
-        return model, LlamaContext(model, params), None
+        return open_runtime(RunConfig(spec["model"], params, 1, threads=spec["threads"], set_threads=True))
     import ray
-
-    from ..runtime import RunConfig, connect, open_runtime
     connect(spec["address"])
     node_ids = None
     if spec["mode"] != "auto":                      # auto: placed by the nodes' memory, as `run --stages auto`
         ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
         node_ids = [ids[ip] for ip in spec["node_ips"]]
-    pl = open_runtime(RunConfig(spec["model"], params, len(node_ids) if node_ids else None, spec["address"],
+    rt = open_runtime(RunConfig(spec["model"], params, len(node_ids) if node_ids else None, spec["address"],
                                 threads=spec["threads"], stage_calls=spec.get("calls", "auto"), on_ray=True,
-                                node_ids=node_ids, show_plan=False)).pipeline
-    print(json.dumps({"plan": pl.placement.to_json()}), flush=True)
-    return pl.model, pl.ctx, pl
+                                node_ids=node_ids, show_plan=False))
+    assert rt.placement is not None
+    print(json.dumps({"plan": rt.placement.to_json()}), flush=True)
+    return rt
 
 
 def _generate(ctx: LlamaContext, tok: Any, prompt: list[int], gen: int, n_seq: int, pipelined: bool,
@@ -62,16 +58,16 @@ def _generate(ctx: LlamaContext, tok: Any, prompt: list[int], gen: int, n_seq: i
                              lookahead=2 if pipelined else 1)[0].tokens
 
 
-def _stage_busy(pl: Any, t0: float, t1: float) -> list[float]:
+def _stage_busy(rt: Runtime, t0: float, t1: float) -> list[float]:
     out = []
-    for st in pl.stats():
-        calls = [e for e in st["timeline"] if t0 <= e[0] <= t1]
+    for st in rt.stats():
+        calls = [e for e in st.timeline if t0 <= e[0] <= t1]
         out.append(round(sum(e[3] - e[0] for e in calls) / (t1 - t0), 3))
     return out
 
 
-def measure(ctx: LlamaContext, tok: Any, pl: Any, prompt: list[int], gen: int, n_seq: int) -> dict[str, Any]:
-    pipelined = pl is not None
+def measure(ctx: LlamaContext, tok: Any, rt: Runtime, prompt: list[int], gen: int, n_seq: int) -> dict[str, Any]:
+    pipelined = rt.distributed
     ctx.clear()
     _generate(ctx, tok, prompt, 3, n_seq, pipelined, lambda s, i, t: None)        # warm-up: the shapes
     ctx.clear()
@@ -84,9 +80,9 @@ def measure(ctx: LlamaContext, tok: Any, pl: Any, prompt: list[int], gen: int, n
     out = {"prompt": len(prompt), "sequences": n_seq, "gen": gen, "window": [t1, t2],
            "ttft_s": round(t1 - t0, 3), "tpot_ms": round(1e3 * (t2 - t1) / max(1, gen - 1), 2),
            "decode_tok_s": round(n_dec / (t2 - t1), 3) if t2 > t1 else None, "tokens": tokens}
-    if pl is not None:
-        out["stage_busy"] = _stage_busy(pl, t1, t2)
-        out["stage_calls"] = pl.calls_used()
+    if pipelined:
+        out["stage_busy"] = _stage_busy(rt, t1, t2)
+        out["stage_calls"] = rt.calls_used()
     ctx.clear()
     return out
 
@@ -96,16 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     n_seq_max, p_max, gen = max(spec["sequences"]), max(spec["prompts"]), spec["gen"]
     params = ContextParams(n_ctx=p_max + n_seq_max * (gen + 4) + 16, n_batch=512, n_ubatch=512,
                            n_seq_max=n_seq_max)
-    model, ctx, pl = _open(spec, params)
+    rt = _open(spec, params)
+    model, ctx = rt.model, rt.ctx
     try:
         rng = np.random.default_rng(spec.get("seed", 0))
         for p in spec["prompts"]:
             prompt = [int(t) for t in rng.integers(3, model.hp.n_vocab, p)]
             for n in spec["sequences"]:
-                print(json.dumps(measure(ctx, model.tokenizer, pl, prompt, gen, n)), flush=True)
+                print(json.dumps(measure(ctx, model.tokenizer, rt, prompt, gen, n)), flush=True)
     finally:
-        if pl is not None:
-            pl.shutdown()
+        rt.shutdown()
     return 0
 
 

@@ -28,151 +28,26 @@ flash-attention op: the KQ -> softmax -> KQV chain of ggml's non-flash graph, sk
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import importlib
 import json
 import os
-import platform
 import re
 import resource
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-# x86 flags of /proc/cpuinfo that decide which kernels either engine can run, with llama.cpp's names
-# for them (ggml-cpu's feature list in llama_print_system_info()); SSE3 is "pni" in /proc/cpuinfo
-_X86_FLAGS = {"pni": "SSE3", "ssse3": "SSSE3", "sse4_1": None, "sse4_2": None, "avx": "AVX", "avx2": "AVX2",
-              "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI", "avx512f": "AVX512",
-              "avx512dq": None, "avx512cd": None, "avx512bw": None, "avx512vl": None,
-              "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
-              "amx_tile": None, "amx_int8": "AMX_INT8", "amx_bf16": None}
-# entries of llama_print_system_info() that are build options, not instruction sets
-_NOT_SIMD = frozenset({"LLAMAFILE", "OPENMP", "REPACK", "KLEIDIAI", "ACCELERATE", "BLAS", "SVE_CNT",
-                       "OPENBLAS", "MKL", "ARCHS", "USE_GRAPHS", "PEER_MAX_BATCH_SIZE", "FA_ALL_QUANTS",
-                       "NO_VMM", "FORCE_MMQ", "FORCE_CUBLAS"})
-# the widest int8 dot-product tier of a flag set, best first (how either side multiplies quantized rows)
-_TIERS = ("AMX_INT8", "AVX512_VNNI", "AVX_VNNI", "AVX512", "AVX2", "AVX", "SSE3")
-_OUR_KERNEL_SIMD = {"vnni": "AVX512_VNNI", "avx2": "AVX2"}
-OURS_ATTENTION = {"flash_attn": False,
-                  "attention": "unfused KQ -> softmax -> KQV (ggml's non-flash graph, transposed V cache), "
-                               "masked cells skipped"}
-_ENV = ("GGML_DIST_FORCE_AVX2", "GGML_DIST_NO_VNNI", "GGML_DIST_NO_AVX2", "GGML_DIST_NO_NUMBA",
-        "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_THREADING_LAYER")
-FLASH_ATTN_CHOICES = ("default", "on", "off")
-_KEEP_ALIVE: list[Any] = []                             # log callbacks llama.cpp may still call
+from .llamacpp import FLASH_ATTN_CHOICES, _LlamaCpp
+from .simd import OURS_ATTENTION, best_tier, host_info, ours_info, parse_system_info, simd_comparison
 
 
 def _prompt(n_vocab: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(0).integers(100, min(n_vocab, 30000), n)]
-
-
-# ------------------------------------------------------------------------------------------------
-# SIMD of the host, of ours and of the llama.cpp build
-def parse_cpuinfo(text: str) -> tuple[str, list[str]]:
-    """(model name, the flags of _X86_FLAGS it has, in that order) from /proc/cpuinfo or `lscpu` text."""
-    model, flags = "", set[str]()
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip().lower()
-        if key in ("model name", "model name(s)") and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    return model, [f for f in _X86_FLAGS if f in flags]
-
-
-def simd_names(flags: Sequence[str]) -> list[str]:
-    """/proc/cpuinfo flags in llama.cpp's spelling (the ones llama_print_system_info() reports)."""
-    return [n for f in flags if (n := _X86_FLAGS.get(f))]
-
-
-def best_tier(simd: Sequence[str]) -> str:
-    """The widest int8 dot-product instruction set among llama.cpp-spelled names ("scalar" if none)."""
-    return next((t for t in _TIERS if t in simd), "scalar")
-
-
-def host_info() -> dict[str, Any]:
-    """The host's CPU model, its SIMD flags (/proc/cpuinfo names and llama.cpp's), numba's LLVM CPU
-    target (what the float kernels are compiled for) and the environment variables that change the path."""
-    text = ""
-    with contextlib.suppress(OSError):
-        text = Path("/proc/cpuinfo").read_text()
-    if not text:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            text = subprocess.run(["lscpu"], check=False, capture_output=True, text=True, timeout=10).stdout
-    model, flags = parse_cpuinfo(text)
-    out: dict[str, Any] = {"cpu": model or platform.processor() or platform.machine(), "machine": platform.machine(),
-                           "flags": flags, "simd": simd_names(flags)}
-    try:
-        from llvmlite import binding as llvm
-        out["llvm_cpu"] = os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name()
-    except (ImportError, RuntimeError):
-        pass
-    out["env"] = {k: os.environ[k] for k in _ENV if k in os.environ}
-    return out
-
-
-def ours_info() -> dict[str, Any]:
-    """The kernel path of this process (qpack.default_kernels(), or the numpy reference kernels with
-    GGML_DIST_NO_NUMBA=1), its SIMD, and how ours computes attention."""
-    from ..backends.cpu import ops as cpu_ops
-    from ..backends.cpu import qpack
-    kernels = qpack.default_kernels().value if cpu_ops.NUMBA_DEFAULT else "numpy"
-    return {"kernels": kernels, "simd": _OUR_KERNEL_SIMD.get(kernels, "float"), **OURS_ATTENTION}
-
-
-def parse_system_info(text: str | bytes) -> dict[str, Any]:
-    """llama_print_system_info() -> {"system_info", "simd", "features"}: the CPU backend's entries, the
-    instruction sets it was built with ("X = 1"; entries "= 0", as older builds print them, are left
-    out) and its other build options (LLAMAFILE, OPENMP, REPACK...). Other backends' entries ("CUDA :
-    ARCHS = 890 | ...") go to "backends"."""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", "replace")
-    simd: list[str] = []
-    features: list[str] = []
-    backends: dict[str, dict[str, str]] = {}
-    section = "CPU"                                     # older builds print the CPU flags without a prefix
-    for raw in text.split("|"):
-        entry = raw.strip()
-        if not entry:
-            continue
-        m = re.match(r"^([A-Za-z0-9_ .-]+?)\s*:\s*(.*)$", entry)
-        if m and "=" in m.group(2) and "=" not in m.group(1):
-            section, entry = m.group(1).strip(), m.group(2).strip()
-        key, sep, value = entry.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key:
-            continue
-        if section.upper() != "CPU":
-            backends.setdefault(section, {})[key] = value
-        elif value in ("0", ""):
-            continue
-        elif key.upper() in _NOT_SIMD:
-            features.append(key if value == "1" else f"{key}={value}")
-        else:
-            simd.append(key)
-    out: dict[str, Any] = {"system_info": text.strip(), "simd": simd, "features": features}
-    if backends:
-        out["backends"] = backends
-    return out
-
-
-def simd_comparison(ours: dict[str, Any], llamacpp: dict[str, Any] | None, host_simd: Sequence[str] = ()) -> str:
-    """e.g. "ours vnni (AVX512_VNNI) vs llama.cpp AVX2 build (host: AVX512_VNNI)": what a ratio compares."""
-    head = f"ours {ours.get('kernels')} ({ours.get('simd')})"
-    if not llamacpp or "simd" not in llamacpp:
-        return f"{head} vs llama.cpp not measured"
-    tail = f" (host: {best_tier(host_simd)})" if host_simd else ""
-    return f"{head} vs llama.cpp {best_tier(llamacpp['simd'])} build{tail}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,118 +105,6 @@ def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str
     tp, td, out = _timed(ours, toks, gen)
     return {"prompt_tok_s": prompt_len / tp, "decode_tok_s": gen / td, "weight_bytes": ours.model.weight_bytes(),
             "peak_rss_mb": peak_rss_mb(), "ours": ours_info(), "tokens": out}
-
-
-def _fa_name(llama_cpp: Any, v: Any) -> str:
-    """llama.cpp's name of a flash-attention value: "auto", "enabled", "disabled" (a bool in older ones)."""
-    if isinstance(v, bool):
-        return "enabled" if v else "disabled"
-    fn = getattr(llama_cpp, "llama_flash_attn_type_name", None)
-    name = fn(int(v)) if fn is not None and isinstance(v, int) else None
-    return name.decode() if isinstance(name, bytes) else str(v)
-
-
-def _fa_request(llama_cpp: Any, setting: str) -> int | bool:
-    """The flash-attention value to ask llama.cpp for: its llama_context_default_params() for "default"
-    (an int llama_flash_attn_type, AUTO = -1, where the library has one; a bool in older ones)."""
-    defaults = llama_cpp.llama_context_default_params()
-    typed = hasattr(defaults, "flash_attn_type")
-    if setting == "default":
-        return int(defaults.flash_attn_type) if typed else bool(defaults.flash_attn)
-    on = setting == "on"
-    if not typed:
-        return on
-    return int(llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if on else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-
-
-def parse_fa_log(text: str) -> str | None:
-    """The flash-attention setting llama.cpp resolved, from its context-creation log ("resolve_fused_ops:
-    Flash Attention enabled", "Flash Attention was auto, set to enabled", "flash_attn = disabled")."""
-    found = None
-    for line in text.splitlines():
-        m = re.search(r"flash[ _]att(?:n|ention)\b(.*)$", line, re.IGNORECASE)
-        words = re.findall(r"\b(enabled|disabled|auto|on|off|1|0)\b", m.group(1), re.IGNORECASE) if m else []
-        if words:                                       # a line's last word: "was auto, set to enabled"
-            v = words[-1].lower()
-            v = {"on": "enabled", "1": "enabled", "off": "disabled", "0": "disabled"}.get(v, v)
-            if v != "auto" or found is None:
-                found = v                               # a resolved line wins over "= auto"
-    return found
-
-
-@contextlib.contextmanager
-def _llamacpp_context(llama_cpp: Any, fa: int | bool) -> Iterator[tuple[dict[str, Any], list[str]]]:
-    """Create llama_cpp.Llama with flash attention `fa` and capture llama.cpp's log meanwhile. Llama()
-    maps its bool flash_attn to ENABLED/DISABLED only, so AUTO (llama.cpp's default) is set on the
-    context params as the context is created."""
-    internals: Any = importlib.import_module("llama_cpp._internals")
-    logs: list[str] = []
-    kwargs: dict[str, Any] = {}
-
-    @llama_cpp.llama_log_callback
-    def capture(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        logs.append(text.decode("utf-8", "replace"))
-
-    orig = internals.LlamaContext
-
-    def context_with_fa(*args: Any, **kw: Any) -> Any:
-        params = kw.get("params")
-        if params is not None and hasattr(params, "flash_attn_type"):
-            params.flash_attn_type = int(fa)
-        return orig(*args, **kw)
-
-    patched = not isinstance(fa, bool) and fa not in (0, 1)
-    if not patched:
-        kwargs["flash_attn"] = bool(fa)
-    llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
-    if patched:
-        internals.LlamaContext = context_with_fa
-    try:
-        yield kwargs, logs
-    finally:
-        internals.LlamaContext = orig
-        restore = getattr(getattr(llama_cpp, "_logger", None), "llama_log_callback", None)
-        if restore is not None:                         # llama-cpp-python's own logger again
-            llama_cpp.llama_log_set(restore, ctypes.c_void_p(0))
-        else:                                           # the library keeps calling ours: keep it alive
-            _KEEP_ALIVE.append(capture)
-
-
-class _LlamaCpp:
-    """llama.cpp (llama-cpp-python) on one file, as _Ours: run(tokens) -> the greedy next token, clear().
-    Flash attention as `flash_attn` says (FLASH_ATTN_CHOICES); info() names the build and the setting."""
-
-    def __init__(self, path: str, n_ctx: int, threads: int, flash_attn: str = "default") -> None:
-        import inspect
-        self.lib = llama_cpp = importlib.import_module("llama_cpp")     # the dev extra: typed only where installed
-        fa = _fa_request(llama_cpp, flash_attn)
-        with _llamacpp_context(llama_cpp, fa) as (kwargs, logs):
-            self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=threads,
-                                       n_threads_batch=threads, verbose=False, **kwargs)
-        requested = _fa_name(llama_cpp, fa)
-        resolved = parse_fa_log("".join(logs)) or requested     # no log line: what was asked for
-        py_param = inspect.signature(llama_cpp.Llama.__init__).parameters.get("flash_attn")
-        py_default = None if py_param is None or py_param.default is None else _fa_name(llama_cpp, py_param.default)
-        self.fa_info = {"setting": flash_attn, "requested": requested,
-                        "resolved": None if resolved == "auto" else resolved,   # None: auto, not said what into
-                        "library_default": _fa_name(llama_cpp, _fa_request(llama_cpp, "default")),
-                        "llama_cpp_python_default": py_default}
-        self.n_vocab = self.llm.n_vocab()
-
-    def run(self, toks: list[int]) -> int:
-        self.llm.eval(toks)
-        # the context's own logits of the batch's last token, which eval() marks as an output: Llama.scores
-        # is written only with logits_all=True (llama-cpp-python 0.3.x), so without it every row reads 0
-        # and argmax gives token 0 at every step
-        row = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return int(np.argmax(np.ctypeslib.as_array(row, shape=(self.n_vocab,))))
-
-    def clear(self) -> None:
-        self.llm.reset()
-
-    def info(self) -> dict[str, Any]:
-        return {"version": getattr(self.lib, "__version__", None),
-                **parse_system_info(self.lib.llama_print_system_info()), "flash_attn": self.fa_info}
 
 
 def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int,

@@ -48,41 +48,41 @@ def kill_study(path: str, stages: int, runs: int, n_tokens: int, seed: int = 0) 
     prompt = m.tokenizer.encode("The capital of France is")
     want = generate(LlamaContext(m, ContextParams(n_ctx=512)), m.tokenizer, prompt, n_tokens,
                     stop_at_eog=False).tokens
-    pl = open_runtime(RunConfig(path, ContextParams(n_ctx=512), stages, on_ray=True, show_plan=False)).pipeline
+    rt = open_runtime(RunConfig(path, ContextParams(n_ctx=512), stages, on_ray=True, show_plan=False))
     kills = lost = wrong = 0
     detect: list[float] = []
     restore: list[float] = []
     first: list[float] = []
     try:
         for _ in range(runs):
-            pl.ctx.clear()
+            rt.ctx.clear()
             stage, after = int(rng.integers(0, stages)), int(rng.integers(1, n_tokens))
-            n0 = len(pl.ctx.recovery.lost_at)
+            n0 = len(rt.ctx.recovery.lost_at)
             killed: list[float] = []              # when this run's kill was made
             after_loss: list[float] = []          # detection -> the first token after it, this run
 
             def on_token(i: int, tok: int, stage=stage, after=after, n0=n0, killed=killed,
                          after_loss=after_loss) -> None:
                 nonlocal kills
-                if len(pl.ctx.recovery.lost_at) > n0 and not after_loss:
-                    after_loss.append(time.perf_counter() - pl.ctx.recovery.lost_at[n0])
+                if len(rt.ctx.recovery.lost_at) > n0 and not after_loss:
+                    after_loss.append(time.perf_counter() - rt.ctx.recovery.lost_at[n0])
                 if i == after:
                     kills += 1
                     killed.append(time.perf_counter())
-                    pl.kill_stage(stage)
+                    rt.kill_stage(stage)
             try:
-                got = generate(pl.ctx, m.tokenizer, prompt, n_tokens, on_token=on_token, stop_at_eog=False).tokens
+                got = generate(rt.ctx, m.tokenizer, prompt, n_tokens, on_token=on_token, stop_at_eog=False).tokens
             except Exception as e:  # noqa: BLE001 - a lost request (any error): counted, never hidden
                 print(f"lost: {type(e).__name__}: {e}", file=sys.stderr)
                 lost += 1
                 continue
             wrong += int(got != want)
-            if killed and len(pl.ctx.recovery.lost_at) > n0:
-                detect.append(pl.ctx.recovery.lost_at[n0] - killed[0])
-            restore.extend(pl.ctx.recovery.recovery_s[n0:])
+            if killed and len(rt.ctx.recovery.lost_at) > n0:
+                detect.append(rt.ctx.recovery.lost_at[n0] - killed[0])
+            restore.extend(rt.ctx.recovery.recovery_s[n0:])
             first.extend(after_loss)
     finally:
-        pl.shutdown()
+        rt.shutdown()
 
     def stats(xs: list[float]) -> dict[str, float | None]:
         return {"p50": round(float(np.median(xs)), 3) if xs else None, "max": round(max(xs), 3) if xs else None}

@@ -64,16 +64,16 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
     n_seq = micro_batches if mode == "decode" else 1
     params = ContextParams(n_ctx=max(512, n_tok + n_steps + 8), n_batch=max(n_tok, 8), n_ubatch=ubatch,
                            n_seq_max=n_seq)
-    pl = open_runtime(RunConfig(path, params, stages, threads=threads, n_copies=n_copies, stage_calls=calls,
-                                on_ray=True, show_plan=False)).pipeline
+    rt = open_runtime(RunConfig(path, params, stages, threads=threads, n_copies=n_copies, stage_calls=calls,
+                                on_ray=True, show_plan=False))
     try:
-        ctx, vocab = pl.ctx, pl.model.hp.n_vocab
+        ctx, vocab = rt.ctx, rt.model.hp.n_vocab
         rng = np.random.default_rng(0)
         if mode == "prefill":
             toks = rng.integers(3, vocab, n_tok).tolist()
             ctx.decode(Batch.from_tokens(toks))                     # warm-up: plans, JIT, page cache
             ctx.clear()
-            before = pl.stats()
+            before = rt.stats()
             t0, c0, r0 = time.perf_counter(), time.process_time(), local_ray_cpu_s()
             ctx.decode(Batch.from_tokens(toks))
             wall, driver_cpu, r1 = time.perf_counter() - t0, time.process_time() - c0, local_ray_cpu_s()
@@ -88,31 +88,31 @@ def run_one(path: str, stages: int, micro_batches: int, n_copies: int, ubatch: i
                 ttft.append(time.perf_counter() - t)
             pos = [4] * n_seq
             _decode_continuous(ctx, last, pos, n_seq * lookahead, lookahead)    # warm-up: the plans
-            before = pl.stats()
+            before = rt.stats()
             t0, c0, r0 = time.perf_counter(), time.process_time(), local_ray_cpu_s()
             itl = _decode_continuous(ctx, last, pos, n_steps * n_seq, lookahead)
             wall, driver_cpu, r1 = time.perf_counter() - t0, time.process_time() - c0, local_ray_cpu_s()
             processed = n_steps * n_seq
             latency = {"ttft_ms": _pcts(ttft), "itl_ms": _pcts(itl),
                        "tpot_ms": round(float(np.mean(itl)) * 1e3, 2) if itl else None}
-        after = pl.stats()
+        after = rt.stats()
         if trace:
-            pl.write_trace(trace)
-        same_host = all(i["node"] == os.uname().nodename for i in pl.infos)
-        stage_pids = {i["pid"] for i in pl.infos}
-        ran = pl.calls_used()
+            rt.write_trace(trace)
+        same_host = all(i.node == os.uname().nodename for i in rt.stage_infos())
+        stage_pids = {i.pid for i in rt.stage_infos()}
+        ran = rt.calls_used()
     finally:
-        pl.shutdown()
-    n_calls = [a["n_calls"] - b["n_calls"] for a, b in zip(after, before)]
-    busy = [a["compute_s"] - b["compute_s"] + a["decode_s"] - b["decode_s"] for a, b in zip(after, before)]
+        rt.shutdown()
+    n_calls = [a.n_calls - b.n_calls for a, b in zip(after, before)]
+    busy = [a.compute_s - b.compute_s + a.decode_s - b.decode_s for a, b in zip(after, before)]
     t_k = [bz / max(c, 1) for bz, c in zip(busy, n_calls)]        # one micro-batch on stage k
     n_mb = max(n_calls) if n_calls else 0
     ideal = _gpipe(t_k, n_mb)
-    hops = [a["bytes_in_host"] - b["bytes_in_host"] for a, b in zip(after, before)] + \
-        [a["bytes_out"] - b["bytes_out"] for a, b in zip(after, before)]
+    hops = [a.bytes_in_host - b.bytes_in_host for a, b in zip(after, before)] + \
+        [a.bytes_out - b.bytes_out for a, b in zip(after, before)]
     moved = sum(hops)
     tok_s = processed / wall
-    cpu = [driver_cpu] + [a["cpu_s"] - b["cpu_s"] for a, b in zip(after, before)]
+    cpu = [driver_cpu] + [a.cpu_s - b.cpu_s for a, b in zip(after, before)]
     # every other process of the local Ray (raylet, GCS, agents, idle workers) counts too
     ray_other = sum(c - r0.get(p, 0.0) for p, c in r1.items() if p not in stage_pids)
     total = sum(cpu) + ray_other

@@ -83,18 +83,6 @@ class TensorFlag(enum.IntFlag):
 
 VIEW_OPS = frozenset({Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
 
-_PLACEMENTS = [0]       # bumped whenever any tensor's buffer or data is set: see placement_epoch()
-
-
-def placement_epoch() -> int:
-    """A number that changes whenever a tensor anywhere is placed (its buffer or data set). While it
-    stays the same, every tensor sits where it sat: a bound graph (backends/cpu) checks this first,
-    and compares its tensors' places only when something was placed since. ggml has no such
-    counter: its graph reuse (llama_graph_result::can_reuse) compares the inputs, and ggml-cpu
-    binds nothing across calls."""
-    return _PLACEMENTS[0]
-
-
 @dataclass(eq=False, slots=True)
 class Tensor:
     """Mirrors struct ggml_tensor. Identity is the key everywhere (graphs dedupe by identity)."""
@@ -108,29 +96,9 @@ class Tensor:
     view_src: Tensor | None = None
     view_offs: int = 0
     name: str = ""
-    _buffer: Any = field(default=None, init=False, repr=False)
-    _data: int | None = field(default=None, init=False, repr=False)
+    buffer: Any = None           # the backend buffer that owns the bytes, once allocated
+    data: int | None = None      # byte offset inside `buffer` (ggml's data pointer)
     extra: Any = None            # backend-private
-
-    @property
-    def buffer(self) -> Any:
-        """The backend buffer that owns the bytes, once allocated."""
-        return self._buffer
-
-    @buffer.setter
-    def buffer(self, buffer: Any) -> None:
-        self._buffer = buffer
-        _PLACEMENTS[0] += 1
-
-    @property
-    def data(self) -> int | None:
-        """The byte offset inside `buffer` (ggml's data pointer)."""
-        return self._data
-
-    @data.setter
-    def data(self, data: int | None) -> None:
-        self._data = data
-        _PLACEMENTS[0] += 1
 
     def __repr__(self) -> str:
         return f"Tensor({self.name!r}, {self.type.name}, ne={list(self.ne)}, op={self.op.name})"

@@ -15,16 +15,15 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import pairwise
-from typing import Protocol
 
 import numpy as np
 
 from ..backends import host
-from ..backends.base import tensor_get, tensor_set
-from ..core.tensor import Tensor
+from ..backends.base import Backend, BackendOptions, tensor_get, tensor_set
 from ..core.types import GGMLType
 from ..scheduler.sched import Sched
 from .graph_inputs import GraphInputs
+from .hooks import PipelineHooks
 from .kv_cache import ContextFullError, KVCache
 from .llama import GraphKey, GraphResult, LlamaGraphBuilder
 from .model import LlamaModel
@@ -68,23 +67,10 @@ class ContextParams:
         """The options of the host backends this context creates."""
         return host.compute_options(self.exact, self.numba, self.batch_invariant)
 
-
-class StageOutputs(Protocol):
-    """What a pipeline's stages do with a graph's outputs and inputs besides computing them (workers/proxy.py):
-    the backend protocol knows devices only, so this comes from the pipeline, not from a buffer.
-
-    sample(t, rows, keep_logits) -> bool   the next compute of t (the logits) chooses one token per row where it
-                                           runs (rows: RowSampling), and returns t only if keep_logits; False:
-                                           t is not a stage's, the caller samples from the fetched logits
-    fetch_tokens(t) -> fetch               the tokens the call that computes t chose (after sample)
-    feed(t, fetch) -> bool                 the next compute that copies in graph input t takes it from fetch (a
-                                           fetch_tokens result: a token a stage chose) where it runs, the bytes
-                                           not passing through the caller; False: the caller sets t itself.
-                                           feed(t, None) withdraws an unused feed (True if there was one)
-    """
-    def sample(self, t: Tensor, rows: list[RowSampling], keep_logits: bool) -> bool: ...
-    def fetch_tokens(self, t: Tensor) -> Callable[[], np.ndarray]: ...
-    def feed(self, t: Tensor, fetch: Callable[[], np.ndarray] | None) -> bool: ...
+    def backend_options(self, n_threads: int = 0) -> BackendOptions:
+        """What this context's numerics ask of a backend in another process (a stage's device)."""
+        return BackendOptions(exact=self.exact, compiled=self.numba, batch_invariant=self.batch_invariant,
+                              n_threads=n_threads)
 
 
 def _choose_before_free(rec: UbatchRecord) -> None:
@@ -167,35 +153,36 @@ class LlamaContext:
     cells, pick or build the graph, run it, and fetch or sample its rows, one path for every backend."""
 
     def __init__(self, model: LlamaModel, params: ContextParams | None = None,
-                 backends: list | None = None, n_copies: int = 1,
-                 weights: dict | None = None, layer_buft: Callable | None = None,
-                 after_alloc: Callable | None = None, outputs: StageOutputs | None = None) -> None:
+                 pipeline: PipelineHooks | None = None) -> None:
+        """In this process on the host's backend, or on a pipeline (its hooks: PipelineHooks)."""
         if params is None:
             params = ContextParams()
         self.model = model
         self.params = params
         hp = model.hp
         self.warmup: Warmup | None = None
-        if backends is None:
+        self.pipeline = pipeline
+        if pipeline is None:
             opts = params.compute_options()
             if opts.numba and params.background_compile:
                 self.warmup = background_compile(model.path)
-            backends = [host.host_backend(replace(opts, numba=opts.numba and self.warmup is None))]
+            backends: list[Backend] = [host.host_backend(replace(opts, numba=opts.numba and self.warmup is None))]
+        else:
+            backends = pipeline.backends
         self.backends = backends
         self.pipelined = any(b.inputs_by_value for b in backends)
         self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, range(hp.n_layer),
                           params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
-        self.kv.allocate(backends[-1].device.get_buffer_type(), layer_buft)
-        self.builder = LlamaGraphBuilder(hp, weights if weights is not None else model.weights, self.kv)
-        self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=n_copies)
-        self.after_alloc = after_alloc       # (sched, graph): a pipeline binds its stage exports here
-        self.outputs = outputs               # a pipeline's stages sample and feed tokens (StageOutputs)
-        self.n_copies = n_copies
-        # ubatches in flight on a pipeline: n_copies; a pipeline of stages that take their inputs by value
-        # (no copy slot is overwritten while in use) may keep more (workers/driver.py)
-        self.max_inflight = n_copies
+        self.kv.allocate(backends[-1].device.get_buffer_type(), None if pipeline is None else pipeline.layer_buft)
+        self.builder = LlamaGraphBuilder(hp, model.weights if pipeline is None else pipeline.weights, self.kv)
+        self.n_copies = 1 if pipeline is None else pipeline.n_copies
+        self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=self.n_copies)
+        # ubatches in flight: n_copies; a pipeline of stages that take their inputs by value (no copy slot
+        # is overwritten while in use) may keep more
+        self.max_inflight = self.n_copies if pipeline is None else pipeline.max_inflight
         self._inflight: deque = deque()      # per ubatch in flight: the events of its stages
-        self.recovery = Recovery()           # recoverable once a pipeline sets its restore hook
+        self.recovery = Recovery()           # recoverable where the pipeline can restore its stages
+        self.recovery.restore = None if pipeline is None else pipeline.restore
         self.gf_res_prev: GraphResult | None = None
         self.inputs = GraphInputs(self.kv, hp.n_swa)
         # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
@@ -383,14 +370,14 @@ class LlamaContext:
             else:
                 self.sched.alloc_graph(res.graph)
                 res.plan = self.sched.save_plan()
-            if self.after_alloc is not None:
-                self.after_alloc(self.sched, res.graph)
+            if self.pipeline is not None:
+                self.pipeline.after_alloc(self.sched, res.graph)
             self.gf_res_prev = res
         fed = self._resolve_tokens(rec)
         compiled = self.params.numba and host.COMPILED_DEFAULT and self.warmup is None
         self.inputs.set(res, ub, slot, key.n_kv, compiled)
         logits = res.logits
-        outputs = self.outputs
+        outputs = self.pipeline
         # the token comes from the stage that sampled it, else it is waited for (a compiled graph takes no handles)
         if fed is not None and (outputs is None or not outputs.feed(res.inputs.tokens, fed)):
             self._known_tokens(rec)
@@ -409,7 +396,8 @@ class LlamaContext:
         if fed is not None and outputs is not None and outputs.feed(res.inputs.tokens, None):
             raise RuntimeError("the tokens' feed was not taken: no stage copies the token input in")
         if self.pipelined:
-            self._inflight.append((rec.fetched, [b.event_record() for b in self.backends if b.inputs_by_value]))
+            self._inflight.append((rec.fetched, [b.event_record() for b in self.backends
+                                                 if b.inputs_by_value and b.event_record is not None]))
         rec.value, rec.tokens, rec.fetch_tokens, rec.done = None, None, None, False
         if ub.n_outputs == 0:                  # nothing to read: pin no result
             if not self.pipelined:

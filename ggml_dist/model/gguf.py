@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -301,3 +301,94 @@ class GGUFFile:
 def load_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Parse a GGUF file's header and map its data; raises GGUFError if the file is malformed."""
     return GGUFFile(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# layout: where each field of a file lives, for tools that edit GGUF files (bench/fuzz_gguf.py)
+
+@dataclass
+class GGUFField:
+    """One field of a file's header. kind: magic, version, n_tensors, n_kv; per kv key_len, key, vtype and
+    its value (str_len, str; scalar; arr_etype, arr_len, then arr_data for a numeric array's elements as
+    one field, else each element's, prefixed elem_); per tensor info tname_len, tname, n_dims, dim, ttype,
+    toffset. value: a fixed-size field's bytes as an unsigned little-endian integer."""
+    kind: str
+    offset: int
+    size: int                # bytes of the fixed-size field, or of the string's bytes
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GGUFLayout:
+    """Where every field of a (valid) GGUF file lives: read with the parser's own cursor (_Reader, every
+    read checked against the end), in the order GGUFFile._parse reads them."""
+    raw: bytes
+    fields: list[GGUFField]
+    header_end: int                                   # end of the last tensor info
+    data_start: int                                   # at the default alignment (32)
+    kv_spans: list[tuple[str, int, int, int]]         # key, start, end, value type
+    tensor_spans: list[tuple[str, int, int]]          # name, start, end
+
+    def by_kind(self, *kinds: str) -> list[GGUFField]:
+        return [f for f in self.fields if f.kind in kinds]
+
+    @classmethod
+    def walk(cls, raw: bytes) -> GGUFLayout:
+        r = _Reader(memoryview(raw), "<layout>")
+        fields: list[GGUFField] = []
+
+        def fixed(kind: str, t: GGUFValueType, **info: Any) -> int:
+            pos = r.pos
+            r.scalar(t, kind)
+            v = int.from_bytes(raw[pos:r.pos], "little")
+            fields.append(GGUFField(kind, pos, r.pos - pos, dict(info, value=v)))
+            return v
+
+        def string(prefix: str, **info: Any) -> str:
+            n = fixed(prefix + "_len", GGUFValueType.UINT64, **info)
+            fields.append(GGUFField(prefix, r.pos, n, info))
+            r.need(n, prefix)
+            r.pos += n
+            return raw[r.pos - n:r.pos].decode("utf-8", "surrogateescape")
+
+        def value(t: int, key: str, elem: bool = False) -> None:
+            p = "elem_" if elem else ""
+            if t == GGUFValueType.STRING:
+                string(p + "str", key=key)
+            elif t == GGUFValueType.ARRAY:
+                et = fixed("arr_etype", GGUFValueType.UINT32, key=key)
+                n = fixed("arr_len", GGUFValueType.UINT64, key=key, etype=et)
+                if et in _SCALAR_FMT:      # numeric arrays: one field for the block, not per element
+                    size = n * _SCALAR_FMT[GGUFValueType(et)][1].itemsize
+                    fields.append(GGUFField("arr_data", r.pos, size, {"key": key, "etype": et}))
+                    r.need(size, key)
+                    r.pos += size
+                else:
+                    for _ in range(n):
+                        value(et, key, elem=True)
+            else:
+                fixed(p + "scalar", GGUFValueType(t), key=key, vtype=t)
+
+        fixed("magic", GGUFValueType.UINT32)
+        fixed("version", GGUFValueType.UINT32)
+        n_tensors = fixed("n_tensors", GGUFValueType.UINT64)
+        n_kv = fixed("n_kv", GGUFValueType.UINT64)
+        kv_spans = []
+        for _ in range(n_kv):
+            start = r.pos
+            key = string("key")
+            t = fixed("vtype", GGUFValueType.UINT32, key=key)
+            value(t, key)
+            kv_spans.append((key, start, r.pos, t))
+        tensor_spans = []
+        for _ in range(n_tensors):
+            start = r.pos
+            name = string("tname")
+            nd = fixed("n_dims", GGUFValueType.UINT32, name=name)
+            for d in range(nd):
+                fixed("dim", GGUFValueType.UINT64, name=name, d=d)
+            fixed("ttype", GGUFValueType.UINT32, name=name)
+            fixed("toffset", GGUFValueType.UINT64, name=name)
+            tensor_spans.append((name, start, r.pos))
+        data_start = -(-r.pos // GGUF_DEFAULT_ALIGNMENT) * GGUF_DEFAULT_ALIGNMENT
+        return cls(raw, fields, r.pos, data_start, kv_spans, tensor_spans)

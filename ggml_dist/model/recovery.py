@@ -1,7 +1,7 @@
 """A context's recovery from a lost stage: the log of submitted ubatches and its replay.
 
-A recoverable context (a pipeline's: workers/cluster.py sets `restore`) logs every ubatch it submits.
-When a stage is lost (StageLostError where a result is waited for), `restore` brings the stages back
+A recoverable context (a pipeline's: its hooks, workers/driver.py, carry `restore`) logs every ubatch it
+submits. When a stage is lost (StageLostError where a result is waited for), `restore` brings the stages back
 (a new actor where one died, its weights mapped again), then every logged ubatch whose tokens the KV
 cache still holds is run again, in order, on the same cells and with the same graph shape, so the
 rebuilt cache holds the same bits and generation goes on with the same tokens. A stage lost during
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from ..backends.base import StageLostError
 from .sampling import RowSampling, sample_row
 from .ubatch import Ubatch
 
@@ -24,15 +25,7 @@ if TYPE_CHECKING:
     from .kv_cache import KVCells
 
 T = TypeVar("T")
-
-
-class StageLostError(RuntimeError):
-    """A backend lost the state the context relies on (a pipeline stage died): the context can
-    recover by restoring the backend and replaying its ubatch log."""
-
-    def __init__(self, msg: str, stage: int = -1) -> None:
-        super().__init__(msg)
-        self.stage = stage
+__all__ = ["Recovery", "StageLostError", "UbatchRecord"]
 
 
 @dataclass

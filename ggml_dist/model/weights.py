@@ -1,7 +1,9 @@
 """Model weights as tensors bound to the memory-mapped GGUF file: zero-copy, quantized as stored.
 
 The whole file is one host buffer ("CPU_Mapped", as llama.cpp's mmap buffer): a weight tensor is the
-file's bytes at its offset, so a 4-bit model costs 4 bits per weight of page cache and nothing else.
+file's bytes at its offset, so a 4-bit model costs 4 bits per weight of page cache and nothing else. A
+device that cannot read host memory gets them copied into a buffer of its own (upload_weights), as
+llama.cpp's loader reads into a device buffer where the mapping cannot serve it.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..backends.base import Buffer, BufferType, BufferUsage
-from ..core.context import Context
+from ..core.context import Context, pad
 from ..core.tensor import Tensor
 from .gguf import GGUFFile
 
@@ -83,3 +85,20 @@ def load_weights(f: GGUFFile, names: Iterable[str] | None = None,
         t.buffer, t.data = buffer, info.offset
         out[name] = t
     return out
+
+
+def upload_weights(weights: dict[str, Tensor], buft: BufferType) -> dict[str, Tensor]:
+    """The weights moved into one buffer of buft (usage WEIGHTS): each tensor placed anew, its bytes
+    copied from where it was (a tensor listed under two names is moved once). Returns `weights`."""
+    unique = list({id(t): t for t in weights.values()}.values())
+    offs, size = [], 0
+    for t in unique:
+        offs.append(size)
+        size += pad(buft.get_alloc_size(t), buft.alignment)
+    buf = buft.alloc_buffer(size)
+    buf.usage = BufferUsage.WEIGHTS
+    for t, o in zip(unique, offs):
+        data = t.buffer.get_tensor(t)
+        t.buffer, t.data = buf, o
+        buf.set_tensor(t, data)
+    return weights

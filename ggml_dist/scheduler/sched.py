@@ -13,11 +13,9 @@ Lifecycle (§3.7): reset -> [set_tensor_backend] -> alloc_graph -> graph_compute
 With n_copies > 1 (pipeline parallelism) every split input has one copy per micro-batch slot and
 cur_copy rotates on each alloc_graph, so micro-batch m+1's first splits can run while m's later
 splits still run on other (asynchronous) backends. Not in ggml: save_plan/restore_plan keep an
-allocated graph's assignments, splits and allocator plan, so a graph whose shape comes back is bound
-again without being split and planned again.
-
-Layers, bottom-up: constants; the Sched (lifecycle, saved plans, split_graph, alloc_splits,
-compute_splits, getters and callbacks, debug).
+allocated graph's assignments, splits and allocator plan (a shape that comes back is not split and
+planned again), and a split keeps its backend's graph plan (bound once, replayed). Layers, bottom-up:
+constants; the Sched (lifecycle, saved plans, split_graph, alloc_splits, compute_splits, getters, debug).
 """
 from __future__ import annotations
 
@@ -343,7 +341,7 @@ class Sched:
             if trace is not None:
                 backend.submit(lambda n=backend.name, lb=label: trace.begin(n, lb))
             if self.callback_eval is None:
-                backend.graph_compute(sp.graph)
+                sp.compute(backend)
             else:
                 self._compute_with_callback(backend, sp.graph)
             if trace is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from ..backends.base import Backend, GraphPlan
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
 from .assign import buffer_supported, is_weight, tensor_backend_id
@@ -27,10 +28,25 @@ class Split:
     inputs: list[Tensor] = field(default_factory=list)
     inputs_capacity: int = GGML_SCHED_MAX_SPLIT_INPUTS
     graph: Graph | None = None
+    # not in ggml: the backend's plan of `graph` (Backend.graph_plan_create), made at the first compute
+    # and replayed after; the split owns it, since its tensors keep their places for the split's life
+    # (a graph placed anew is split anew)
+    plan: GraphPlan | None = None
 
     @property
     def n_inputs(self) -> int:
         return len(self.inputs)
+
+    def compute(self, backend: Backend) -> None:
+        """Run the split's graph on its backend: through the backend's plan of it where the backend has
+        the graph_plan slots (planned at the first compute, replayed after), else graph_compute."""
+        assert self.graph is not None
+        if backend.graph_plan_create is None or backend.graph_plan_compute is None:
+            backend.graph_compute(self.graph)
+            return
+        if self.plan is None:
+            self.plan = backend.graph_plan_create(self.graph)
+        backend.graph_plan_compute(self.plan)
 
 
 def _grow_set(arr: list[int], i: int, v: int) -> None:

@@ -33,18 +33,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, Self
 
 import numpy as np
 
-from ..model.context import ContextParams, LlamaContext
+from ..model.context import LlamaContext
 from ..model.model import LlamaModel
 from ..model.steps import MicroBatch, Steps, warm_step_shapes
 from ..model.tokenizer import Tokenizer
 from ..model.ubatch import Batch
-from ..runtime import RunConfig, Runtime, open_runtime, runs_on_ray
+from ..runtime import Runtime, open_runtime
 from .embeddings import embed
+from .engine_config import EngineConfig
 from .metrics import Metrics
 from .requests import Event, Request, score_chunk
 from .slots import Sequence, Slots
@@ -84,74 +84,6 @@ class ServingEngine(Protocol):
 
 # -- engine ------------------------------------------------------------------------------------------
 
-@dataclass(slots=True)
-class EngineConfig:
-    model_path: str
-    n_stages: int = 1                       # 0: auto, the fewest stages that fit the cluster's nodes
-    address: str | None = None
-    n_parallel: int = 4
-    n_ctx: int = 2048
-    n_batch: int = 512
-    max_queue: int = 64
-    threads_per_stage: int = 1
-    n_copies: int | None = None             # micro-batches in flight on a pipeline (default: 2 x stages, <= 4)
-    stage_calls: str = "auto"               # Pipeline.launch(calls=...): compiled graph or plain calls
-    lookahead: int = 1                      # a group's steps in flight over stages (> 1: token feedback)
-    chat_template: str | None = None        # Jinja source overriding the GGUF's tokenizer.chat_template
-    kv_unified: bool | None = None          # one KV stream shared by the slots, or one per slot
-                                            # (None: per slot in one process, shared on a pipeline)
-    cache_prompt: bool = True               # a finished request's tokens stay in its slot's stream, and
-                                            # a prompt starting with them reuses them (KV stream per slot)
-    n_replicas: int = 1                     # engine processes sharing the slots (serve.replicas)
-    pooling: str | None = None              # /v1/embeddings: "mean", "last" or "cls" (llama-server's
-                                            # --pooling; the files we load carry pooling type none);
-                                            # "none": /embedding's every token's row, not normalized
-    request_defaults: tuple[tuple[str, int | float], ...] = ()   # llama-server's --temp, --seed and
-                                            # --n-predict: what a request that does not set them takes
-                                            # (temperature, seed, n_predict; applied by app.py)
-    batch_invariant: bool = False           # --deterministic: a sequence's logits do not depend on the
-                                            # steps it shares, the prompt cache or the chunking
-                                            # (ContextParams.batch_invariant)
-
-    def __post_init__(self) -> None:
-        if self.pooling not in (None, "mean", "last", "cls", "none"):
-            raise ValueError(f"--pooling must be mean, last, cls or none, got {self.pooling!r}")
-        if not 1 <= self.n_parallel <= 64:
-            raise ValueError(f"--parallel must be 1..64 (KV sequence ids), got {self.n_parallel}")
-        if self.n_ctx // self.n_parallel < 8:
-            raise ValueError(f"--ctx {self.n_ctx} over --parallel {self.n_parallel} leaves "
-                             f"{self.n_ctx // self.n_parallel} cells per slot; raise --ctx")
-        if self.kv_unified is None:
-            self.kv_unified = runs_on_ray(self.n_stages, self.address) and not self.batch_invariant
-        if not 1 <= self.n_replicas <= self.n_parallel:
-            raise ValueError(f"--replicas must be 1..--parallel ({self.n_parallel}), got {self.n_replicas}")
-        if self.n_replicas > 1 and runs_on_ray(self.n_stages, self.address):
-            raise ValueError("--replicas runs engines side by side in one machine; it does not combine "
-                             "with a pipeline (--stages > 1 or --address)")
-        if self.n_stages < 0 or self.max_queue < 0:
-            raise ValueError(f"--stages must be >= 1 (or auto) and the queue bound >= 0 "
-                             f"({self.n_stages}, {self.max_queue})")
-        if self.n_stages == 0 and self.address is None:
-            raise ValueError("--stages auto places the model on a cluster's nodes: give --address")
-        if self.lookahead < 1:
-            raise ValueError(f"--lookahead must be >= 1, got {self.lookahead}")
-        # where a sequence's cells sit changes the attention's order (a shared stream interleaves them):
-        # the mode needs a stream per slot, also over a pipeline
-        if self.batch_invariant and self.kv_unified:
-            raise ValueError("--deterministic needs a KV stream per slot: drop --kv-unified on (in a shared "
-                             "stream a sequence's cells sit wherever they were free, which changes its bits)")
-
-    def run_config(self) -> RunConfig:
-        """The runtime the engine opens: one context of n_ctx cells over n_parallel sequences."""
-        assert self.kv_unified is not None, "__post_init__ chooses kv_unified"
-        params = ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_batch,
-                               n_seq_max=self.n_parallel, kv_unified=self.kv_unified, background_compile=True,
-                               batch_invariant=self.batch_invariant)
-        n_copies = self.n_copies or (min(4, self.lookahead * self.n_stages) or None)
-        return RunConfig(self.model_path, params, self.n_stages or None, self.address, threads=self.threads_per_stage,
-                         n_copies=n_copies, stage_calls=self.stage_calls, label="ggml-dist serve")
-
-
 class Engine:
     """The admission queue, the engine thread's turn (the module's docstring) and each request's life:
     admission with its n choices and grammar, every row's token, stop and cancel, and failure, one
@@ -166,7 +98,7 @@ class Engine:
         # entered on the engine thread around each micro-batch's collection, where sampling posts the
         # step's events: a replica sends them as one message (serve.replicas)
         self.collecting = collecting
-        self.n_ctx_slot = cfg.n_ctx // cfg.n_parallel
+        self.n_ctx_slot = cfg.params.n_ctx // cfg.n_parallel
         self.model: LlamaModel | None = None
         self.ctx: LlamaContext | None = None
         self.runtime: Runtime | None = None     # this process, or a Ray pipeline (runtime.open_runtime)
@@ -198,12 +130,17 @@ class Engine:
             self._cv.notify()
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then the runtime (a pipeline's stage actors). A load still running
+        30 s later ends the runtime itself once it is open (_run)."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout=30)
-        if self.runtime is not None:
-            self.runtime.shutdown()
+        if self._thread.ident is not None:          # started (a stop can come before start())
+            self._thread.join(timeout=30)
+        with self._cv:
+            rt, self.runtime = self.runtime, None
+        if rt is not None:
+            rt.shutdown()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -256,17 +193,17 @@ class Engine:
         if self.runtime is None or not self.runtime.distributed:
             return [self.steps.busy_s if self.steps else 0.0]
         with contextlib.suppress(Exception):   # a stage is down: metrics must still answer
-            self._stage_busy = [float(st["compute_s"]) for st in self.runtime.stats()]
+            self._stage_busy = [st.compute_s for st in self.runtime.stats()]
         return list(getattr(self, "_stage_busy", []))
 
     # -- engine thread ----------------------------------------------------------------------------------
     def _load(self) -> None:
         cfg = self.cfg
-        rt = self.runtime = open_runtime(cfg.run_config())  # a pipeline's stages have mapped their weights
+        rt = self.runtime = open_runtime(cfg.run)  # a pipeline's stages have mapped their weights
         self.model, self.ctx = rt.model, rt.ctx
         n_groups = min(rt.depth, rt.n_stages)
         lookahead = max(1, min(cfg.lookahead, rt.depth // n_groups)) if rt.feeds_tokens() else 1
-        self.steps = Steps(rt.ctx, cfg.n_batch, self.n_ctx_slot, rt.depth, n_groups, lookahead)
+        self.steps = Steps(rt.ctx, cfg.params.n_batch, self.n_ctx_slot, rt.depth, n_groups, lookahead)
         self.slots.ctx, self.slots.movable = rt.ctx, not cfg.kv_unified and rt.moves_sequences
         # one token through every stage: compiles kernels and plans before the first request
         self.ctx.decode(Batch.from_tokens([self.model.tokenizer.bos_id or 0]))
@@ -282,6 +219,10 @@ class Engine:
             print(f"ggml-dist serve: {self.load_error}", file=sys.stderr)
             self.ready.set()
             return
+        with self._cv:
+            if self._stopping and self.runtime is not None:     # shut down while it loaded: its runtime
+                rt, self.runtime = self.runtime, None            # is ours to end
+                rt.shutdown()
         self.ready.set()
         steps, slots = self.steps, self.slots
         assert steps is not None
@@ -332,7 +273,8 @@ class Engine:
                 continue
             try:
                 assert self.ctx is not None and self.cfg.pooling is not None
-                fut.set_result(embed(self.ctx, prompt, self.slots.take_blank(), self.cfg.n_batch, self.cfg.pooling))
+                fut.set_result(embed(self.ctx, prompt, self.slots.take_blank(), self.cfg.params.n_batch,
+                                     self.cfg.pooling))
             except Exception as e:  # noqa: BLE001 - this request fails (the future holds it), not the engine
                 fut.set_exception(e)
 

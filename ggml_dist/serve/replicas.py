@@ -321,7 +321,7 @@ class ReplicaSet:
             raise ValueError("ReplicaSet needs n_replicas >= 2 (one replica is a plain Engine)")
         self.cfg = cfg
         self.metrics = metrics or Metrics()
-        self.n_ctx_slot = cfg.n_ctx // cfg.n_parallel
+        self.n_ctx_slot = cfg.params.n_ctx // cfg.n_parallel
         self.ready = threading.Event()
         self.load_error: str | None = None
         self._tokenizer: Tokenizer | None = None
@@ -332,9 +332,9 @@ class ReplicaSet:
         self._threads = kernel_threads.get_threads()
         R, P = cfg.n_replicas, cfg.n_parallel
         shares = [P // R + (k < P % R) for k in range(R)]
-        self.replicas = [_Replica(k, replace(cfg, n_replicas=1, n_parallel=n, n_ctx=n * self.n_ctx_slot,
-                                             max_queue=cfg.max_queue + P))
-                         for k, n in enumerate(shares)]
+        sized = [replace(cfg.run, params=replace(cfg.params, n_ctx=n * self.n_ctx_slot)) for n in shares]
+        self.replicas = [_Replica(k, replace(cfg, run=run, n_replicas=1, n_parallel=n, max_queue=cfg.max_queue + P))
+                         for k, (n, run) in enumerate(zip(shares, sized))]
 
     # -- life cycle -----------------------------------------------------------------------------------
     def start(self) -> Self:

@@ -5,7 +5,10 @@ for tests and benchmarks). Both start uvicorn before the model has loaded, so /h
 `serve` stops on SIGTERM or SIGINT, gracefully: new requests get 503 at once, the running ones have
 `shutdown_grace` seconds to finish, then the engine ends what is left with an error event (a stream's
 `data: {"error": ...}` then `data: [DONE]`, a plain request's 503); then uvicorn finishes, then the
-engine, then the local Ray it started, every process of it. A second signal ends it at once.
+engine, then the local Ray it started, every process of it. A second signal ends the serving at once.
+The signals are the server's from its first line to its last (_StopSignals): one during the start-up
+unwinds it, one during the clean-up is noted and does not cut it short, and the process exits
+128 + the first signal's number whatever the disposition it inherited.
 
 uvicorn has no deadline for a request's headers, and keeps every connection it accepts: a client that
 opens connections and sends nothing (or a header a byte a minute) holds a descriptor each for ever.
@@ -31,8 +34,10 @@ from typing import Any, cast
 
 import uvicorn
 
-from .app import MAX_BODY_BYTES, Admission, HTTPPolicy, create_app, is_loopback
-from .engine import Engine, EngineConfig, ServingEngine
+from .app import create_app
+from .engine import Engine, ServingEngine
+from .engine_config import EngineConfig
+from .guard import MAX_BODY_BYTES, Admission, HTTPPolicy, is_loopback
 from .metrics import Metrics
 
 HEADER_TIMEOUT_S = 10.0           # a request's headers, from its connection's start or last response
@@ -144,22 +149,67 @@ def drain(engine: ServingEngine, admission: Admission, grace_s: float,
             time.sleep(0.05)
 
 
+class ServerStopped(BaseException):
+    """A stop signal during the server's start-up: unwinds the start-up to serve()'s clean-up. A
+    BaseException, as KeyboardInterrupt, so that no `except Exception` on the way keeps it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM for the whole of a server's life, one handler for both, installed before
+    anything starts:
+      start-up   the first signal raises ServerStopped where the main thread is, and serve() cleans up
+      serving    the server's handle_exit: drain, then stop (a second signal: at once)
+      clean-up   noted only: the engine, its stages and the local Ray are ended in full
+    `signum` is the first signal; serve() returns it, and the command exits 128 + it. Nothing is left to
+    the signal's inherited disposition: a process started as a shell's background job inherits SIGINT
+    ignored, and uvicorn, which catches it while it serves and raises it again once stopped, used to
+    raise it into that SIG_IGN and exit 0."""
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.server: _SignalledServer | None = None
+        self.cleaning = False
+        self._previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+
+    def handle(self, sig: int, frame: FrameType | None) -> None:
+        signal.alarm(0)        # absl's abort timer (a Ray core worker's failure handler); nothing here sets one
+        first = self.signum is None
+        if first:
+            self.signum = sig
+        if self.cleaning:
+            return
+        if self.server is not None:
+            self.server.handle_exit(sig, frame)
+        elif first:
+            raise ServerStopped(sig)
+
+    def restore(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
 class _SignalledServer(uvicorn.Server):
-    """uvicorn's server, which takes SIGTERM and SIGINT while it runs and raises them again once it has
-    stopped. The first signal drains (drain(), in a thread) before uvicorn is told to exit; a second
-    one exits at once. A local Ray started meanwhile (by the engine's thread) put absl's failure handler
-    in front of SIGTERM, and that handler aborts the process 3 s after the signal unless disarmed."""
+    """uvicorn's server, whose handle_exit (uvicorn installs it for SIGTERM and SIGINT while it runs)
+    notes the signal in the server's _StopSignals rather than uvicorn's list, which uvicorn would raise
+    again once stopped. The first signal drains (drain(), in a thread) before uvicorn is told to exit; a
+    second one exits at once."""
 
     def __init__(self, config: uvicorn.Config, engine: ServingEngine, admission: Admission,
-                 grace_s: float) -> None:
+                 grace_s: float, stop: _StopSignals) -> None:
         super().__init__(config)
-        self.engine, self.admission, self.grace_s = engine, admission, grace_s
+        self.engine, self.admission, self.grace_s, self.stop = engine, admission, grace_s, stop
         self._draining: threading.Thread | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        signal.alarm(0)                       # absl's abort timer; nothing else here sets an alarm
+        signal.alarm(0)
+        if self.stop.signum is None:
+            self.stop.signum = sig
         if self._draining is None and self.grace_s > 0:
-            self._captured_signals.append(sig)          # raised again once uvicorn has stopped
             self._draining = threading.Thread(target=self._drain, name="ggml-dist-drain", daemon=True)
             self._draining.start()
             return
@@ -201,27 +251,37 @@ def protect_ray_token(joining: bool, say: Callable[[str], None] | None = None) -
 
 
 def serve(cfg: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-          max_body_bytes: int = MAX_BODY_BYTES, opts: ServeOptions | None = None) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, opts: ServeOptions | None = None) -> int | None:
     """Serve until SIGTERM or SIGINT (then drain: the module docstring); the engine loads in the
-    background meanwhile. uvicorn raises the signal again when it has stopped: SIGTERM then unwinds as
-    SystemExit(143), SIGINT as KeyboardInterrupt, through the engine's shutdown and the local Ray's."""
-    from ..runtime import exit_on_signal, runs_on_ray, shutdown_local
-    opts = opts or ServeOptions(policy=HTTPPolicy.for_bind(host, max_body_bytes=max_body_bytes))
-    if runs_on_ray(cfg.n_stages, cfg.address):
-        protect_ray_token(joining=bool(cfg.address or os.environ.get("RAY_ADDRESS")))
-    previous = signal.signal(signal.SIGTERM, exit_on_signal)
-    engine = make_engine(cfg, Metrics()).start()
-    admission = Admission()
-    config = _uvicorn_config(engine, model_name, host, port, max_body_bytes, opts, admission)
+    background meanwhile. Returns the signal that stopped it, once the engine, its stages and the local
+    Ray it started have ended (the caller exits 128 + it)."""
+    from ..runtime import shutdown_local
+    stop = _StopSignals()
+    engine: ServingEngine | None = None
+    config: uvicorn.Config | None = None
     try:
-        _SignalledServer(config, engine, admission, opts.shutdown_grace_s).run()
+        opts = opts or ServeOptions(policy=HTTPPolicy.for_bind(host, max_body_bytes=max_body_bytes))
+        if cfg.run.distributed:
+            protect_ray_token(joining=bool(cfg.run.address or os.environ.get("RAY_ADDRESS")))
+        engine = make_engine(cfg, Metrics())
+        engine.start()
+        admission = Admission()
+        config = _uvicorn_config(engine, model_name, host, port, max_body_bytes, opts, admission)
+        stop.server = _SignalledServer(config, engine, admission, opts.shutdown_grace_s, stop)
+        stop.server.run()
+    except ServerStopped:
+        pass
     finally:
+        stop.cleaning = True
         try:
-            cast(Any, config.app).state.checker.close()
-            engine.shutdown()
+            if config is not None:
+                cast(Any, config.app).state.checker.close()
+            if engine is not None:
+                engine.shutdown()
         finally:
             shutdown_local()
-            signal.signal(signal.SIGTERM, previous)
+            stop.restore()
+    return stop.signum
 
 
 class ServerThread:

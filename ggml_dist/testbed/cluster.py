@@ -45,30 +45,24 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cgroups import DEFAULT_PERIOD_US, HostGroup, cgroups_available
+from . import diagnostics, reaper
+from .cgroups import HostGroup, cgroups_available
+from .hosts import DEFAULT_ENV, HostSpec, health_check_config
+from .link_cut import CutRun, run_with_link_cut
 from .netns import Network, link_exists, namespace_exists, netns_available
-from .procs import TAG_ENV, ancestors, env_tag, http_get, netns_id, pid_alive, proc_table, tail
+from .probes import CONNECT_PROBE, NODES_PROBE
+from .procs import TAG_ENV, http_get
 
-DEFAULT_OBJECT_STORE_BYTES = 80 * 2**20      # Ray's minimum is 75 MiB
+__all__ = ["ClusterStartError", "ClusterStopError", "CutRun", "HostSpec", "NamespaceCluster", "health_check_config",
+           "run_with_link_cut"]
+
 _SOCKET_PATH_MAX = 107                       # AF_UNIX sun_path
 _RAY_SOCKET_SUFFIX = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
 _seq = itertools.count(1)
 _live: weakref.WeakSet[NamespaceCluster] = weakref.WeakSet()
-
-# The base environment of every process a cluster starts (a cluster's or host's env overrides it).
-DEFAULT_ENV: dict[str, str] = {
-    "RAY_USAGE_STATS_ENABLED": "0",
-    # Ray 2.60 turns token auth on when ~/.ray/auth_token exists; these clusters are private
-    # (a bridge only this machine sees), so it is off unless a test asks for it.
-    "RAY_AUTH_MODE": "disabled",
-    # a driver shows every worker's lines, not "[repeated 2x across cluster]"
-    "RAY_DEDUP_LOGS": "0",
-}
-
 
 class ClusterStartError(RuntimeError):
     """The cluster did not come up; the message has the tails of the hosts' logs."""
@@ -78,91 +72,8 @@ class ClusterStopError(RuntimeError):
     """Some process the cluster started is still alive after SIGKILL."""
 
 
-@dataclass
-class HostSpec:
-    """One host: its `ray start` resources and what it sees.
-
-    python: the interpreter that runs this host's `ray start` (and so its Ray workers);
-        None = sys.executable. E.g. venv_without_ggml_dist(...) for a host lacking ggml_dist.
-    hide_dirs: directories this host's processes see as empty (a private tmpfs over each,
-        in a mount namespace of its own; the rest of the machine keeps seeing the files).
-    env: extra environment for this host's processes (a value of None removes the variable).
-    dashboard: head only: start the dashboard on the head's IP.
-    cpu: the host's CPU in cores (a CFS quota of cpu x cpu_period_us per period); None: no limit, its
-        use still accounted. memory_limit_bytes: its cgroup memory limit (None: none; the Ray
-        `memory` resource is memory_bytes, a scheduling figure that nothing enforces by itself).
-    link_rate: its link's rate each way (tc units: "1gbit"); link_delay_ms: a fixed delay each way,
-        where the kernel has netem (else left out, and `shaping` says why).
-    cpus: pin the host to these CPUs (a cpuset); None: the cluster pins a host with a CPU limit of at most
-        one core to the least loaded CPU where it fits (pin_cpus).
-    """
-    num_cpus: int = 1
-    memory_bytes: int | None = None
-    cpu: float | None = None
-    cpu_period_us: int = DEFAULT_PERIOD_US
-    memory_limit_bytes: int | None = None
-    link_rate: str | None = None
-    link_delay_ms: float | None = None
-    cpus: tuple[int, ...] | None = None
-    python: str | None = None
-    hide_dirs: list[str] = field(default_factory=list)
-    env: dict[str, str | None] = field(default_factory=dict)
-    dashboard: bool = False
-    object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES
-    resources: dict[str, float] | None = None
-    extra_args: list[str] = field(default_factory=list)
-
-
-def health_check_config(period_ms: int = 1000, timeout_ms: int = 1000, failure_threshold: int = 3,
-                        initial_delay_ms: int | None = None) -> dict[str, int]:
-    """A head `system_config` under which the GCS declares an unreachable node dead within about
-    period_ms * failure_threshold + timeout_ms (Ray's default is 3000 ms x 5 + 10000 ms)."""
-    cfg = {"health_check_period_ms": period_ms, "health_check_timeout_ms": timeout_ms,
-           "health_check_failure_threshold": failure_threshold}
-    if initial_delay_ms is not None:
-        cfg["health_check_initial_delay_ms"] = initial_delay_ms
-    return cfg
-
-
 # ---------------------------------------------------------------------------------------------
 # the cluster
-
-# Waits (in a host's namespace) until the GCS at `address` lists every ip in `alive` as an alive
-# node and none in `dead`, then prints ray.nodes() as JSON. Needs no driver (no ray.init).
-_NODES_PROBE = r"""
-import json, sys, time
-args = json.loads(sys.argv[1])
-from ray._private.internal_api import get_state_from_address
-deadline = time.monotonic() + args["timeout"]
-state, nodes, err = None, None, None
-while True:
-    try:
-        if state is None:
-            state = get_state_from_address(args["address"])
-        nodes = state.node_table()
-        err = None
-    except Exception as e:
-        state, nodes, err = None, None, repr(e)
-    if nodes is not None:
-        up = {n["NodeManagerAddress"] for n in nodes if n["Alive"]}
-        if set(args["alive"]) <= up and not (set(args["dead"]) & up):
-            break
-    if time.monotonic() > deadline:
-        print(json.dumps({"timeout": True, "error": err, "nodes": nodes}, default=str))
-        sys.exit(3)
-    time.sleep(args["poll"])
-print(json.dumps(nodes, default=str))
-"""
-
-_CONNECT_PROBE = r"""
-import socket, sys
-try:
-    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
-    print("ok")
-except OSError as e:
-    print("fail", repr(e))
-"""
-
 
 class NamespaceCluster:
     """A Ray cluster of len(hosts) "hosts", each a network namespace; host 0 is the head.
@@ -216,9 +127,9 @@ class NamespaceCluster:
         self.started_pids: set[int] = set()   # every pid seen belonging to this cluster
         self.survivors: list[int] = []        # pids alive after stop() (should stay empty)
 
-        self._hosts_procs: list[subprocess.Popen | None] = [None] * len(self.hosts)
-        self._extra_procs: list[subprocess.Popen] = []   # popen_in's, while they run
-        self._proc_host: dict[int, int] = {}               # popen_in's pid -> its host
+        self.host_procs: list[subprocess.Popen | None] = [None] * len(self.hosts)
+        self.extra_procs: list[subprocess.Popen] = []   # popen_in's, while they run
+        self.proc_host: dict[int, int] = {}               # popen_in's pid -> its host
         self._log_files: list[Any] = []
         self._started = False
         self._starting = False
@@ -482,8 +393,8 @@ class NamespaceCluster:
         kwargs.setdefault("start_new_session", True)
         p = subprocess.Popen(self.argv_in(i, argv), env=self.env_for(i, env),
                              cwd=str(cwd or self.workdir), **kwargs)
-        self._proc_host[p.pid] = i
-        self._extra_procs.append(p)
+        self.proc_host[p.pid] = i
+        self.extra_procs.append(p)
         self.started_pids.add(p.pid)
         return p
 
@@ -518,15 +429,15 @@ class NamespaceCluster:
         p = subprocess.Popen(self.argv_in(i, argv), env=self.env_for(i, driver=False),
                              cwd=str(self.ray_temp_dir(i)), stdin=subprocess.DEVNULL, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)
-        self._hosts_procs[i] = p
+        self.host_procs[i] = p
         self.started_pids.add(p.pid)
 
     def host_alive(self, i: int) -> bool:
-        p = self._hosts_procs[i]
+        p = self.host_procs[i]
         return p is not None and p.poll() is None
 
     def _check_hosts(self) -> None:
-        for i, p in enumerate(self._hosts_procs):
+        for i, p in enumerate(self.host_procs):
             if p is not None and p.poll() is not None:
                 raise ClusterStartError(f"host {i}'s `ray start` exited with {p.returncode}")
 
@@ -559,7 +470,7 @@ class NamespaceCluster:
         returns ray.nodes() (dead nodes included). Runs a probe inside host `via`."""
         args = {"address": self.gcs_address, "alive": list(alive), "dead": list(dead),
                 "timeout": timeout, "poll": poll_s}
-        p = self.popen_in(via, [self.python_of(via), "-c", _NODES_PROBE, json.dumps(args)],
+        p = self.popen_in(via, [self.python_of(via), "-c", NODES_PROBE, json.dumps(args)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + timeout + 30
         out = err = ""
@@ -608,7 +519,7 @@ class NamespaceCluster:
         """A TCP connect from inside host `from_host` to ip:port: "ok", or the error's repr
         (TimeoutError(...) when the packets go nowhere, ConnectionRefusedError(...) when the
         host is there but nothing listens)."""
-        p = self.run_in(from_host, [self.python_of(from_host), "-c", _CONNECT_PROBE, ip, str(port),
+        p = self.run_in(from_host, [self.python_of(from_host), "-c", CONNECT_PROBE, ip, str(port),
                                     str(timeout)], capture_output=True, text=True,
                         timeout=timeout + 60)
         out = p.stdout.strip()
@@ -620,117 +531,16 @@ class NamespaceCluster:
 
     # -- processes ------------------------------------------------------------------------------
     def pids(self, host: int | None = None, commands: bool = True) -> set[int]:
-        """The live (non-zombie) pids of this cluster: every process inside its namespaces (by
-        /proc/PID/ns/net, which neither setsid nor setproctitle hides), plus those found by
-        TAG_ENV, by the process groups of what it spawned and by parentage. host=i: host i's
-        only; commands=False: without the commands that run_in/popen_in started (and their
-        children), i.e. a host's Ray processes."""
-        self._extra_procs = [p for p in self._extra_procs if p.poll() is None]
-        table = proc_table()
-        hosts = list(range(len(self.hosts))) if host is None else [host]
-        ns_ids = {self.net.ns_ids[i] for i in hosts if self.net is not None and i in self.net.ns_ids}
-        in_groups = set().union(*(g.pids() for g in (self.groups[i] for i in hosts) if g is not None))
-        ray_roots = [p for p in (self._hosts_procs[i] for i in hosts) if p is not None]
-        cmd_roots = [p for p in self._extra_procs if host is None or self._proc_host.get(p.pid) == host]
-        ray_tags = {f"{self.tag}:{i}" for i in hosts}
-        cmd_tags = {f"{self.tag}:{i}:run" for i in hosts}
-        ray_groups = {p.pid for p in ray_roots if p.returncode is None}   # unreaped: not reused
-        cmd_groups = {p.pid for p in cmd_roots if p.returncode is None}
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _pgid, _state) in table.items():
-            children.setdefault(ppid, []).append(pid)
-
-        def closure(seed: set[int]) -> set[int]:
-            out, stack = set(seed), list(seed)
-            while stack:
-                for c in children.get(stack.pop(), []):
-                    if c not in out:
-                        out.add(c)
-                        stack.append(c)
-            return out
-
-        found, cmds = set(), set()
-        for pid, (_ppid, pgid, state) in table.items():
-            if state in ("Z", "X"):
-                continue
-            tag = env_tag(pid)
-            if tag in cmd_tags or pgid in cmd_groups:
-                cmds.add(pid)
-            if tag in ray_tags or tag in cmd_tags or pgid in ray_groups or pgid in cmd_groups \
-                    or netns_id(pid) in ns_ids or pid in in_groups:
-                found.add(pid)
-        found = closure(found | {p.pid for p in ray_roots + cmd_roots
-                                 if p.returncode is None and p.pid in table})
-        if not commands:
-            found -= closure(cmds | {p.pid for p in cmd_roots
-                                     if p.returncode is None and p.pid in table})
-        found -= ancestors(os.getpid())
-        found = {p for p in found if pid_alive(p)}
-        self.started_pids |= found
-        return found
-
-    def _terminate(self, host: int | None) -> None:
-        """SIGTERM to each `ray start` (only to it: it ends its children itself, within ~3 s;
-        a SIGTERM to its whole process group leaves it waiting) and to the groups of the
-        commands started by popen_in."""
-        hosts = range(len(self.hosts)) if host is None else [host]
-        for i in hosts:
-            p = self._hosts_procs[i]
-            if p is not None and p.poll() is None:
-                with contextlib.suppress(OSError):
-                    os.kill(p.pid, signal.SIGTERM)
-        if host is None:
-            for p in self._extra_procs:
-                if p.poll() is None:
-                    with contextlib.suppress(OSError):
-                        os.killpg(p.pid, signal.SIGTERM)
-
-    def _kill(self, pids: Iterable[int], procs: Iterable[subprocess.Popen]) -> None:
-        for p in procs:
-            if p.returncode is None and p.poll() is None:
-                with contextlib.suppress(OSError):
-                    os.killpg(p.pid, signal.SIGKILL)
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-
-    def _end(self, host: int | None, grace: float, commands: bool = True) -> list[int]:
-        procs = [p for p in ([*self._hosts_procs] if host is None else [self._hosts_procs[host]])
-                 if p is not None]
-        if commands:
-            procs += [p for p in self._extra_procs if host is None or self._proc_host.get(p.pid) == host]
-        pids = self.pids(host, commands)
-        if grace > 0 and pids:
-            self._terminate(host)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                for p in procs:
-                    p.poll()
-                if not self.pids(host, commands):
-                    break
-                time.sleep(0.1)
-        deadline = time.monotonic() + 10.0
-        while True:
-            pids = self.pids(host, commands)
-            if pids:
-                self._kill(pids, procs)
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    if p.returncode is None:
-                        p.wait(timeout=0.2)
-            pids = {q for q in pids if pid_alive(q)}
-            if not pids and all(p.returncode is not None for p in procs):
-                return []
-            if time.monotonic() > deadline:
-                return sorted(pids)
-            time.sleep(0.1)
+        """The live pids of this cluster (host=i: host i's only; commands=False: without the commands
+        that run_in/popen_in started): testbed/reaper.py."""
+        return reaper.cluster_pids(self, host, commands)
 
     def kill_host(self, i: int, sig: int = signal.SIGKILL, commands: bool = False) -> None:
         """Crash host i: signal its Ray processes (commands=True: also what run_in/popen_in run
         there) and, for SIGKILL, wait until they are gone. The GCS notices at its next health
         checks (see health_check_config)."""
         if sig == signal.SIGKILL:
-            left = self._end(i, grace=0, commands=commands)
+            left = reaper.end(self, i, grace=0, commands=commands)
             if left:
                 raise ClusterStopError(f"host {i}: pids {left} survive SIGKILL")
         else:
@@ -747,7 +557,7 @@ class NamespaceCluster:
         self._stopped = True
         _live.discard(self)
         try:
-            self.survivors = self._end(None, self.stop_grace_s)
+            self.survivors = reaper.end(self, None, self.stop_grace_s)
         finally:
             for f in self._log_files:
                 with contextlib.suppress(Exception):
@@ -758,8 +568,8 @@ class NamespaceCluster:
                 if g is not None and g.dirs:
                     self.survivors += g.remove()
             if self._log_dir_arg is not None:               # a log dir of the caller's:
-                self._copy_ray_logs()                       # Ray's logs outlive the cluster
-            launched = any(p is not None for p in self._hosts_procs)
+                diagnostics.copy_ray_logs(self)             # Ray's logs outlive the cluster
+            launched = any(p is not None for p in self.host_procs)
             keep = self.keep_files or self.survivors or (self._failed and launched)
             if self.workdir is not None and not keep:     # kept on failure: logs to read
                 shutil.rmtree(self.workdir, ignore_errors=True)
@@ -767,39 +577,9 @@ class NamespaceCluster:
             raise ClusterStopError(f"{self!r}: pids {self.survivors} are alive after SIGKILL")
 
     # -- diagnostics ----------------------------------------------------------------------------
-    def ray_log_dirs(self, i: int) -> list[Path]:
-        """Host i's Ray session log dirs (raylet.out, gcs_server.out, worker-*.out...)."""
-        if self.workdir is None:
-            return []
-        dirs = {d.resolve() for d in self.ray_temp_dir(i).glob("session_*/logs") if d.is_dir()}
-        return sorted(dirs)
-
-    def _copy_ray_logs(self) -> None:
-        assert self.log_dir is not None
-        for i in range(len(self.hosts)):
-            for d in self.ray_log_dirs(i):
-                with contextlib.suppress(Exception):
-                    shutil.copytree(d, self.log_dir / f"host{i}-{d.parent.name}", symlinks=True,
-                                    ignore=shutil.ignore_patterns("*.sock"), dirs_exist_ok=True)
-
     def diagnostics(self, lines: int = 25) -> str:
         """The tails of each host's `ray start` log and of its Ray session's error logs."""
-        out = []
-        for i in range(len(self.hosts)):
-            if self.log_dir is None:
-                break
-            p = self._hosts_procs[i]
-            status = "not started" if p is None else (
-                "running" if p.poll() is None else f"exited {p.returncode}")
-            out.append(f"--- host {i} ({self.ips[i] if self.ips else '?'}, {status}): "
-                       f"{self.log_path(i)}\n{tail(self.log_path(i), lines)}")
-            for d in self.ray_log_dirs(i):
-                for name in ("gcs_server.err", "raylet.err", "raylet.out"):
-                    if (d / name).exists():
-                        t = tail(d / name, 8 if name.endswith(".out") else lines).strip()
-                        if t:
-                            out.append(f"--- host {i} {d / name}\n{t}")
-        return "\n".join(out)
+        return diagnostics.report(self, lines)
 
 
 @atexit.register
@@ -809,53 +589,3 @@ def _stop_live_clusters() -> None:          # a with-block cut short by interpre
             c.stop()
 
 
-# ---------------------------------------------------------------------------------------------
-# a streaming `ggml-dist run` whose stage-1 host loses its link mid-generation
-
-@dataclass
-class CutRun:
-    returncode: int
-    text: str                     # what the run streamed on stdout
-    log: str                      # its stderr
-    victim: int | None            # the host whose link was cut
-    cut_to_end_s: float | None    # from the cut to the run's exit
-    recoveries: int               # from the run's closing line
-    detect_s: float | None        # from the cut to the run's detection of the loss (its detected_at)
-    restore_s: float | None       # the restart and the replay of the KV log
-    first_token_s: float | None   # from detection to the first token after it
-
-
-def run_with_link_cut(c: NamespaceCluster, argv: Sequence[str], after_chars: int,
-                      timeout: float = 900.0) -> CutRun:
-    """Run `argv` (a `ggml-dist run` without --json, so text streams) in the head's namespace; once
-    `after_chars` characters have streamed, cut the link of the host that holds stage 1 (read from the
-    plan table the run prints on stderr before it loads); restore it when the run ends."""
-    import re
-    import threading
-    p = c.popen_in(0, list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    err: list[str] = []
-    assert p.stdout is not None and p.stderr is not None
-    stderr = p.stderr
-    reader = threading.Thread(target=lambda: err.extend(ln.decode() for ln in stderr), daemon=True)
-    reader.start()
-    text, cut_at, cut_wall, victim = b"", None, None, None
-    try:
-        while b := os.read(p.stdout.fileno(), 64):
-            text += b
-            if cut_at is None and len(text) >= after_chars:
-                row = next(ln for ln in err if re.match(r"\s+1 ", ln))
-                victim = c.ips.index(row.split()[1])
-                c.link_down(victim)
-                cut_at, cut_wall = time.perf_counter(), time.time()
-        p.wait(timeout=timeout)
-        reader.join(10)
-    finally:
-        if victim is not None:
-            c.link_up(victim)
-    log = "".join(err)
-    m = re.search(r"recoveries (\d+): detected after \S+ s \(at ([\d.]+)\), restored in ([\d.]+) s, first token "
-                  r"([\d.]+) s", log)
-    detect = float(m.group(2)) - cut_wall if m and cut_wall is not None else None
-    return CutRun(p.returncode, text.decode(), log, victim, time.perf_counter() - cut_at if cut_at else None,
-                  int(m.group(1)) if m else 0, None if detect is None else round(detect, 3),
-                  float(m.group(3)) if m else None, float(m.group(4)) if m else None)

@@ -64,7 +64,7 @@ class ChainHandle:
 class CompiledChain:
     """The stage calls of one pipeline, executed as a compiled graph where they form a chain.
 
-    actors() -> the current actors; plain(k) -> stage k's plain Call (workers/cluster.py); lost(e) ->
+    actors() -> the current actors; plain(k) -> stage k's plain Call (workers/actor.py); lost(e) ->
     the error to raise for a failed result (StageLostError where the stage's state is gone)."""
 
     def __init__(self, n: int, actors: Callable[[], list], plain: Callable[[int], Call], watch: StageWatch,
@@ -219,7 +219,7 @@ class CompiledChain:
         flight are lost. After a loss the calls go the plain way for good: a surviving actor's graph
         loop can stay blocked in a write to the dead stage's channel, which tearing down does not
         interrupt, and an actor runs one graph at a time (its plain calls still run beside it)."""
-        from ..model.recovery import StageLostError
+        from ..backends.base import StageLostError
         if lost and self.enabled:
             print("ggml-dist: stage calls go as plain Ray calls from now on: a stage was lost", file=sys.stderr,
                   flush=True)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..model.recovery import StageLostError
+from ..backends.base import StageLostError
 from .health import StageWatch
 from .links import Link, LinkClosed
 from .proxy import Call

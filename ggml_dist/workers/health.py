@@ -151,7 +151,7 @@ class StageWatch:
                 return
 
     def _lose(self, k: int, why: str) -> None:
-        from ..model.recovery import StageLostError
+        from ..backends.base import StageLostError
         self.lost.add(k)
         msg = f"{self._describe(k)} {why}"
         print(f"ggml-dist: {msg}", file=sys.stderr, flush=True)

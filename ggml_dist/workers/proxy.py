@@ -1,16 +1,15 @@
 """The driver-side proxy: a stage actor seen through the backend protocol the scheduler uses.
 
-    StageDevice   supports_op (the actor runs the CPU kernels), its own non-host buffer type
+    StageDevice   the stage's device as its process described it (DeviceInfo: type, memory, op table),
+                  with a non-host buffer type of its alignment standing for its memory
     RemoteBuffer  where the driver's allocator places the stage's tensors: addresses only, no memory;
                   set_tensor snapshots a graph input for the next call, get_tensor fetches an export
-    PipelineOutputs  what the stages do beyond the backend protocol (model/context.py's StageOutputs): the
-                  last stage chooses the tokens from its logits, and a sampled token goes to a later
-                  call's input as a handle (token feedback)
     StageProxy    graph_compute(split) = one asynchronous actor call carrying the split's plan id (and
                   its description the first time), the inputs that came from the driver, and the
-                  producing stages' result handles
+                  producing stages' result handles; its graph plan (RemotePlan, kept by the scheduler's
+                  split) holds the split's descriptions, so a replayed split is described once
 
-Only this module and workers/cluster.py know that a handle is a Ray ObjectRef: `Call` wraps the
+Only this module and workers/actor.py know that a handle is a Ray ObjectRef: `Call` wraps the
 submission function, so the scheduler sees a backend whose compute returns at once and whose
 copies are recorded, not performed. Ray resolves a call's argument refs before running it: the
 dependency between stages is the event.
@@ -24,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, Event
-from ..backends.cpu.backend import cpu_supports_op
+from ..backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceInfo, Event, GraphPlan
 from ..core.graph import Graph
 from ..core.tensor import Tensor, TensorFlag
 from .plan import describe, plan_id, plan_name
@@ -93,7 +91,7 @@ class RemoteBuffer(Buffer):
 
     def get_tensor_async(self, t: Tensor, suffix: str = "") -> Fetch:
         """A fetch of t's value as made by the call that last computed it (captured now); suffix
-        ":tok": the tokens that call chose from it (PipelineOutputs.sample)."""
+        ":tok": the tokens that call chose from it (driver.DriverPipeline.sample)."""
         proxy = self.buft.proxy
         assert proxy is not None and proxy.exports is not None
         key, handle = proxy.exports.keys.get(t), proxy.exports.handles.get(t)
@@ -106,69 +104,42 @@ class RemoteBuffer(Buffer):
         pass                                   # the stage clears its own memory
 
 
-class PipelineOutputs:
-    """The stages' side of model/context.py's StageOutputs: the proxies of one pipeline, which share the
-    current graph's Exports (workers/driver.py bind_exports)."""
-
-    def __init__(self, proxies: list[StageProxy]) -> None:
-        self.proxies = proxies
-
-    def _exports(self) -> Exports:
-        ex = self.proxies[0].exports
-        assert ex is not None, "Exports.of(sched, graph) must be bound before compute"
-        return ex
-
-    def sample(self, t: Tensor, rows: list, keep_logits: bool) -> bool:
-        """The next call that computes t (the logits) samples one token per row where it runs (rows:
-        model/sampling.RowSampling) and returns the tokens, and t's value only if keep_logits."""
-        buft = getattr(t.buffer, "buft", None)
-        proxy = buft.proxy if isinstance(buft, RemoteBufferType) else None
-        if proxy is None:
-            return False
-        proxy.pending_sample = {"export": self._exports().keys[t], "rows": [r.to_list() for r in rows],
-                                "keep": keep_logits}
-        return True
-
-    def fetch_tokens(self, t: Tensor) -> Fetch:
-        assert isinstance(t.buffer, RemoteBuffer)
-        return t.buffer.get_tensor_async(t, ":tok")
-
-    def feed(self, t: Tensor, fetch: Callable[[], np.ndarray] | None) -> bool:
-        """The next compute takes graph input t from `fetch` (a Fetch of this pipeline's): the stage
-        that reads t gets the producing call's handle, and the transport hands it the result from stage to
-        stage. Not while the calls run as a compiled graph (its executions take their inputs from the
-        driver). fetch None: withdraw t's feed if the compute did not take it."""
-        feeds = self._exports().feeds
-        if fetch is None:
-            return feeds.pop(t, None) is not None
-        if not isinstance(fetch, Fetch) or not fetch.proxy.call.takes_refs():
-            return False
-        feeds[t] = (fetch.handle, fetch.key)
-        return True
-
-
 class StageDevice(Device):
-    type = DeviceType.GPU                      # a non-CPU device: the scheduler expands onto it
+    """A stage's device on the driver: what the stage's own device answered (DeviceInfo), so the
+    scheduler asks it what the remote device supports. The scheduler places work on it as on any
+    backend but the last: ggml's scheduler expands assignments onto every backend before the last (the
+    CPU) by position, whatever their type."""
 
-    def __init__(self, name: str, free: int = 0, total: int = 0) -> None:
+    def __init__(self, name: str, info: DeviceInfo) -> None:
         self.name = name
-        self.buft = RemoteBufferType(name)
-        self._mem = (free, total)
+        self.info = info
+        self.type = info.type
+        self.op_table = info.op_table
+        self.buft = RemoteBufferType(name, info.alignment, info.max_size)
 
     def get_buffer_type(self) -> RemoteBufferType:
         return self.buft
 
     def supports_op(self, t: Tensor) -> bool:
-        return cpu_supports_op(t)
+        return self.info.op_table.supports(t)
 
     def supports_buft(self, buft: BufferType) -> bool:
         return buft is self.buft
 
     def memory(self) -> tuple[int, int]:
-        return self._mem
+        return self.info.memory
 
     def init_backend(self) -> StageProxy:
         raise RuntimeError("a stage proxy is created with its actor (workers/cluster.py)")
+
+
+@dataclass(eq=False)
+class RemotePlan:
+    """A stage proxy's graph plan (GraphPlan): the split's description, one per sources of its inputs (a
+    token from the driver, or fed by the last stage's call), with its plan id. The scheduler's split keeps
+    it for the split's life."""
+    graph: Graph
+    descs: dict[tuple, tuple[str, dict]] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,9 +179,8 @@ class StageProxy(Backend):
         self.exports: Exports | None = None
         self.pending_host: dict[Tensor, np.ndarray] = {}
         self.pending_up: dict[Tensor, tuple[Any, str]] = {}      # input copy -> (handle, key)
-        self.pending_sample: dict | None = None                   # PipelineOutputs.sample's request
+        self.pending_sample: dict | None = None                   # DriverPipeline.sample's request
         self.sent_plans: OrderedDict[str, None] = OrderedDict()   # mirrors the stage's plan LRU
-        self._descs: OrderedDict[tuple, tuple[str, dict]] = OrderedDict()
         self.last_handle: Any = None
         self.n_calls = 0
 
@@ -229,9 +199,20 @@ class StageProxy(Backend):
         return False                     # the scheduler falls back to get_tensor + set_tensor
 
     # -- compute ------------------------------------------------------------------------------------
+    def graph_plan_create(self, graph: Graph) -> RemotePlan:
+        """ggml_backend_graph_plan_create: the split as the stage will run it, described at its first compute."""
+        return RemotePlan(graph)
+
+    def graph_plan_compute(self, plan: GraphPlan) -> None:
+        assert isinstance(plan, RemotePlan), f"{plan!r} is not a stage proxy's plan"
+        self._submit(plan)
+
     def graph_compute(self, graph: Graph) -> None:
+        self._submit(RemotePlan(graph))
+
+    def _submit(self, plan: RemotePlan) -> None:
         assert self.exports is not None, "Exports.of(sched, graph) must be bound before compute"
-        pid, desc = self._describe(graph)
+        pid, desc = self._describe(plan)
         host = [WireTensor(f"h:{plan_name(t)}", t.type, t.ne, a) for t, a in self.pending_host.items()]
         ups = list({id(h): h for h, _ in self.pending_up.values()}.values())   # each producer's result once
         known = pid in self.sent_plans
@@ -241,7 +222,7 @@ class StageProxy(Backend):
         self.pending_host.clear()
         self.pending_up.clear()
         self.pending_sample = None
-        for t in graph.nodes:
+        for t in plan.graph.nodes:
             if t in self.exports.keys:
                 self.exports.handles[t] = handle
         self.last_handle = handle
@@ -256,13 +237,12 @@ class StageProxy(Backend):
         while len(self.sent_plans) > MAX_PLANS:
             self.sent_plans.popitem(last=False)
 
-    def _describe(self, graph: Graph) -> tuple[str, dict]:
-        """The split's plan: cached per (nodes, input sources), so a reused graph costs a dict lookup."""
-        ck = (tuple(map(id, graph.nodes)), tuple((id(t), k) for t, (_, k) in self.pending_up.items()),
-              tuple(map(id, self.pending_host)))
-        hit = self._descs.get(ck)
+    def _describe(self, plan: RemotePlan) -> tuple[str, dict]:
+        """The split's plan id and description for the sources of this call's inputs (a graph input from
+        the driver, or another call's result), kept in its RemotePlan: a replayed split costs a lookup."""
+        ck = (tuple((t, k) for t, (_, k) in self.pending_up.items()), tuple(self.pending_host))
+        hit = plan.descs.get(ck)
         if hit is not None:
-            self._descs.move_to_end(ck)
             return hit
         assert self.exports is not None
         up_keys = {t: k for t, (_, k) in self.pending_up.items()}
@@ -280,12 +260,10 @@ class StageProxy(Backend):
                 return "kv", t.name
             return None
 
+        graph = plan.graph
         exports = [(t, self.exports.keys[t]) for t in graph.nodes if t in self.exports.keys]
         desc = describe(graph.nodes, resolve, exports)
-        out = (plan_id(desc), desc)
-        self._descs[ck] = out
-        while len(self._descs) > 16:
-            self._descs.popitem(last=False)
+        out = plan.descs[ck] = (plan_id(desc), desc)
         return out
 
     def fetch(self, handle: Any, key: str) -> np.ndarray:

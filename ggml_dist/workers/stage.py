@@ -1,7 +1,11 @@
-"""The stage worker: one backend, its weights, its KV-cache layers, its own gallocr and split plans.
+"""The stage worker: one backend on one device, its weights, its KV-cache layers, its own gallocr and
+split plans.
 
 A plain class, testable without Ray; `ray.remote(...)` is applied where actors are created
-(workers/cluster.py). One `compute` call per micro-batch runs every split this stage has in the graph:
+(workers/actor.py). The stage knows devices only through the device protocol: its spec names a device
+kind and its options (backends/devices.py), and the backend opened from them holds the KV cache and the
+compute arena in its buffer type, and computes every plan (bound once through its graph_plan slot where
+it has one). One `compute` call per micro-batch runs every split this stage has in the graph:
 
     compute(plan_id, desc | None, inputs msg, *upstream msgs) -> exports msg
 
@@ -21,16 +25,17 @@ from typing import Any
 import numpy as np
 
 from ..alloc.gallocr import Gallocr
-from ..backends.base import BufferUsage, tensor_array
-from ..backends.cpu.backend import CPUBuffer, CPUDevice, compute_graph
-from ..backends.cpu.ops import ComputeOptions, resolve
-from ..core.tensor import Tensor, nbytes
+from ..backends import host
+from ..backends.base import Buffer, BufferType, DeviceInfo, GraphPlan
+from ..backends.devices import DeviceSpec, open_backend
+from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..model import layout
+from ..model.context import ContextParams
 from ..model.gguf import load_gguf
 from ..model.kv_cache import KVCache
 from ..model.warmup import Warmup, background_compile
-from ..model.weights import MappedBuffer, load_weights
+from ..model.weights import MAPPED_BUFT, MappedBuffer, load_weights, upload_weights
 from .plan import PlanError, RebuiltPlan, rebuild
 from .shipping import WeightManifest, WeightReceiver
 from .wire import Message, WireTensor, decode, encode
@@ -53,102 +58,127 @@ class WeightsMissingError(PlanMissingError):
     driver's recovery does that, as for any lost stage)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageSpec:
-    """What one stage loads: a layer range (plus embeddings / head when first / last)."""
+    """What one stage is, by value (it travels to the stage's process): a layer range of a model (plus
+    embeddings / head when first / last), the run's context (KV size and types, sequences, numerics),
+    the model's KV row widths, and the device it computes on."""
     stage_id: int
     model_path: str
     layers: tuple[int, int]            # [first, last) layer indices
     first: bool
     last: bool
-    n_ctx: int
+    params: ContextParams
     n_embd_k_gqa: int
     n_embd_v_gqa: int
-    type_kv: int = int(GGMLType.F16)
-    n_seq_max: int = 1
-    exact: bool = False
-    n_threads: int = 0
-    kv_unified: bool = True
-    background_compile: bool = False        # model/warmup.py: numpy kernels while the cache fills
-    batch_invariant: bool = False           # ComputeOptions.batch_invariant (--deterministic)
+    device: DeviceSpec = field(default_factory=DeviceSpec)
 
     def weight_names(self, all_names: list[str], tied: bool) -> list[str]:
         return layout.stage_tensors(all_names, self.layers, self.first, self.last, tied)
 
 
-class StageArena:
-    """One compute buffer for every plan of a stage (a buffer type whose buffers are views of it).
+class ArenaBufferType(BufferType):
+    """One compute buffer for every plan of a stage: a buffer type over the device's whose
+    alloc_buffer hands out one shared buffer, grown (anew) when a plan needs more.
 
     A stage runs its calls one at a time and a plan's buffer is scratch between calls (its exports are
-    encoded before the call returns), so the plans can share memory: the stage holds its largest
-    plan's buffer, not the sum of its plans' (a prompt of each length is a plan of its own)."""
-    is_host = True
+    read before the call returns), so the plans can share memory: the stage holds its largest plan's
+    buffer, not the sum of its plans' (a prompt of each length is a plan of its own)."""
 
-    def __init__(self, name: str, alignment: int) -> None:
-        self.name = name
-        self.alignment = alignment
-        self.max_size = 2**62
-        self.base = np.zeros(1, dtype=np.uint8)
+    def __init__(self, buft: BufferType) -> None:
+        self.buft = buft
+        self.name = f"{buft.name}-arena"
+        self.alignment, self.max_size, self.is_host = buft.alignment, buft.max_size, buft.is_host
+        self.buffer: Buffer | None = None
 
-    def alloc_buffer(self, size: int) -> CPUBuffer:
-        if size > self.base.nbytes:
-            self.base = np.zeros(size, dtype=np.uint8)          # plans bound to the old one are redone
-        buf = CPUBuffer.__new__(CPUBuffer)
-        buf.buft, buf.size, buf.usage, buf.base = self, size, BufferUsage.ANY, self.base[:max(size, 1)]
-        return buf
+    def alloc_buffer(self, size: int) -> Buffer:
+        if self.buffer is None or size > self.buffer.size:
+            self.buffer = self.buft.alloc_buffer(size)      # plans placed in the old one are placed again
+        return self.buffer
 
     def get_alloc_size(self, t: Tensor) -> int:
-        return nbytes(t)
+        return self.buft.get_alloc_size(t)
+
+
+@dataclass(eq=False)
+class StagePlan:
+    """A split plan as the stage keeps it: the rebuilt graph, its allocator, and the backend's bound
+    plan of it (Backend.graph_plan_create; None until its first compute, or where the backend has none)."""
+    rebuilt: RebuiltPlan
+    galloc: Gallocr
+    bound: GraphPlan | None = None
+
+
+# one call's wall times: (start, compute start, compute end, end, plan label)
+CallSpan = tuple[float, float, float, float, str]
 
 
 @dataclass
 class StageStats:
+    """A stage's figures since it started: kept by the stage, and sent as a snapshot (StageWorker.get_stats)."""
     n_calls: int = 0
     n_plans: int = 0
     compute_s: float = 0.0
-    decode_s: float = 0.0
+    decode_s: float = 0.0        # each call's part before its compute: finding the plan, decoding, inputs
     bytes_in: int = 0            # every message received: the driver's inputs and upstream results
     bytes_in_host: int = 0       # of which from the driver (tokens, positions, masks, KV slots)
     bytes_out: int = 0
-    timeline: list = field(default_factory=list)   # per call, wall times: (start, compute start,
-                                                   # compute end, end, plan label)
+    cpu_s: float = 0.0           # the process's CPU seconds, every thread (in a snapshot)
+    timeline: list[CallSpan] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage says of itself (StageWorker.info; its Ray actor adds where it listens)."""
+    stage: int
+    pid: int
+    incarnation: str             # this process's life: a restarted stage has another
+    node: str                    # the host's name
+    node_id: str                 # Ray's node id ("" outside Ray)
+    needs_weights: bool          # cannot read the model file and was sent none yet
+    layers: tuple[int, int]
+    weight_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    device: DeviceInfo
+    health: str = ""             # the health port's address (workers/health.py)
+    node_ip: str = ""
 
 
 class StageWorker:
     def __init__(self, spec: StageSpec) -> None:
         self.spec = spec
-        if spec.n_threads > 0:
-            os.environ.setdefault("OMP_NUM_THREADS", str(spec.n_threads))
-            try:
-                from ..backends.cpu import threads
-                threads.set_threads(spec.n_threads)
-            except (ImportError, ValueError):
-                pass
+        params, name = spec.params, f"stage{spec.stage_id}"
+        readable = os.access(spec.model_path, os.R_OK)
+        self.backend = open_backend(spec.device, name)      # sets the kernels' threads, which a compile reads
+        self.warmup: Warmup | None = None
+        if params.background_compile and spec.device.options.compiled and readable:
+            self.warmup = background_compile(spec.model_path)
+            if self.warmup is not None:              # the reference kernels (the same bits) until it is done
+                opts = replace(spec.device.options, compiled=False)
+                self.backend = open_backend(replace(spec.device, options=opts), name)
+        self.device = self.backend.device
+        self.buft = self.device.get_buffer_type()
         self.weights: dict[str, Tensor] = {}
         self._receiver = WeightReceiver()
-        if os.access(spec.model_path, os.R_OK):      # map our layers from the file, zero-copy
+        if readable:                                  # map our layers from the file, zero-copy
             f = load_gguf(spec.model_path)
             names = spec.weight_names(list(f.tensors), layout.tied_head(f))
             self._set_weights(load_weights(f, names, MappedBuffer(str(f.path))))
-        self.device = CPUDevice(f"stage{spec.stage_id}")
-        self.buft = self.device.get_buffer_type()
-        self.kv = KVCache(spec.n_embd_k_gqa, spec.n_embd_v_gqa, spec.n_ctx, range(*spec.layers),
-                          GGMLType(spec.type_kv), GGMLType(spec.type_kv), spec.n_seq_max, spec.kv_unified)
+        self.kv = KVCache(spec.n_embd_k_gqa, spec.n_embd_v_gqa, params.n_ctx, range(*spec.layers),
+                          params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
         self.kv.allocate(self.buft)
-        self.arena = StageArena(f"stage{spec.stage_id}-compute", self.buft.alignment)
+        self.arena = ArenaBufferType(self.buft)
         self.kv_tensors = {t.name: t for t in self.kv.tensors()}
-        self.opts = resolve(ComputeOptions(exact=spec.exact, batch_invariant=spec.batch_invariant))  # chosen once
-        self.warmup: Warmup | None = None
-        if spec.background_compile and self.opts.numba and os.access(spec.model_path, os.R_OK):
-            self.warmup = background_compile(spec.model_path)
-            self.opts = replace(self.opts, numba=self.warmup is None)
-        self.plans: OrderedDict[str, tuple[RebuiltPlan, Gallocr]] = OrderedDict()
+        self.plans: OrderedDict[str, StagePlan] = OrderedDict()
         self.incarnation = os.urandom(8).hex()       # this process's life: a restart gets another
         self.stats = StageStats()
         self.computing: tuple[float, int] | None = None   # (wall start, thread id) of the call in progress
         self._wedge: threading.Event | None = None         # wedge(): the next call blocks on it
 
     def _set_weights(self, weights: dict[str, Tensor]) -> None:
+        if not self.device.supports_buft(MAPPED_BUFT):          # a device that cannot read host memory
+            weights = upload_weights(weights, self.buft)
         self.weights = weights
         if self.spec.last and layout.HEAD not in weights:        # tied head: token_embd under its name
             self.weights[layout.HEAD] = weights[layout.EMBD]
@@ -178,7 +208,7 @@ class StageWorker:
         return sum(t.nbytes for t in self.weights.values())
 
     # -- info ---------------------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
+    def info(self) -> StageInfo:
         node_id = ""
         try:
             import ray
@@ -186,21 +216,15 @@ class StageWorker:
                 node_id = ray.get_runtime_context().get_node_id()
         except ImportError:
             pass
-        return {"stage": self.spec.stage_id, "pid": os.getpid(), "incarnation": self.incarnation,
-                "node": os.uname().nodename,
-                "node_id": node_id, "needs_weights": self.needs_weights,
-                "layers": list(self.spec.layers), "weight_bytes": sum(t.nbytes for t in self.weights.values()),
-                "kv_bytes": self.kv.nbytes, "compute_bytes": self.compute_bytes()}
+        return StageInfo(self.spec.stage_id, os.getpid(), self.incarnation, os.uname().nodename, node_id,
+                         self.needs_weights, self.spec.layers, sum(t.nbytes for t in self.weights.values()),
+                         self.kv.nbytes, self.compute_bytes(), DeviceInfo.of(self.device))
 
     def compute_bytes(self) -> int:
-        return self.arena.base.nbytes if self.plans else 0
+        return self.arena.buffer.size if self.plans and self.arena.buffer is not None else 0
 
-    def get_stats(self) -> dict[str, Any]:
-        s = self.stats
-        return {"n_calls": s.n_calls, "n_plans": s.n_plans, "compute_s": s.compute_s,
-                "decode_s": s.decode_s, "bytes_in": s.bytes_in, "bytes_in_host": s.bytes_in_host,
-                "bytes_out": s.bytes_out, "cpu_s": time.process_time(),    # every thread of the process
-                "timeline": list(s.timeline)}
+    def get_stats(self) -> StageStats:
+        return replace(self.stats, cpu_s=time.process_time(), timeline=list(self.stats.timeline))
 
     def ping(self) -> int:
         return os.getpid()
@@ -225,29 +249,32 @@ class StageWorker:
         self._wedge = threading.Event()
 
     # -- compute ------------------------------------------------------------------------------------
-    def _plan(self, pid: str, desc: dict | None) -> tuple[RebuiltPlan, Gallocr]:
+    def _plan(self, pid: str, desc: dict | None) -> StagePlan:
         if pid in self.plans:
             self.plans.move_to_end(pid)
             return self.plans[pid]
         if desc is None:
             raise PlanMissingError(f"stage {self.spec.stage_id}: unknown plan {pid} (restarted?) and no "
                                    f"description sent")
-        plan = rebuild(desc, self.weights, self.kv_tensors)
-        arena = self.arena.base
-        galloc = self._allocate(plan)
-        if self.arena.base is not arena:             # it grew: the other plans move into the new one
-            for k, (p, _) in self.plans.items():
-                self.plans[k] = (p, self._allocate(p))
-        self.plans[pid] = (plan, galloc)
+        rebuilt = rebuild(desc, self.weights, self.kv_tensors)
+        arena = self.arena.buffer
+        plan = StagePlan(rebuilt, self._allocate(rebuilt, None))
+        if self.arena.buffer is not arena:           # it grew: the other plans move into the new one
+            for p in self.plans.values():
+                p.galloc, p.bound = self._allocate(p.rebuilt, arena), None
+        self.plans[pid] = plan
         self.stats.n_plans += 1
         while len(self.plans) > MAX_PLANS:
             self.plans.popitem(last=False)
-        return plan, galloc
+        return plan
 
-    def _allocate(self, plan: RebuiltPlan) -> Gallocr:
-        for t in (*plan.graph.nodes, *plan.graph.leafs):   # a plan moving to a grown arena is redone
-            if t.buffer is not None and t.buffer.buft is self.arena:
-                t.buffer = t.data = None
+    def _allocate(self, plan: RebuiltPlan, old: Buffer | None) -> Gallocr:
+        """Place the plan's tensors in the arena; those placed in `old` (the arena before it grew) first
+        leave it."""
+        if old is not None:
+            for t in (*plan.graph.nodes, *plan.graph.leafs):
+                if t.buffer is old:
+                    t.buffer = t.data = None
         galloc = Gallocr([self.arena])
         galloc.reserve(plan.graph)
         galloc.alloc_graph(plan.graph)
@@ -259,7 +286,7 @@ class StageWorker:
         back as `key:tok` (int32), and its logits only if kept."""
         out = []
         for key, t in plan.exports:
-            arr = tensor_array(t)
+            arr = t.buffer.get_tensor(t)
             if sample is not None and key == sample.get("export"):
                 out.append(WireTensor(f"{key}:tok", GGMLType.I32, (len(sample["rows"]), 1, 1, 1),
                                       _sample_rows(arr, sample["rows"])))
@@ -287,8 +314,8 @@ class StageWorker:
         if self._wedge is not None:
             self._wedge.wait()
         t0 = time.perf_counter()
-        plan, _ = self._plan(pid, desc)              # allocated when made (or moved with the arena):
-                                                     # its tensors keep their addresses between calls
+        sp = self._plan(pid, desc)                   # allocated when made (or moved with the arena):
+        plan = sp.rebuilt                            # its tensors keep their addresses between calls
         got: dict[str, np.ndarray] = {}
         self.stats.bytes_in_host += len(inputs)
         sample = None
@@ -302,12 +329,20 @@ class StageWorker:
         for key, t in plan.inputs.items():
             if key not in got:
                 raise PlanError(f"stage {self.spec.stage_id}: input '{t.name}' ({key}) missing from the call")
-            arr = tensor_array(t)
-            arr[...] = got[key].reshape(arr.shape)
+            t.buffer.set_tensor(t, got[key])
         t1 = time.perf_counter()
         if self.warmup is not None and self.warmup.ready():     # the compiled kernels are cached now
-            self.warmup, self.opts = None, resolve(replace(self.opts, numba=True))
-        compute_graph(plan.graph, self.opts)
+            self.warmup = None
+            host.use_compiled_kernels([self.backend])
+        be = self.backend
+        if be.graph_plan_compute is not None:       # bound once, replayed (the plan owns its binding)
+            if sp.bound is None:
+                assert be.graph_plan_create is not None
+                sp.bound = be.graph_plan_create(plan.graph)
+            be.graph_plan_compute(sp.bound)
+        else:
+            be.graph_compute(plan.graph)
+        be.synchronize()
         t2 = time.perf_counter()
         out = encode(self._exports(plan, sample))
         s = self.stats

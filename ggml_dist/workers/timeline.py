@@ -26,7 +26,7 @@ def _slice(name: str, cat: str, tid: int, lo: float, hi: float, t0: float, **arg
     return ev
 
 
-def trace_events(timelines: list[list[Entry]], names: list[str]) -> list[dict]:
+def trace_events(timelines: Sequence[Sequence[Entry]], names: list[str]) -> list[dict]:
     n = len(timelines)
     t0 = min((e[0] for tl in timelines for e in tl), default=0.0)
     events: list[dict] = []

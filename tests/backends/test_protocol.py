@@ -5,7 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 from ggml_dist.backends.accel import AccelDevice
-from ggml_dist.backends.base import Backend, Buffer, BufferType, BufferUsage, Device, DeviceType, tensor_array
+from ggml_dist.backends.base import (
+    Backend,
+    Buffer,
+    BufferType,
+    BufferUsage,
+    Device,
+    DeviceInfo,
+    DeviceType,
+    tensor_array,
+)
 from ggml_dist.backends.cpu.backend import CPUBackend, CPUBuffer, CPUBufferType, CPUDevice, compute_graph
 from ggml_dist.backends.cpu.reference import ReferenceExecutor
 from ggml_dist.core import ops
@@ -57,7 +66,7 @@ def test_defaults_of_the_optional_slots():
     buf = _SizeOnlyBuffer(64)
     slots = (buf.usage, buf.base, buf.get_tensor_async)
     assert slots == (BufferUsage.ANY, None, None)
-    # the device layer knows devices only: sampling and token feedback are a pipeline's (StageOutputs)
+    # the device layer knows devices only: sampling and token feedback are a pipeline's (PipelineHooks)
     assert not hasattr(buf, "set_sampling") and not hasattr(buf, "feed")
     assert buf.init_tensor(t) is None and buf.reset() is None and buf.release_pages(0, 64) is None
     buft = _MinimalBufferType()
@@ -87,7 +96,7 @@ def test_implementations_declare_their_slots():
         assert be.cpy_tensor_async is None and not be.inputs_by_value
     cb = CPUBuffer(CPUBufferType(), 16)
     assert cb.base is not None and cb.get_tensor_async is None
-    dev = StageDevice("stage0")
+    dev = StageDevice("stage0", DeviceInfo.of(cpu))       # what a CPU stage's device says of itself
     proxy = StageProxy(0, (0, 1), Call(lambda *a: None, lambda hs: [], lambda hs: None), dev)
     assert proxy.inputs_by_value
     assert proxy.cpy_tensor_async is not None and proxy.event_record is not None

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ggml_dist.bench import fuzz_gguf as fz
+from ggml_dist.bench import fuzz_probe, fuzz_workers
 from ggml_dist.core.ops import ShapeError
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.gguf import GGUFError, load_gguf
@@ -197,7 +198,7 @@ def test_only_project_errors_naming_the_file_are_clean(monkeypatch: pytest.Monke
     if stage == "model":
         monkeypatch.setattr(model_mod, "hparams_from_gguf", lambda f: action(f.path))
     else:
-        monkeypatch.setattr(fz, "forward_probe", lambda model, tokens, compiled=True: action(model.file.path))
+        monkeypatch.setattr(fuzz_probe, "forward_probe", lambda model, tokens, compiled=True: action(model.file.path))
     res = fz.run_case(seed)
     assert (res["stage"], res["outcome"]) == (stage, outcome), res
     assert ("does not name the file" in res["kind"]) == (outcome == "unclear")
@@ -296,7 +297,7 @@ def test_a_jit_compile_in_a_case_is_announced() -> None:
     import numba
     from numba.core import event
     here, there = mp.Pipe()
-    listener = fz._notify_jit(there, [7])
+    listener = fuzz_workers._notify_jit(there, [7])
     try:
         numba.njit(lambda x: x + 1)(1)                  # a function no cache holds: a real compile
     finally:

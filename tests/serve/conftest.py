@@ -19,7 +19,8 @@ def serve_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(serve_model):
     """4 slots of 1024 tokens, a ChatML-like template (the synthetic GGUF has none)."""
-    from ggml_dist.serve import EngineConfig, ServerThread
-    cfg = EngineConfig(serve_model, n_parallel=4, n_ctx=4096, max_queue=8, chat_template=CHATML)
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    cfg = engine_config(serve_model, n_parallel=4, n_ctx=4096, max_queue=8, chat_template=CHATML)
     with ServerThread(cfg, model_name="synthetic") as srv:
         yield srv

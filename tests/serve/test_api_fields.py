@@ -186,8 +186,9 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def tool_server(serve_model):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=4096, chat_template=TOOL_TEMPLATE)
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    cfg = engine_config(serve_model, n_parallel=2, n_ctx=4096, chat_template=TOOL_TEMPLATE)
     with ServerThread(cfg, model_name="synthetic") as srv:
         yield srv
 
@@ -325,8 +326,9 @@ def test_long_prompt_refused_before_encoding(server, monkeypatch):
 # -- embeddings ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embed_server(serve_model):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    with ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=1024, pooling="mean"),
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    with ServerThread(engine_config(serve_model, n_parallel=2, n_ctx=1024, pooling="mean"),
                       model_name="synthetic") as srv:
         yield srv
 

@@ -131,7 +131,8 @@ def test_stop(server, model, stream):
 # request's text, evaluates only what the cache lacks (at least its last token) and gives the text of a
 # separate run; with cache_prompt off nothing is kept
 def test_prompt_cache(serve_model, model):
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     from ggml_dist.serve.slots import common_prefix
     enc = lambda p: model.tokenizer.encode(p, add_special=True, parse_special=True)
     prompt = "the cache keeps this prompt"
@@ -142,7 +143,7 @@ def test_prompt_cache(serve_model, model):
              (longer, min(common_prefix(kept, enc(longer)), len(enc(longer)) - 1))]
     assert cases[2][1] > len(enc(prompt))
     for cache in (True, False):
-        with ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=1024, cache_prompt=cache)) as srv:
+        with ServerThread(engine_config(serve_model, n_parallel=2, n_ctx=1024, cache_prompt=cache)) as srv:
             c = client(srv)
             for p, hit in cases:
                 before = metric(srv, "prompt_tokens_cached_total")
@@ -272,8 +273,9 @@ def test_health_models_metrics(server):
 
 # a full queue answers 429 instead of growing, and takes requests again once a slot is free
 def test_queue_full(serve_model):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    with ServerThread(EngineConfig(serve_model, n_parallel=1, n_ctx=2048, max_queue=0)) as srv:
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    with ServerThread(engine_config(serve_model, n_parallel=1, n_ctx=2048, max_queue=0)) as srv:
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
                           json={"prompt": "x", "max_tokens": 1500, "temperature": 0, "stream": True}) as r:
             lines = r.iter_lines()          # keep a reference: a dropped iterator closes the stream
@@ -290,8 +292,9 @@ def test_queue_full(serve_model):
 def test_health_before_ready(tmp_path):
     from fastapi.testclient import TestClient
 
-    from ggml_dist.serve import Engine, EngineConfig, create_app
-    engine = Engine(EngineConfig(str(tmp_path / "missing.gguf")))
+    from ggml_dist.serve import Engine, create_app
+    from tests.serve.common import engine_config
+    engine = Engine(engine_config(str(tmp_path / "missing.gguf")))
     with TestClient(create_app(engine, "m")) as tc:
         assert tc.get("/health").status_code == 503 and tc.get("/health").json()["status"] == "loading"
         r = tc.post("/v1/completions", json={"prompt": "x"})
@@ -304,11 +307,12 @@ def test_health_before_ready(tmp_path):
 
 # in one process each slot gets a KV stream; over a pipeline the slots share one cache unless asked
 def test_kv_layout_per_engine(serve_model):
-    from ggml_dist.serve import Engine, EngineConfig
-    assert EngineConfig("m.gguf").kv_unified is False
-    assert EngineConfig("m.gguf", n_stages=2).kv_unified is True
-    assert EngineConfig("m.gguf", n_stages=2, kv_unified=False).kv_unified is False
-    engine = Engine(EngineConfig(serve_model, n_parallel=4, n_ctx=1024)).start()
+    from ggml_dist.serve import Engine
+    from tests.serve.common import engine_config
+    assert engine_config("m.gguf").kv_unified is False
+    assert engine_config("m.gguf", n_stages=2).kv_unified is True
+    assert engine_config("m.gguf", n_stages=2, kv_unified=False).kv_unified is False
+    engine = Engine(engine_config(serve_model, n_parallel=4, n_ctx=1024)).start()
     try:
         engine.wait_ready(120)
         assert engine.ctx.kv.n_stream == 4 and engine.ctx.kv.kv_size == 256
@@ -336,10 +340,11 @@ def _collector(n: int):
 # into a slot freed below it; the text is unchanged
 def test_short_prompts_trickle_in(serve_model, model):
     from ggml_dist.model.sampling import SamplingParams
-    from ggml_dist.serve import Engine, EngineConfig
+    from ggml_dist.serve import Engine
+    from tests.serve.common import engine_config
     from ggml_dist.serve.engine import Request
     from ggml_dist.model.steps import TRICKLE
-    engine = Engine(EngineConfig(serve_model, n_parallel=3, n_ctx=768)).start()
+    engine = Engine(engine_config(serve_model, n_parallel=3, n_ctx=768)).start()
     engine.wait_ready(120)
     batches: list[list[tuple[int, int]]] = []             # per batch: (slot, tokens) in slot order
     submit = engine.ctx.submit
@@ -389,9 +394,10 @@ def test_short_prompts_trickle_in(serve_model, model):
 # before it is ready: requests never wait while such a step's graph is built and planned
 def test_step_shapes_planned_before_ready(serve_model, model):
     from ggml_dist.model.sampling import SamplingParams
-    from ggml_dist.serve import Engine, EngineConfig
+    from ggml_dist.serve import Engine
+    from tests.serve.common import engine_config
     from ggml_dist.serve.engine import Request
-    engine = Engine(EngineConfig(serve_model, n_parallel=3, n_ctx=768)).start()
+    engine = Engine(engine_config(serve_model, n_parallel=3, n_ctx=768)).start()
     engine.wait_ready(120)
     planned = {(key.n_stream, key.n_outputs) for key, _ in engine.ctx._graphs if key.n_tokens == key.n_stream}
     assert planned >= {(k, j) for k in (1, 2, 3) for j in range(k + 1)}
@@ -415,7 +421,7 @@ def test_step_shapes_planned_before_ready(serve_model, model):
 def test_deliver_one_wakeup_per_burst():
     """Events posted from another thread reach their queues in order, all of them; a burst posted while
     the loop is busy costs one wake-up of the loop, not one per event."""
-    from ggml_dist.serve.app import _Deliver
+    from ggml_dist.serve.answer import _Deliver
     from ggml_dist.serve.engine import Event
 
     async def main():

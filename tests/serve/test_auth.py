@@ -17,7 +17,7 @@ import time  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from ggml_dist.serve.app import HTTPPolicy  # noqa: E402
+from ggml_dist.serve.guard import HTTPPolicy  # noqa: E402
 from ggml_dist.serve.server import ServeOptions, protect_ray_token  # noqa: E402
 
 from .cli_server import CLIServer  # noqa: E402
@@ -28,10 +28,11 @@ KEY = "s3cret-key"
 @pytest.fixture(scope="module")
 def keyed(serve_model):
     """A server with an API key, answering Host docs.internal besides its own; short deadlines."""
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     opts = ServeOptions(policy=HTTPPolicy.for_bind("127.0.0.1", KEY, ("docs.internal",), body_timeout_s=1.0),
                         header_timeout_s=1.0, max_connections=8)
-    with ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=2048), model_name="synthetic", opts=opts) as srv:
+    with ServerThread(engine_config(serve_model, n_parallel=2, n_ctx=2048), model_name="synthetic", opts=opts) as srv:
         yield srv
 
 
@@ -150,9 +151,10 @@ def test_connection_cap(keyed):
 # $defs chain that crashed the front, and so every replica's service, is a 400; a good grammar still works)
 def test_api_key_and_grammars_with_replicas(serve_model):
     from ggml_dist.bench.faults import hostile_requests
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     opts = ServeOptions(policy=HTTPPolicy.for_bind("127.0.0.1", KEY))
-    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=2048, n_replicas=2)
+    cfg = engine_config(serve_model, n_parallel=2, n_ctx=2048, n_replicas=2)
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     with ServerThread(cfg, model_name="synthetic", opts=opts) as srv:
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 401

@@ -26,8 +26,9 @@ N_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    cfg = EngineConfig(smollm2_path, n_parallel=8, n_ctx=8 * 256, batch_invariant=True)
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    cfg = engine_config(smollm2_path, n_parallel=8, n_ctx=8 * 256, batch_invariant=True)
     with ServerThread(cfg, model_name="smollm2") as srv:
         yield srv
 

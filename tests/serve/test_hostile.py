@@ -223,11 +223,12 @@ def test_a_failing_grammar_fails_only_its_request(srv, model):
 # running meanwhile gets its solo text
 def test_degenerate_sampling_over_stages(serve_model, model):
     ray = pytest.importorskip("ray")
-    from ggml_dist.serve import EngineConfig, ServerThread
-    from ggml_dist.workers.cluster import connect
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    from ggml_dist.workers.local_ray import connect
     connect(num_cpus=4)
     try:
-        with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=2048)) as srv:
+        with ServerThread(engine_config(serve_model, n_stages=2, n_parallel=4, n_ctx=2048)) as srv:
             want = solo(model, PROMPTS[0], 60)
             got: list = []
             t = threading.Thread(target=lambda: got.append(stream_text(

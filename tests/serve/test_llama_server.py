@@ -115,8 +115,9 @@ def test_context_exceeded_error(server):
 
 @pytest.fixture(scope="module")
 def rows_server(serve_model):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    with ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=1024, pooling="none"), model_name="s") as srv:
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    with ServerThread(engine_config(serve_model, n_parallel=2, n_ctx=1024, pooling="none"), model_name="s") as srv:
         yield srv
 
 
@@ -137,8 +138,9 @@ def test_embedding_pooling_none(rows_server, model):
 # llama-server's --temp, --seed and --n-predict (EngineConfig.request_defaults): what a request that sets
 # none takes, on every route; a request's own value wins
 def test_request_defaults(serve_model, model):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=1024,
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    cfg = engine_config(serve_model, n_parallel=2, n_ctx=1024,
                        request_defaults=(("temperature", 0.0), ("seed", 7), ("n_predict", 5)))
     with ServerThread(cfg, model_name="s") as srv:
         r = post(srv, "/completion", {"prompt": PROMPTS[0]})

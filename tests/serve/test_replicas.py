@@ -18,7 +18,8 @@ from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 
-from ggml_dist.serve import EngineConfig, ServerThread  # noqa: E402
+from ggml_dist.serve import ServerThread  # noqa: E402
+from tests.serve.common import engine_config
 
 from .conftest import CHATML  # noqa: E402
 from .test_app import (PROMPTS, check_cancel_stream, client, concurrent_texts, metric, model,  # noqa: E402,F401
@@ -28,7 +29,7 @@ from .test_app import (PROMPTS, check_cancel_stream, client, concurrent_texts, m
 @pytest.fixture(scope="module")
 def replicated(serve_model):
     """4 slots of 1024 tokens over 2 replica processes."""
-    cfg = EngineConfig(serve_model, n_parallel=4, n_ctx=4096, max_queue=8, chat_template=CHATML,
+    cfg = engine_config(serve_model, n_parallel=4, n_ctx=4096, max_queue=8, chat_template=CHATML,
                        n_replicas=2)
     with ServerThread(cfg, model_name="synthetic") as srv:
         yield srv
@@ -36,9 +37,9 @@ def replicated(serve_model):
 
 def test_config_checks(serve_model):
     with pytest.raises(ValueError, match="--replicas must be 1..--parallel"):
-        EngineConfig(serve_model, n_parallel=2, n_replicas=3)
+        engine_config(serve_model, n_parallel=2, n_replicas=3)
     with pytest.raises(ValueError, match="does not combine with a pipeline"):
-        EngineConfig(serve_model, n_parallel=4, n_stages=2, n_replicas=2)
+        engine_config(serve_model, n_parallel=4, n_stages=2, n_replicas=2)
 
 
 # requests spread over both replicas (more than the 4 slots, staggered) give the separate runs' text
@@ -103,7 +104,7 @@ def test_cancel_stream(replicated):
 
 # the queue bound holds over all replicas: full slots and max_queue=0 answer 429
 def test_queue_full(serve_model):
-    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=2048, max_queue=0, n_replicas=2)
+    cfg = engine_config(serve_model, n_parallel=2, n_ctx=2048, max_queue=0, n_replicas=2)
     with ServerThread(cfg) as srv:
         body = {"prompt": "x", "max_tokens": 1000, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as a, \
@@ -119,7 +120,7 @@ def test_queue_full(serve_model):
 # a replica killed mid-stream: its client gets an error event, the other replica keeps serving, and the
 # lost one is started again
 def test_replica_lost_and_restarted(serve_model, model):
-    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=2048, n_replicas=2)
+    cfg = engine_config(serve_model, n_parallel=2, n_ctx=2048, n_replicas=2)
     with ServerThread(cfg) as srv:
         eng = srv.engine
         body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
@@ -150,9 +151,9 @@ def test_replica_lost_and_restarted(serve_model, model):
 # replicas do not outlive their front: when its process dies they see their connection end, and exit
 def test_replicas_exit_with_their_front(serve_model):
     script = ("import time\n"
-              "from ggml_dist.serve.engine import EngineConfig\n"
+              "from tests.serve.common import engine_config\n"
               "from ggml_dist.serve.replicas import ReplicaSet\n"
-              f"eng = ReplicaSet(EngineConfig({serve_model!r}, n_parallel=2, n_ctx=1024, n_replicas=2)).start()\n"
+              f"eng = ReplicaSet(engine_config({serve_model!r}, n_parallel=2, n_ctx=1024, n_replicas=2)).start()\n"
               "eng.wait_ready(120)\n"
               "print(*[r.proc.pid for r in eng.replicas], flush=True)\n"
               "time.sleep(600)\n")

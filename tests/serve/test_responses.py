@@ -22,8 +22,9 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 @pytest.fixture(scope="module")
 def srv(smollm2_path):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    with ServerThread(EngineConfig(smollm2_path, n_parallel=2, n_ctx=2048), model_name="smol") as s:
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    with ServerThread(engine_config(smollm2_path, n_parallel=2, n_ctx=2048), model_name="smol") as s:
         yield s
 
 

@@ -34,8 +34,9 @@ def smol(smollm2_path):
 
 @pytest.fixture(scope="module")
 def smol_server(smollm2_path):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    with ServerThread(EngineConfig(smollm2_path, n_parallel=2, n_ctx=2048), model_name="smol") as srv:
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    with ServerThread(engine_config(smollm2_path, n_parallel=2, n_ctx=2048), model_name="smol") as srv:
         yield srv
 
 

@@ -22,11 +22,12 @@ from .test_app import PROMPTS, reference  # noqa: E402
 # --stages 2: micro-batches of the active sequences overlap on the stages; tokens match single runs
 def test_pipeline_server(local_ray, serve_model):
     from ggml_dist.model.model import LlamaModel
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     model = LlamaModel.load(serve_model)
     lengths = [12, 20, 8, 16, 10]
     want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths)]
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
+    with ServerThread(engine_config(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
         assert httpx.get(srv.url + "/health").json()["status"] == "ok"
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
@@ -51,10 +52,11 @@ def test_pipeline_server(local_ray, serve_model):
 # the last one), and the tokens are still the separate runs'
 def test_pipeline_server_queues_step_major(local_ray, serve_model):
     from ggml_dist.model.model import LlamaModel
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     model = LlamaModel.load(serve_model)
     want = [reference(model, p, 24) for p in PROMPTS[:4]]
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
+    with ServerThread(engine_config(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
         eng = srv.engine
         submit, log = eng.ctx.submit, []
 
@@ -78,9 +80,10 @@ def test_pipeline_server_queues_step_major(local_ray, serve_model):
 # numerics on the stages): each gets the tokens it gets alone; without it a row's bits may depend on the
 # rows beside it (docs/numerics.md), which test_pipeline_server's references do not meet
 def test_concurrent_greedy_over_stages_deterministic(local_ray, smollm2_path):
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     prompts = [*PROMPTS, "seven eight nine", "the end of the story"]
-    with ServerThread(EngineConfig(smollm2_path, n_stages=2, n_parallel=8, n_ctx=8 * 256,
+    with ServerThread(engine_config(smollm2_path, n_stages=2, n_parallel=8, n_ctx=8 * 256,
                                    batch_invariant=True)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -96,13 +99,14 @@ def test_concurrent_greedy_over_stages_deterministic(local_ray, smollm2_path):
 # text ends where the separate runs' does, and the queued steps' tokens never reach a client
 def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
     from ggml_dist.model.model import LlamaModel
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     model = LlamaModel.load(serve_model)
     full = [reference(model, p, 24) for p in PROMPTS[:4]]
     stops = [t[len(t) // 2:len(t) // 2 + 2] for t in full]          # from the middle of each text
     want = [t[:t.index(st)] for t, st in zip(full, stops)]
     assert all(w and len(w) < len(t) for w, t in zip(want, full))
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
+    with ServerThread(engine_config(serve_model, n_stages=2, n_parallel=4, n_ctx=1024, lookahead=2)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
         def one(i: int) -> str:
@@ -120,11 +124,12 @@ def test_pipeline_server_stops_with_steps_queued(local_ray, serve_model):
 # its last token (/metrics counts the rest as cached), with the tokens of a fresh run
 def test_pipeline_server_caches_prompts(local_ray, serve_model):
     from ggml_dist.model.model import LlamaModel
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     model = LlamaModel.load(serve_model)
     want = reference(model, PROMPTS[1], 12)
     n_prompt = len(model.tokenizer.encode(PROMPTS[1], add_special=True))
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=2, n_ctx=512)) as srv:
+    with ServerThread(engine_config(serve_model, n_stages=2, n_parallel=2, n_ctx=512)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
         got = [c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
                for _ in range(2)]
@@ -140,11 +145,12 @@ def test_pipeline_server_survives_stage_loss(local_ray, serve_model):
     import threading
     import time
     from ggml_dist.model.model import LlamaModel
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     model = LlamaModel.load(serve_model)
     lengths = [24, 20, 28, 16]
     want = [reference(model, p, n) for p, n in zip(PROMPTS, lengths)]
-    with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
+    with ServerThread(engine_config(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         engine = srv.engine
 
@@ -152,7 +158,7 @@ def test_pipeline_server_survives_stage_loss(local_ray, serve_model):
             t0 = time.time()
             while engine.metrics.generated_tokens < 10 and time.time() - t0 < 60:
                 time.sleep(0.02)
-            engine.runtime.pipeline.kill_stage(1)
+            engine.runtime.kill_stage(1)
 
         th = threading.Thread(target=killer)
         th.start()
@@ -177,7 +183,8 @@ def test_pipeline_server_survives_node_removal(serve_model):
     import time
     from ray.cluster_utils import Cluster
     from ggml_dist.model.model import LlamaModel
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     if ray.is_initialized():
         ray.shutdown()
     model = LlamaModel.load(serve_model)
@@ -188,13 +195,13 @@ def test_pipeline_server_survives_node_removal(serve_model):
         nodes = [cluster.add_node(num_cpus=1)]
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
-        with ServerThread(EngineConfig(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
+        with ServerThread(engine_config(serve_model, n_stages=2, n_parallel=4, n_ctx=1024)) as srv:
             engine = srv.engine
-            engine.runtime.pipeline.recover_timeout_s = 60
+            engine.runtime.set_recover_timeout(60)
             cluster.add_node(num_cpus=1)                  # the spare
             cluster.wait_for_nodes()
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-            stage_nodes = {i["node_id"] for i in engine.runtime.pipeline.infos}
+            stage_nodes = {i.node_id for i in engine.runtime.stage_infos()}
             victim = next(n for n in nodes if n.node_id in stage_nodes)
 
             def remover() -> None:

@@ -77,8 +77,9 @@ def test_sigterm_drains(serve_model, tmp_path):
 
 # --replicas: the front ends the replicas' requests past the grace (ServerThread.stop's drain, as SIGTERM's)
 def test_drain_with_replicas(serve_model):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    srv = ServerThread(EngineConfig(serve_model, n_parallel=2, n_ctx=131072, n_replicas=2)).start()
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    srv = ServerThread(engine_config(serve_model, n_parallel=2, n_ctx=131072, n_replicas=2)).start()
     long = _Stream(srv.url, {"prompt": "x", "max_tokens": 60000, "temperature": 0})
     long.start()
     t0 = time.monotonic()

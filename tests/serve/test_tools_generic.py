@@ -47,8 +47,9 @@ def _valid(call, tool) -> dict:
 
 @pytest.fixture(scope="module")
 def smol_server(smollm2_path):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    with ServerThread(EngineConfig(smollm2_path, n_parallel=2, n_ctx=4096), model_name="smol") as srv:
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    with ServerThread(engine_config(smollm2_path, n_parallel=2, n_ctx=4096), model_name="smol") as srv:
         yield srv
 
 
@@ -117,8 +118,9 @@ def test_close_objects():
 
 @pytest.fixture(scope="module")
 def hermes_server(serve_model):
-    from ggml_dist.serve import EngineConfig, ServerThread
-    cfg = EngineConfig(serve_model, n_parallel=2, n_ctx=4096, chat_template=TOOL_TEMPLATE)
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
+    cfg = engine_config(serve_model, n_parallel=2, n_ctx=4096, chat_template=TOOL_TEMPLATE)
     with ServerThread(cfg, model_name="synthetic") as srv:
         yield srv
 

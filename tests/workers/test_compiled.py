@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ggml_dist.model.recovery import StageLostError
-from ggml_dist.workers.cluster import _ray_call, _stage_error
+from ggml_dist.workers.actor import _ray_call, _stage_error
 from ggml_dist.workers.compiled import CompiledChain
 from ggml_dist.workers.health import StageWatch
 

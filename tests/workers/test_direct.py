@@ -64,7 +64,8 @@ def test_a_stranger_cannot_drive_a_stage(tmp_path):
     from ggml_dist.model.model import LlamaModel
     from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
     from ggml_dist.model.ubatch import Batch
-    from ggml_dist.workers.cluster import Pipeline, connect
+    from ggml_dist.workers.cluster import Pipeline
+    from ggml_dist.workers.local_ray import connect
     path = str(write_synthetic(tmp_path / "m.gguf", SyntheticSpec(wtype="Q4_0", n_layer=2, seed=3)))
     want = LlamaContext(LlamaModel.load(path), ContextParams(n_ctx=64)).decode(Batch.from_tokens([1, 2, 3]))
     connect(num_cpus=2)

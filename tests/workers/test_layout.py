@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ggml_dist.model import layout
+from ggml_dist.model.context import ContextParams
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
 from ggml_dist.workers.placement import place
@@ -24,8 +25,8 @@ def mapped_bytes(path, n_stages: int) -> list[tuple[int, int]]:
     pl = place(model.file, model.hp, n_stages, 64)
     out = []
     for sp in pl.stages:
-        w = StageWorker(StageSpec(sp.stage, str(path), sp.layers, sp.stage == 0, sp.stage == n_stages - 1, 64,
-                                  model.hp.n_embd_k_gqa, model.hp.n_embd_v_gqa))
+        w = StageWorker(StageSpec(sp.stage, str(path), sp.layers, sp.stage == 0, sp.stage == n_stages - 1,
+                                  ContextParams(n_ctx=64), model.hp.n_embd_k_gqa, model.hp.n_embd_v_gqa))
         # a name of the file is one mapping; the aliases (tied head, each layer's rope factors) are views
         out.append((sp.weight_bytes, sum(t.nbytes for n, t in w.weights.items() if n in model.file.tensors)))
     return out

@@ -1,5 +1,5 @@
 """The local Ray that ggml-dist starts for itself: every process of it listens on loopback only, and
-every process of it ends when the server is stopped by SIGTERM or SIGINT.
+every process of it ends when the server is stopped by SIGTERM or SIGINT, at any moment of its life.
 
 The processes of an instance are the server's descendants, found in /proc/<pid>/stat while it runs
 (the raylet's agents are reparented once their raylet is gone, so the tree is read before the signal);
@@ -120,14 +120,22 @@ def _listeners(procs: dict[int, int], netns_pid: int) -> list[Listener]:
 
 
 # -- the server --------------------------------------------------------------------------------------
-def _start_serve(model_path: str, log_path) -> tuple[subprocess.Popen, int]:
-    """`ggml-dist serve --stages 2` in its own session, once /health answers ok."""
+def _spawn_serve(model_path: str, log_path, sigint: signal.Handlers = signal.SIG_DFL) -> tuple[subprocess.Popen, int]:
+    """`ggml-dist serve --stages 2` in its own session; sigint: the SIGINT disposition it inherits (SIG_IGN:
+    as a shell's background job starts), set here whatever this test process has."""
     port = free_port()
     with open(log_path, "wb") as log:                  # the child keeps its own descriptor
         proc = subprocess.Popen([sys.executable, "-m", "ggml_dist.cli", "serve", "--model", model_path,
                                  "--stages", "2", "--port", str(port), "--ctx", "256", "--parallel", "2"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    return proc, port
+
+
+def _start_serve(model_path: str, log_path, sigint: signal.Handlers = signal.SIG_DFL) -> tuple[subprocess.Popen, int]:
+    """_spawn_serve, once /health answers ok (a deadline for a loaded machine, polled)."""
+    proc, port = _spawn_serve(model_path, log_path, sigint)
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"serve exited with {proc.returncode}:\n{_read(log_path)}")
@@ -137,9 +145,20 @@ def _start_serve(model_path: str, log_path) -> tuple[subprocess.Popen, int]:
                     return proc, port
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     proc.kill()
-    pytest.fail(f"serve was not ready within 120 s:\n{_read(log_path)}")
+    pytest.fail(f"serve was not ready within 600 s:\n{_read(log_path)}")
+
+
+def _follow_until_exit(proc: subprocess.Popen, timeout_s: float) -> tuple[int, dict[int, int]]:
+    """Wait for proc to exit, noting every process of its tree meanwhile (a process it starts while it
+    stops is one to end too): (its return code, the processes seen)."""
+    seen: dict[int, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen.update(_tree(proc.pid))
+        time.sleep(0.05)
+    return proc.wait(timeout=max(1.0, deadline - time.monotonic())), seen
 
 
 def _read(path) -> str:
@@ -166,10 +185,13 @@ def _kill(procs: dict[int, int]) -> None:
 
 
 # serve --stages 2: the server and its local Ray listen on loopback only; SIGTERM (SIGINT) stops it,
-# and every process of that Ray ends too
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_local_ray_loopback_and_stop(model_path, tmp_path, sig):
-    proc, port = _start_serve(model_path, tmp_path / "serve.log")
+# and every process of that Ray ends too; SIGINT also where the server inherited it ignored (started as a
+# shell's background job: uvicorn caught it, then raised it again into SIG_IGN and the server exited 0)
+@pytest.mark.parametrize("sig,sigint", [(signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.SIG_DFL),
+                                        (signal.SIGINT, signal.SIG_IGN)],
+                         ids=["SIGTERM", "SIGINT", "SIGINT-inherited-ignored"])
+def test_serve_local_ray_loopback_and_stop(model_path, tmp_path, sig, sigint):
+    proc, port = _start_serve(model_path, tmp_path / "serve.log", sigint)
     procs = _tree(proc.pid)
     try:
         comms = [_comm(p) for p in procs]
@@ -183,10 +205,37 @@ def test_serve_local_ray_loopback_and_stop(model_path, tmp_path, sig):
         assert not wide, f"listening beyond loopback: {wide}"
 
         os.kill(proc.pid, sig)
-        rc = proc.wait(timeout=60)
-        left = _wait_gone(procs, 15)
+        rc, seen = _follow_until_exit(proc, 300)
+        procs.update(seen)
+        left = _wait_gone(procs, 60)
         assert not left, f"still running after the server exited: {[(p, _comm(p)) for p in left]}"
         assert rc == (143 if sig == signal.SIGTERM else 130), _read(tmp_path / "serve.log")
+    finally:
+        proc.kill()
+        _kill(procs)
+
+
+# Ctrl-C during the start-up: the moment the server's local Ray has its GCS (mid ray.init, no stage yet),
+# and the moment the first stage actor exists (the pipeline launching): 130, and nothing left running, with
+# SIGINT as inherited by default or ignored
+@pytest.mark.parametrize("sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "inherited-ignored"])
+@pytest.mark.parametrize("moment", ["gcs_server", "ray::StageActor"])
+def test_serve_sigint_during_start_up(model_path, tmp_path, moment, sigint):
+    proc, _ = _spawn_serve(model_path, tmp_path / "serve.log", sigint)
+    procs: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while not any(_comm(p) == moment for p in procs):
+            assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{_read(tmp_path / 'serve.log')}"
+            assert time.monotonic() < deadline, f"no {moment} within 600 s:\n{_read(tmp_path / 'serve.log')}"
+            procs.update(_tree(proc.pid))
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGINT)
+        rc, seen = _follow_until_exit(proc, 300)
+        procs.update(seen)
+        left = _wait_gone(procs, 60)
+        assert not left, f"still running after the server exited: {[(p, _comm(p)) for p in left]}"
+        assert rc == 130, _read(tmp_path / "serve.log")
     finally:
         proc.kill()
         _kill(procs)

@@ -13,7 +13,8 @@ from ggml_dist.model.generate import generate  # noqa: E402
 from ggml_dist.model.model import LlamaModel  # noqa: E402
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E402
 from ggml_dist.model.ubatch import Batch  # noqa: E402
-from ggml_dist.workers.cluster import Pipeline, connect  # noqa: E402
+from ggml_dist.workers.cluster import Pipeline  # noqa: E402
+from ggml_dist.workers.local_ray import connect  # noqa: E402
 
 SPEC = SyntheticSpec(wtype="Q4_1", embd_type="Q8_0", n_layer=4, tied=True, seed=21)
 TOKENS = [1, 300, 17, 402, 259, 260, 511, 299, 333, 42]
@@ -45,8 +46,8 @@ def test_pipeline_bitwise(local_ray, model_path, stages, n_copies, calls):
             assert np.array_equal(pl.ctx.decode(Batch.from_tokens([t], pos0=len(TOKENS) + i)), ref_steps[i])
         assert pl.ctx.sched.get_n_splits() == stages
         stats = pl.stats()
-        assert all(s["n_calls"] == 4 for s in stats)              # one call per stage per ubatch
-        assert all(s["n_plans"] <= 2 for s in stats)              # prompt shape + one-token shape
+        assert all(s.n_calls == 4 for s in stats)              # one call per stage per ubatch
+        assert all(s.n_plans <= 2 for s in stats)              # prompt shape + one-token shape
         if calls == "compiled":                                   # every step one execution, none plain
             assert pl.chain is not None and pl.chain.enabled and pl.chain.n_executions == 4
         else:
@@ -153,6 +154,29 @@ def test_pipeline_generate(local_ray, model_path, tmp_path):
         pl.shutdown()
 
 
+# a stage built from a device: the last stage on the fake accelerator (backends/accel.py: the CPU's
+# kernels behind a non-host buffer type, so its weights are uploaded into its own buffers) in a Ray actor,
+# beside a CPU stage; the driver's proxies describe each stage's device as it answered, and the logits
+# and greedy tokens are one process's
+def test_pipeline_stage_on_the_fake_accelerator(local_ray, model_path):
+    from ggml_dist.backends.base import DeviceType
+    from ggml_dist.backends.devices import DeviceKind
+    ref_batch, ref_steps = _reference(model_path, TOKENS)
+    m = LlamaModel.load(model_path)
+    want = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, TOKENS, 12)
+    pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), devices=[DeviceKind.CPU, DeviceKind.ACCEL])
+    try:
+        assert [p.device.type for p in pl.proxies] == [DeviceType.CPU, DeviceType.GPU]
+        assert pl.infos[1].device.type == DeviceType.GPU
+        assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
+        for i, t in enumerate([5, 6, 7]):
+            assert np.array_equal(pl.ctx.decode(Batch.from_tokens([t], pos0=len(TOKENS) + i)), ref_steps[i])
+        pl.ctx.clear()
+        assert generate(pl.ctx, m.tokenizer, TOKENS, 12).tokens == want.tokens
+    finally:
+        pl.shutdown()
+
+
 # stages pinned to different nodes of a simulated multi-node cluster
 def test_pipeline_multinode_cluster(model_path):
     from ray.cluster_utils import Cluster
@@ -169,7 +193,7 @@ def test_pipeline_multinode_cluster(model_path):
         pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), node_ids=nodes)
         try:
             assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
-            assert {i["node_id"] for i in pl.infos} == set(nodes)
+            assert {i.node_id for i in pl.infos} == set(nodes)
         finally:
             pl.shutdown()
     finally:
@@ -183,7 +207,7 @@ def test_weights_sent_when_path_unreadable(local_ray, model_path):
     ref_batch, ref_steps = _reference(model_path, TOKENS)
     pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), stage_model_path="/nonexistent/m.gguf")
     try:
-        assert not any(i["needs_weights"] for i in pl.infos)
+        assert not any(i.needs_weights for i in pl.infos)
         assert np.array_equal(pl.ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), ref_batch)
         pl.kill_stage(1)                       # a restarted stage is sent its weights again
         assert np.array_equal(pl.ctx.decode(Batch.from_tokens([5], pos0=len(TOKENS))), ref_steps[0])
@@ -229,10 +253,10 @@ def test_pipeline_samples_on_the_last_stage(local_ray, model_path, calls):
     assert local.tokens() == [sample_row(local.result()[0], rows[0])]
     pl = Pipeline.launch(str(model_path), 2, ContextParams(n_ctx=256), calls=calls)
     try:
-        before = pl.stats()[-1]["bytes_out"]
+        before = pl.stats()[-1].bytes_out
         got = pl.ctx.submit(batch, sampling=rows, keep_logits=False)
         assert got.tokens() == want
-        assert pl.stats()[-1]["bytes_out"] - before < 1024          # 3 token ids, not 3 x 512 logits
+        assert pl.stats()[-1].bytes_out - before < 1024          # 3 token ids, not 3 x 512 logits
         with pytest.raises(RuntimeError, match="not kept"):
             got.result()
         kept = pl.ctx.submit(Batch.from_tokens([5], pos0=6), sampling=[GREEDY])
@@ -263,7 +287,7 @@ def test_bench_pipeline_reports_the_study(local_ray, model_path, tmp_path):
 # waiter may spin (a compiled graph's channel readers count their waiting as CPU)
 def test_bench_pipeline_cpu_account(local_ray, model_path):
     from ggml_dist.bench.pipeline import run_one
-    from ggml_dist.workers.cluster import local_ray_cpu_s
+    from ggml_dist.workers.local_ray import local_ray_cpu_s
     r = run_one(str(model_path), 2, 2, 2, 8, "decode", 4, 1, calls="direct")
     cpu = r["cpu_ms_per_token"]
     assert cpu["driver"] > 0 and all(c > 0 for c in cpu["stages"]) and cpu["ray_other"] >= 0

@@ -13,7 +13,8 @@ from ggml_dist.model.context import ContextParams, LlamaContext  # noqa: E402
 from ggml_dist.model.generate import generate  # noqa: E402
 from ggml_dist.model.model import LlamaModel  # noqa: E402
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic  # noqa: E402
-from ggml_dist.workers.cluster import Pipeline, RecoveryError, connect  # noqa: E402
+from ggml_dist.workers.cluster import Pipeline, RecoveryError  # noqa: E402
+from ggml_dist.workers.local_ray import connect  # noqa: E402
 
 PROMPT = [1, 300, 17, 402]
 N = 16

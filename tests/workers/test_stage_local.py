@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ggml_dist.backends.devices import DeviceKind, DeviceSpec
 from ggml_dist.model.context import ContextParams, LlamaContext
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
@@ -16,19 +17,20 @@ from ggml_dist.workers.stage import StageSpec, StageWorker
 from tests.model.refs import LONG_SPECS, LONG_TOKENS
 
 
-def local_pipeline(path, n_stages: int, params: ContextParams, n_copies: int = 1):
-    """The Ray pipeline's driver side, with each actor replaced by a StageWorker called directly."""
+def local_pipeline(path, n_stages: int, params: ContextParams, n_copies: int = 1, kinds=None):
+    """The Ray pipeline's driver side, with each actor replaced by a StageWorker called directly; kinds:
+    each stage's device kind (default the CPU)."""
     model = LlamaModel.load(path)
     hp = model.hp
     pl = place(model.file, hp, n_stages, params.n_ctx)
     workers, proxies = [], []
-    for sp in pl.stages:
+    for sp, kind in zip(pl.stages, kinds or [DeviceKind.CPU] * n_stages):
         w = StageWorker(StageSpec(sp.stage, str(path), sp.layers, sp.stage == 0, sp.stage == n_stages - 1,
-                                  params.n_ctx, hp.n_embd_k_gqa, hp.n_embd_v_gqa))
+                                  params, hp.n_embd_k_gqa, hp.n_embd_v_gqa, DeviceSpec(kind)))
         workers.append(w)
         call = Call(submit=lambda pid, desc, inp, *ups, w=w: w.compute(pid, desc, inp, *ups),
                     get=lambda hs: hs, wait=lambda hs: None)
-        proxies.append(StageProxy(sp.stage, sp.layers, call, StageDevice(f"stage{sp.stage}")))
+        proxies.append(StageProxy(sp.stage, sp.layers, call, StageDevice(f"stage{sp.stage}", w.info().device)))
     ctx = driver_context(model, params, pl, proxies, n_copies=n_copies)
     return model, ctx, workers
 
@@ -45,6 +47,22 @@ def test_local_stages_bitwise(path):
     ref = LlamaContext(model, ContextParams(n_ctx=256))
     assert np.array_equal(ctx.decode(Batch.from_tokens(toks, all_outputs=True)),
                           ref.decode(Batch.from_tokens(toks, all_outputs=True)))
+
+
+# in-process stages on the fake accelerator (weights uploaded into its non-host buffer type, the KV cache
+# and the compute arena in it) give bitwise the single-process logits
+def test_local_stages_on_the_fake_accelerator_bitwise(path):
+    from ggml_dist.backends.base import BufferUsage
+    toks = [1, 30, 40, 50, 60]
+    kinds = [DeviceKind.ACCEL, DeviceKind.CPU, DeviceKind.ACCEL]
+    model, ctx, workers = local_pipeline(path, 3, ContextParams(n_ctx=256), kinds=kinds)
+    ref = LlamaContext(model, ContextParams(n_ctx=256))
+    assert np.array_equal(ctx.decode(Batch.from_tokens(toks, all_outputs=True)),
+                          ref.decode(Batch.from_tokens(toks, all_outputs=True)))
+    for w, kind in zip(workers, kinds):
+        on_device = all(t.buffer.buft is w.buft and t.buffer.usage == BufferUsage.WEIGHTS for t in w.weights.values())
+        assert on_device == (kind == DeviceKind.ACCEL)
+        assert all(t.buffer.buft is w.buft for t in w.kv.tensors())
 
 
 # more graph shapes than a stage keeps plans: the proxy's mirror of the LRU resends descriptions in time
@@ -75,9 +93,9 @@ def test_plans_share_one_compute_buffer(path):
                               ref.decode(Batch.from_tokens(toks, pos0=pos, all_outputs=True)))
         pos += n
     for w in workers:
-        sizes = [g.get_buffer_size(0) for _, g in w.plans.values()]
+        sizes = [p.galloc.get_buffer_size(0) for p in w.plans.values()]
         assert len(sizes) == 4 and w.compute_bytes() == max(sizes) < sum(sizes)
-        assert all(g.buffers[0].chunks[0].base.base is w.arena.base for _, g in w.plans.values())
+        assert all(p.galloc.buffers[0].chunks[0] is w.arena.buffer for p in w.plans.values())
 
 
 # what placement counts for a stage's compute buffer (the driver's plan of its splits, one copy) is
@@ -112,7 +130,7 @@ def test_call_for_another_incarnation_refused(path):
     _, ctx, workers = local_pipeline(path, 2, ContextParams(n_ctx=256))
     ctx.decode(Batch.from_tokens([1, 2, 3]))
     w = workers[0]
-    pid, (plan, _) = next(iter(w.plans.items()))
+    pid = next(iter(w.plans))
     with pytest.raises(StateLostError, match="restarted"):
         w.compute(pid, None, b"", incarnation="0" * 16)
 

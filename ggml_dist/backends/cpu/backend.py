@@ -4,6 +4,10 @@ With `async_compute=True` the backend runs its graphs on one worker thread, in s
 exposes ggml's event calls (record / wait / synchronize) on that queue. numpy releases the GIL in its
 kernels, so two such backends overlap on two cores: that is how the scheduler's n_copies pipelining is
 tested on one machine.
+
+Binding and replay are the backend's graph_plan slots (ggml's graph_plan_create / graph_plan_compute):
+a BoundGraph is a graph's plan, kept by whoever owns the graph (a scheduler's split, a stage's plan);
+graph_compute binds and runs once.
 """
 from __future__ import annotations
 
@@ -11,16 +15,13 @@ import ctypes
 import os
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
-from operator import attrgetter
 from threading import get_ident
 
 import numpy as np
 
 from ...core.graph import Graph
-from ...core.tensor import Op, Tensor, TensorFlag, nbytes, placement_epoch
-from ...core.types import is_quantized
+from ...core.tensor import Op, Tensor, TensorFlag, nbytes
 from ..base import (
     Backend,
     Buffer,
@@ -29,6 +30,8 @@ from ..base import (
     Device,
     DeviceType,
     Event,
+    GraphPlan,
+    OpTable,
     UnsupportedOpError,
     array_at,
     tensor_array,
@@ -111,14 +114,10 @@ class CPUBufferType(BufferType):
         return CPUBuffer(self, size)
 
 
-def cpu_supports_op(t: Tensor) -> bool:
-    """What the CPU kernels implement: every op in KERNELS; quantized operands only where the kernel
-    dequantizes blocks; quantized destinations only for copies."""
-    if t.op not in KERNELS:
-        return False
-    if t.op in QUANT_SRC_OPS:
-        return True
-    return not any(s is not None and is_quantized(s.type) for s in t.src)
+# What the CPU kernels implement: every op in KERNELS; quantized operands only where the kernel
+# dequantizes blocks; quantized destinations only for copies.
+CPU_OPS = OpTable(frozenset(KERNELS), QUANT_SRC_OPS)
+cpu_supports_op = CPU_OPS.supports
 
 
 class CPUBackend(Backend):
@@ -140,11 +139,21 @@ class CPUBackend(Backend):
 
     # -- compute -----------------------------------------------------------------------------------
     def graph_compute(self, graph: Graph) -> None:
-        """Synchronous backends compute now; asynchronous ones enqueue (ggml_backend_graph_compute_async)."""
-        if self._queue is None:
-            compute_graph(graph, self.opts)
-        else:
-            self._queue.put(lambda: compute_graph(graph, self.opts))
+        """Bind the graph and run it once: now (synchronous) or enqueued (ggml_backend_graph_compute_async).
+        A graph computed again is better planned once (graph_plan_create) and replayed."""
+        self.submit(BoundGraph(graph, self.opts).run)
+
+    def graph_plan_create(self, graph: Graph) -> BoundGraph:
+        """ggml_backend_graph_plan_create: the graph's compute as prebound kernel calls."""
+        return BoundGraph(graph, self.opts)
+
+    def graph_plan_compute(self, plan: GraphPlan) -> None:
+        """ggml_backend_graph_plan_compute: replay a plan, in stream order. A plan bound with options this
+        backend no longer has (its compiled kernels took over: host.use_compiled_kernels) binds again."""
+        assert isinstance(plan, BoundGraph), f"{plan!r} is not a CPU backend's plan"
+        if plan.opts is not self.opts:
+            plan.bind(self.opts)
+        self.submit(plan.run)
 
     def submit(self, fn: Callable[[], object]) -> None:
         """Run fn in this backend's stream order (a copy into this backend's buffers, say)."""
@@ -188,28 +197,32 @@ class BoundGraph:
 
     Binding resolves, once, each node's kernel, the backend's options and the array views of its
     destination and sources; nodes that one kernel computes (fusion.py: runs of consecutive nodes, and
-    products of one activation) become one call. A replay only checks that no tensor was re-bound since
-    (the allocator replays the same addresses for a reused graph), runs the prologue (per-step values
-    several calls share) and walks the list: no graph walk, no view construction, no option lookups
-    per op. After one replay by a thread at a thread count, the next ones by it at that count are flat
+    products of one activation) become one call. A replay runs the prologue (per-step values several
+    calls share) and walks the list: no graph walk, no view construction, no option lookups per op.
+    After one replay by a thread at a thread count, the next ones by it at that count are flat
     (entry.flat): each call's entry point called with its arguments, under one launch() for them all,
-    without the bound calls' own frames (a SmolLM2 decode step makes 273 calls)."""
+    without the bound calls' own frames (a SmolLM2 decode step makes 273 calls).
+
+    A plan holds array views of its tensors' places: it is valid while they stay there, which its owner
+    knows (it placed them), so a replay checks nothing. differs from ggml: ggml-cpu binds nothing across
+    calls (its graph_plan only sizes the work buffer)."""
 
     def __init__(self, graph: Graph, opts: ComputeOptions) -> None:
-        self.graph, self.opts = graph, opts
-        self._epoch = placement_epoch()                 # before the tensors' places are read
+        self.graph = graph
+        self.bind(opts)
+
+    def bind(self, opts: ComputeOptions) -> None:
+        """Resolve every node's kernel, options and views once (again, with other options)."""
+        graph, self.opts = self.graph, opts
         consumers: dict[Tensor, list[Tensor]] = {}
         for t in graph.nodes:
             for x in t.src:
                 if x is not None:
                     consumers.setdefault(x, []).append(t)
         nodes = [t for t in graph.nodes if t.op not in _NO_COMPUTE and t.flags & TensorFlag.COMPUTE]
-        tensors: dict[Tensor, None] = {}
         for t in nodes:
             if t.op not in KERNELS:
                 raise UnsupportedOpError(f"CPU backend has no kernel for {t.op.name} ('{t.name}')")
-            tensors[t] = None
-            tensors.update((x, None) for x in t.src if x is not None)
         b = Binding(opts, consumers, graph.use_counts, tensor_array)
         self.calls: list[Callable[[], None]] = []      # what run() replays (ops.bind, fusion.fuse)
         taken: set[int] = set()                         # nodes past i that a fused call already runs
@@ -226,20 +239,6 @@ class BoundGraph:
         self.prologue = b.prologue
         self._flat: list[Flat] = []
         self._flat_for: tuple[int, int] | None = None   # the (thread, thread count) _flat was made by
-        self._tensors = list(tensors)
-        self._buffers, self._datas = list(map(_BUFFER, self._tensors)), list(map(_DATA, self._tensors))
-
-    def valid(self) -> bool:
-        """Every tensor where it was bound: true at once where no tensor was placed since the last
-        check (core.tensor.placement_epoch); else the places compared (two maps: 50-150 us for a
-        decode step's 1200 tensors, the larger figure where the step's weights evicted them)."""
-        epoch = placement_epoch()
-        if epoch == self._epoch:
-            return True
-        if list(map(_BUFFER, self._tensors)) == self._buffers and list(map(_DATA, self._tensors)) == self._datas:
-            self._epoch = epoch
-            return True
-        return False
 
     def run(self) -> None:
         for call in self.prologue:
@@ -257,24 +256,13 @@ class BoundGraph:
         self._flat_for = key
 
 
-_BUFFER, _DATA = attrgetter("buffer"), attrgetter("data")
 _NO_COMPUTE = frozenset({Op.NONE, Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE})
-_BOUND: OrderedDict[int, BoundGraph] = OrderedDict()
-_BOUND_LOCK = threading.Lock()
 
 
 def compute_graph(graph: Graph, opts: ComputeOptions = ComputeOptions()) -> None:
-    """Run every COMPUTE node of a graph whose tensors are bound to host buffers, replaying the
-    graph's bound step list when its tensors still sit where they were bound (and the options are the
-    ones it was bound with)."""
-    with _BOUND_LOCK:
-        bg = _BOUND.get(id(graph))
-        if bg is None or bg.graph is not graph or bg.opts != opts or not bg.valid():
-            bg = _BOUND[id(graph)] = BoundGraph(graph, opts)
-        _BOUND.move_to_end(id(graph))
-        while len(_BOUND) > 64:
-            _BOUND.popitem(last=False)
-    bg.run()
+    """Run every COMPUTE node of a graph whose tensors are bound to host buffers, once (bound now,
+    not kept: a graph run again is a BoundGraph kept by its owner)."""
+    BoundGraph(graph, opts).run()
 
 
 def compute_node(t: Tensor, opts: ComputeOptions = ComputeOptions()) -> None:
@@ -288,6 +276,7 @@ def compute_node(t: Tensor, opts: ComputeOptions = ComputeOptions()) -> None:
 class CPUDevice(Device):
     """ggml_backend_cpu_device."""
     type = DeviceType.CPU
+    op_table = CPU_OPS
 
     def __init__(self, name: str = "CPU") -> None:
         self.name = name

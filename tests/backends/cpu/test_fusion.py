@@ -144,31 +144,37 @@ def test_a_replay_repeats_the_fused_bits(ctx, rng):
     assert_same_bits(tensor_array(out).copy(), want[out])
 
 
-def test_a_replay_follows_a_tensor_placed_elsewhere(ctx, rng):
-    """The bound graph is replayed while no tensor was placed (placement_epoch unchanged), and also after
-    a placement elsewhere that leaves its tensors where they were; a tensor of its own placed in another
-    buffer makes it bind again, so the result lands in the new place."""
+def test_a_plan_is_replayed_until_its_owner_places_a_tensor_elsewhere(ctx, rng):
+    """The CPU backend's graph plan (graph_plan_create) is replayed as bound while its tensors stay where
+    they were placed, whatever is placed elsewhere; its owner, placing one of them in another buffer,
+    makes a new plan, and the result lands in the new place. A plan bound with other options (the
+    compiled kernels taking over) binds again in place."""
+    from dataclasses import replace
+
     from ggml_dist.backends.base import tensor_array
-    from ggml_dist.backends.cpu.backend import _BOUND
+    from ggml_dist.backends.cpu.backend import CPUDevice
     from ggml_dist.backends.cpu.reference import _HOST
-    from ggml_dist.core.tensor import nbytes, placement_epoch
+    from ggml_dist.core.tensor import nbytes
     x, r, w, s, norm, out = _norm_layer(ctx, 3, 48, True)
     g = Graph()
     g.build_forward_expand(out)
     want, _ = _run(g, out, {x: randn(rng, 3, 48), r: randn(rng, 3, 48), w: randn(rng, 48)})
-    bound = _BOUND[id(g)]
-    epoch = placement_epoch()
-    compute_graph(g)
-    assert _BOUND[id(g)] is bound and placement_epoch() == epoch
+    be = CPUDevice().init_backend(opts=ComputeOptions())
+    plan = be.graph_plan_create(g)
+    calls = plan.calls
+    be.graph_plan_compute(plan)
     other = ctx.new_tensor(F32, (4,))
     other.buffer, other.data = _HOST.alloc_buffer(16), 0     # placed: not one of the graph's
-    assert placement_epoch() != epoch
-    compute_graph(g)
-    assert _BOUND[id(g)] is bound
-    out.buffer, out.data = _HOST.alloc_buffer(nbytes(out)), 0
-    compute_graph(g)
-    assert _BOUND[id(g)] is not bound
+    be.graph_plan_compute(plan)
+    assert plan.calls is calls
     assert_same_bits(tensor_array(out).copy(), want[out])
+    out.buffer, out.data = _HOST.alloc_buffer(nbytes(out)), 0
+    plan = be.graph_plan_create(g)
+    be.graph_plan_compute(plan)
+    assert_same_bits(tensor_array(out).copy(), want[out])
+    be.opts = replace(be.opts, order="fast")
+    be.graph_plan_compute(plan)
+    assert plan.opts is be.opts and plan.calls is not calls
 
 
 def _attention(ctx, n_tok, n_head, n_head_kv, cont=True):
