@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from ..core import ops
 from .graph_context import GraphContext, GraphKey, GraphResult
-from .hparams import ffn_norm_name
 from .moe import build_moe_ffn
+from .tensors import ffn_norm_name
 
 
 def build_gpt_oss(g: GraphContext, key: GraphKey) -> GraphResult:

@@ -19,7 +19,7 @@ from ..core.context import Context, graph_overhead, tensor_overhead
 from ..core.graph import Graph
 from ..core.tensor import GLUOp, Tensor
 from ..core.types import GGMLType
-from .hparams import LlamaHParams
+from .archs import LlamaHParams
 from .kv_cache import KVCache
 from .moe import build_moe_ffn
 

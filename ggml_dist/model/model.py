@@ -6,8 +6,10 @@ from pathlib import Path
 
 from ..core.tensor import Tensor
 from . import layout
+from .archs import LlamaHParams
 from .gguf import GGUFFile, load_gguf
-from .hparams import LlamaHParams, check_tensors, hparams_from_gguf
+from .hparams import hparams_from_gguf
+from .tensors import check_tensors
 from .tokenizer import Tokenizer
 from .weights import MappedBuffer, load_weights
 

@@ -16,23 +16,29 @@ llama.cpp's node by node.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..core import ops
 from ..core.context import Context
 from ..core.graph import Graph
 from ..core.tensor import Tensor
-from .hparams import EXPERT_GATING_SIGMOID, EXPERT_GATING_SOFTMAX, EXPERT_GATING_SOFTMAX_WEIGHT
+from .archs import EXPERT_GATING_SIGMOID, EXPERT_GATING_SOFTMAX, EXPERT_GATING_SOFTMAX_WEIGHT, LlamaHParams
 
-if TYPE_CHECKING:
-    from .graph_context import GraphContext
+
+class GraphContext(Protocol):
+    """What the MoE block reads of graph_context.GraphContext (which calls it): the hyperparameters, the
+    weights, and the dense FFN (qwen2moe's shared expert is one)."""
+    hp: LlamaHParams
+    w: dict[str, Tensor]
+
+    def build_ffn(self, ctx: Context, x: Tensor, il: int, gelu: bool = False, suffix: str = "") -> Tensor: ...
 
 WEIGHTS_SUM_MIN = 6.103515625e-5        # the smallest normal f16: build_moe_ffn's clamp of the weights' sum
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
 
 
 def build_moe_ffn(g: GraphContext, ctx: Context, gf: Graph, cur: Tensor, il: int) -> Tensor:
-    """build_moe_ffn with the architecture's arguments (hparams.MoESpec). cur: ne = (n_embd, n_tokens)."""
+    """build_moe_ffn with the architecture's arguments (arch_hparams.MoESpec). cur: ne = (n_embd, n_tokens)."""
     hp, w, b = g.hp, g.w, f"blk.{il}."
     moe = hp.moe
     assert moe is not None

@@ -12,16 +12,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gquants
 
-from ..core.types import TYPE_TRAITS, GGMLType
-
-if TYPE_CHECKING:
-    from .synthetic_moe import SyntheticMoESpec
+from ..core.types import GGMLType
+from .synthetic_moe import MOE_SHAPES, SyntheticMoESpec, write_moe
+from .synthetic_parts import random_kquant, spm_vocab
 
 
 @dataclass(frozen=True)
@@ -90,47 +88,6 @@ def llama3_rope_factors(n_embd_head: int, base: float, factor: float = 8.0, low_
     return np.array(out, np.float32)
 
 
-def _spm_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
-    """<unk>, <s>, </s>, the 256 byte tokens, then filler pieces: a valid SPM vocabulary of any size."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256          # UNKNOWN, CONTROL, CONTROL, BYTE
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    i = 0
-    while len(tokens) < n_vocab:
-        piece = "\u2581" + letters[i % 26] + (letters[(i // 26) % 26] if i >= 26 else "") + \
-            (str(i // 676) if i >= 676 else "")
-        tokens.append(piece)
-        types.append(1)
-        i += 1
-    scores = [0.0] * 259 + [-float(j) for j in range(len(tokens) - 259)]
-    return tokens[:n_vocab], scores[:n_vocab], types[:n_vocab]
-
-
-def _random_kquant(rng: np.random.Generator, t: GGMLType, rows: int, ne0: int) -> np.ndarray:
-    """Random K-quant blocks whose f16 super-block scales keep weights around +-0.1."""
-    tt = TYPE_TRAITS[t]
-    nb = ne0 // tt.blck_size
-    blocks = rng.integers(0, 256, size=(rows, nb, tt.type_size), dtype=np.uint8)
-    d = np.full((rows, nb), 1e-4, np.float16).view(np.uint8).reshape(rows, nb, 2)
-    if t in (GGMLType.Q4_K, GGMLType.Q5_K):          # d, dmin lead the block
-        blocks[..., 0:2] = d
-        blocks[..., 2:4] = d
-    elif t == GGMLType.Q6_K:                          # d trails; int8 scales before it
-        blocks[..., tt.type_size - 2:] = np.full((rows, nb), 2e-3, np.float16).view(np.uint8) \
-            .reshape(rows, nb, 2)
-    elif t == GGMLType.Q2_K:                          # d, dmin trail
-        blocks[..., tt.type_size - 4: tt.type_size - 2] = np.full((rows, nb), 5e-3, np.float16) \
-            .view(np.uint8).reshape(rows, nb, 2)
-        blocks[..., tt.type_size - 2:] = np.full((rows, nb), 5e-3, np.float16).view(np.uint8) \
-            .reshape(rows, nb, 2)
-    elif t == GGMLType.Q3_K:                          # d trails
-        blocks[..., tt.type_size - 2:] = np.full((rows, nb), 5e-3, np.float16).view(np.uint8) \
-            .reshape(rows, nb, 2)
-    else:
-        raise ValueError(f"no random-block writer for {t.name}")
-    return blocks.reshape(rows, nb * tt.type_size)
-
-
 def _weight(rng: np.random.Generator, type_name: str, rows: int, ne0: int, std: float):
     """(array, raw_dtype) for GGUFWriter.add_tensor: numpy shape is ne reversed."""
     t = GGMLType[type_name]
@@ -140,15 +97,13 @@ def _weight(rng: np.random.Generator, type_name: str, rows: int, ne0: int, std: 
     if t == GGMLType.F16:
         return x.astype(np.float16), None
     if t in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
-        return _random_kquant(rng, t, rows, ne0), GGMLQuantizationType(t.value)
+        return random_kquant(rng, t, rows, ne0), GGMLQuantizationType(t.value)
     return gquants.quantize(x, GGMLQuantizationType(t.value)), GGMLQuantizationType(t.value)
 
 
 def write_synthetic(path: str | Path, spec: SyntheticSpec | SyntheticMoESpec = SyntheticSpec()) -> Path:
-    """Write the model described by spec to path (overwriting) and return the path (a mixture of experts:
-    synthetic_moe.write_moe)."""
+    """Write the model described by spec to path (overwriting); a mixture of experts: synthetic_moe's."""
     if not isinstance(spec, SyntheticSpec):
-        from .synthetic_moe import write_moe
         return write_moe(path, spec)
     s = spec
     if s.arch not in ("llama", "qwen2", "qwen3"):
@@ -178,7 +133,7 @@ def write_synthetic(path: str | Path, spec: SyntheticSpec | SyntheticMoESpec = S
     w.add_vocab_size(s.n_vocab)
     w.add_file_type(1)
     w.add_string("general.synthetic_spec", _spec_repr(s))
-    tokens, scores, types = _spm_vocab(s.n_vocab)
+    tokens, scores, types = spm_vocab(s.n_vocab)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -232,16 +187,9 @@ TINYLLAMA_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32
 # LLaMA-2-7B's dimensions (no GQA), Q4_0 throughout: ~3.6 GiB, a model bigger than one testbed host
 LLAMA2_7B_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=4096, n_layer=32, n_head=32, n_head_kv=32, n_ff=11008,
                                n_ctx_train=4096, wtype="Q4_0", embd_type="Q4_0", tied=False, seed=7)
-SHAPES: dict[str, SyntheticSpec | SyntheticMoESpec] = {"tinyllama": TINYLLAMA_Q4_0, "llama2-7b": LLAMA2_7B_Q4_0}
-
-
-def _register_moe_shapes() -> None:
-    """Qwen3-30B-A3B and gpt-oss-20b shapes (synthetic_moe.MOE_SHAPES), which imports this module lazily."""
-    from .synthetic_moe import MOE_SHAPES
-    SHAPES.update(MOE_SHAPES)
-
-
-_register_moe_shapes()
+# and the mixtures of experts' (synthetic_moe.MOE_SHAPES): Qwen3-30B-A3B and gpt-oss-20b with few layers
+SHAPES: dict[str, SyntheticSpec | SyntheticMoESpec] = {"tinyllama": TINYLLAMA_Q4_0, "llama2-7b": LLAMA2_7B_Q4_0,
+                                                      **MOE_SHAPES}
 
 
 def cached_synthetic(spec: SyntheticSpec | SyntheticMoESpec, force: bool = False) -> Path:

@@ -7,29 +7,14 @@ benchmarks use files of real models' shapes (MOE_SHAPES: Qwen3-30B-A3B and gpt-o
 Output is a pure function of the spec: the same SyntheticMoESpec always gives the same bytes. Files are
 written tensor by tensor (and experts one at a time), so a multi-GB file never sits in memory.
 
-What each architecture's file holds (`{a}` is the arch name; key_length/value_length only where the head
-size is not n_embd / n_head, and always for gpt-oss as its converter writes them):
-- all: {a}.context_length, embedding_length, block_count, feed_forward_length, attention.head_count,
-  attention.head_count_kv, rope.dimension_count, rope.freq_base, attention.layer_norm_rms_epsilon,
-  expert_count, expert_used_count, vocab_size; token_embd, output_norm, output (absent if tied), per layer
-  attn_norm, attn_q/k/v, attn_output, ffn_gate_inp (F32, [n_embd, n_expert]), ffn_{gate,up}_exps
-  ([n_embd, n_ff_exp, n_expert]) and ffn_down_exps ([n_ff_exp, n_embd, n_expert]).
-- qwen3moe: + expert_feed_forward_length; attn_q_norm / attn_k_norm [head_dim]; ffn_norm. Softmax gating,
-  top-k, weights renormalised over the k (hard-coded in llama.cpp's graph, no key).
-- qwen2moe: + expert_feed_forward_length, expert_shared_feed_forward_length; attn_q/k/v.bias; ffn_norm;
-  the shared expert ffn_{gate,up}_shexp [n_embd, n_ff_shexp], ffn_down_shexp [n_ff_shexp, n_embd] and its
-  sigmoid gate ffn_gate_inp_shexp [n_embd]. Softmax gating, weights not renormalised. Never tied (llama.cpp
-  requires output.weight).
-- llama (Mixtral): the experts' width is feed_forward_length (llama.cpp reads no expert_feed_forward_length
-  for llama); ffn_norm. Softmax gating, renormalised.
-- gpt-oss: + expert_feed_forward_length, attention.sliding_window, attention.key_length/value_length,
-  rope.scaling.type "yarn", rope.scaling.factor, rope.scaling.original_context_length; attn_q/k/v/output
-  .bias, attn_sinks [n_head], post_attention_norm (the FFN's norm: no ffn_norm), ffn_gate_inp.bias
-  [n_expert], ffn_{gate,up}_exps.bias [n_ff_exp, n_expert], ffn_down_exps.bias [n_embd, n_expert].
-  Layers il % 2 == 0 are sliding-window (load_swa_pattern(ml, 2)), SWIGLU_OAI (alpha 1.702, limit 7),
-  SOFTMAX_WEIGHT gating (top-k of the raw router logits, softmax over the k). Never tied. The vocabulary is
-  the small SPM one synthetic.py writes (llama.cpp accepts it for any arch): the real gpt-oss tokenizer is
-  GPT-2-style BPE with pre-tokenizer "gpt-4o" (o200k), a separate matter.
+What each architecture's file holds is what its load_arch_hparams / load_arch_tensors read (the keys and
+tensors hparams.py, arch_hparams.py and tensors.py check): qwen3moe with q/k norms and renormalised
+softmax gating; qwen2moe with Q/K/V biases, no renormalisation and a shared expert behind a sigmoid gate
+(never tied); Mixtral-style llama, whose experts are feed_forward_length wide; gpt-oss with Q/K/V/O
+biases, attention sinks, post_attention_norm before the experts, the router's and every expert's biases,
+sliding-window layers il % 2 == 0, YaRN rope scaling, SWIGLU_OAI and softmax over the top-k logits (never
+tied). The vocabulary is the small SPM one synthetic.py writes (llama.cpp accepts it for any arch; the real
+gpt-oss tokenizer is GPT-2-style BPE with pre-tokenizer "gpt-4o", tested on its own).
 
 Expert weights come in F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 (quantized by gguf.quants) and Q2_K ..
 Q6_K (random blocks, as synthetic.py writes them); quantize="Q4_K_M" writes the model in F16 and has
@@ -49,6 +34,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gquants
 
 from ..core.types import TYPE_TRAITS, GGMLType
+from .synthetic_parts import random_kquant, spm_vocab
 
 MOE_ARCHS = ("qwen3moe", "qwen2moe", "llama", "gpt-oss")
 _KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -63,7 +49,7 @@ _CTX = {"qwen3moe": 40960, "qwen2moe": 8192, "llama": 32768, "gpt-oss": 131072}
 
 @dataclass(frozen=True)
 class SyntheticMoESpec:
-    """A synthetic MoE model. (Not hparams.MoESpec, which describes how an arch calls build_moe_ffn.)"""
+    """A synthetic MoE model. (Not arch_hparams.MoESpec, which describes how an arch calls build_moe_ffn.)"""
     arch: str = "qwen3moe"       # qwen3moe, qwen2moe, llama (Mixtral-style), gpt-oss
     n_vocab: int = 512
     n_embd: int = 64
@@ -161,10 +147,9 @@ def _row_bytes(type_name: str, ne0: int) -> int:
 
 def _matrix(rng: np.random.Generator, type_name: str, rows: int, ne0: int, std: float) -> np.ndarray:
     """rows x ne0 weights of the type, as the bytes / floats GGUFWriter writes (numpy shape: ne reversed)."""
-    from .synthetic import _random_kquant
     t = GGMLType[type_name]
     if type_name in _KQUANTS:
-        return _random_kquant(rng, t, rows, ne0)
+        return random_kquant(rng, t, rows, ne0)
     x = rng.standard_normal((rows, ne0), dtype=np.float32) * np.float32(std)
     if type_name == "F32":
         return x
@@ -271,7 +256,6 @@ def moe_nbytes(spec: SyntheticMoESpec) -> int:
 
 # -- the file -----------------------------------------------------------------------------------------
 def _write_kv(w: GGUFWriter, s: SyntheticMoESpec, spec_repr: str) -> None:
-    from .synthetic import _spm_vocab
     a = s.arch
     w.add_name(f"synthetic {s.name}")
     w.add_context_length(s.n_ctx_train or _CTX[a])
@@ -308,7 +292,7 @@ def _write_kv(w: GGUFWriter, s: SyntheticMoESpec, spec_repr: str) -> None:
     w.add_vocab_size(s.n_vocab)
     w.add_file_type(1)
     w.add_string("general.synthetic_spec", spec_repr)
-    tokens, scores, types = _spm_vocab(s.n_vocab)
+    tokens, scores, types = spm_vocab(s.n_vocab)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..model import layout
+from ..model.archs import LlamaHParams
 from ..model.gguf import GGUFFile
-from ..model.hparams import LlamaHParams
 
 MIB = 2**20
 

@@ -11,7 +11,8 @@ import pytest
 
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.gguf import GGUFError, GGUFFile, GGUFValueType, TensorInfo, load_gguf
-from ggml_dist.model.hparams import check_tensors, hparams_from_gguf
+from ggml_dist.model.hparams import hparams_from_gguf
+from ggml_dist.model.tensors import check_tensors
 
 # ---------------------------------------------------------------------------------------------------
 # synthetic files

@@ -13,7 +13,7 @@ from ggml_dist.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORM
 from ggml_dist.core.tensor import Op
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.graph_context import GraphKey, kq_scale
-from ggml_dist.model.hparams import ARCHS
+from ggml_dist.model.archs import ARCHS
 from ggml_dist.model.kv_cache import KVCache
 from ggml_dist.model.llama import ARCH_GRAPHS, LlamaGraphBuilder
 from ggml_dist.model.model import LlamaModel

@@ -11,7 +11,9 @@ import pytest
 from ggml_dist.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORM
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.gguf import GGUFError, load_gguf
-from ggml_dist.model.hparams import ARCHS, LlamaHParams, check_tensors, expected_tensors, hparams_from_gguf
+from ggml_dist.model.archs import ARCHS, LlamaHParams
+from ggml_dist.model.hparams import hparams_from_gguf
+from ggml_dist.model.tensors import check_tensors, expected_tensors
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, llama3_rope_factors, write_synthetic
 

@@ -13,7 +13,8 @@ from ggml_dist.core.tensor import Op
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.context import ContextParams, LlamaContext
 from ggml_dist.model.gguf import GGUFError, load_gguf
-from ggml_dist.model.hparams import check_tensors, hparams_from_gguf
+from ggml_dist.model.hparams import hparams_from_gguf
+from ggml_dist.model.tensors import check_tensors
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import write_synthetic
 from ggml_dist.model.ubatch import Batch

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ggml_dist.model import hparams
+from ggml_dist.model import archs as hparams
 from ggml_dist.model.gguf import load_gguf
 from ggml_dist.model.synthetic import SHAPES, write_synthetic
 from ggml_dist.model.synthetic_moe import (

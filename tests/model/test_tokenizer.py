@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ggml_dist.model.gguf import GGUFError, load_gguf
-from ggml_dist.model.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenType, regex_split
+from ggml_dist.model.pretokenize import PRE_TOKENIZERS, regex_split
+from ggml_dist.model.tokenizer import Tokenizer, TokenType
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

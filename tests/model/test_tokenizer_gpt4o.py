@@ -16,7 +16,8 @@ import pytest
 import regex
 
 from ggml_dist.model.gguf import load_gguf
-from ggml_dist.model.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenType, _as_llama_cpp_sees, regex_split
+from ggml_dist.model.pretokenize import PRE_TOKENIZERS, as_llama_cpp_sees, regex_split
+from ggml_dist.model.tokenizer import Tokenizer, TokenType
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 GPT4O_NAMES = ["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"]
@@ -96,14 +97,14 @@ def test_splits_match_stored_llama_cpp() -> None:
 def test_unicode_classes_match_llama_cpp_tables() -> None:
     """Every code point >= 128 falls in the same class for the `regex` module (after the remapping of
     the characters llama.cpp's Unicode 15.1 tables lack) as in llama.cpp's tables: a `regex` with a newer
-    Unicode than tokenizer._NEWER_UNICODE covers fails here."""
+    Unicode than pretokenize._NEWER_UNICODE covers fails here."""
     runs = ref.parse_llama_classes(_data()["llama_classes"])
     n = 0x110000
     llama = np.empty(n, np.uint8)
     for (start, cls), nxt in zip(runs, [r[0] for r in runs[1:]] + [n]):
         llama[start:nxt] = ord(cls)
     cps = np.r_[128:0xD800, 0xE000:n]
-    text = _as_llama_cpp_sees("".join(map(chr, cps.tolist())))
+    text = as_llama_cpp_sees("".join(map(chr, cps.tolist())))
     ours = np.full(len(cps), ord("O"), np.uint8)
     # general categories are disjoint; \s first, as llama.cpp's whitespace flag wins over Zs
     for cls, pat in (("M", r"\p{M}+"), ("S", r"\p{S}+"), ("P", r"\p{P}+"), ("N", r"\p{N}+"),
@@ -120,9 +121,9 @@ def test_newer_unicode_is_remapped() -> None:
     assert regex_split("a\u1c89b", _patterns()) == ["a", "\u1c89b"]
     assert regex_split("a\u1c89b", _patterns("gpt-2")) == ["a", "\u1c89", "b"]
     assert regex_split("a\u1c89b", _patterns("llama-bpe")) == ["a", "\u1c89b"]
-    assert _as_llama_cpp_sees("a\u1c89b\U000323b0") == "a\ue000b\ue000"
+    assert as_llama_cpp_sees("a\u1c89b\U000323b0") == "a\ue000b\ue000"
     s = "plain ascii"
-    assert _as_llama_cpp_sees(s) is s
+    assert as_llama_cpp_sees(s) is s
 
 
 def test_gpt4o_splits() -> None:

@@ -23,9 +23,10 @@ PROMPTS = ["ab cd ef", "gh ij", "kl mn op qr", "st uv wx yz ab", "cd", "ef gh ij
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from ggml_dist.serve import EngineConfig, ServerThread
+    from ggml_dist.serve import ServerThread
+    from tests.serve.common import engine_config
     path = str(write_synthetic(tmp_path_factory.mktemp("moe-serve") / "gpt-oss.gguf", SPEC))
-    cfg = EngineConfig(path, n_parallel=4, n_ctx=4 * 256, batch_invariant=True)
+    cfg = engine_config(path, n_parallel=4, n_ctx=4 * 256, batch_invariant=True)
     with ServerThread(cfg, model_name="moe") as srv:
         yield srv
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ggml_dist.bench.cluster import _bounds
+from ggml_dist.bench.cluster_report import bounds as _bounds
 
 
 def _row(hosts: int, seqs: int, tok_s: float) -> dict:
