@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default 1000; past it new ones are closed, and requests get 503)")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
-    p.add_argument("what", choices=["alloc", "pipeline", "decode", "faults", "fuzz-gguf", "cluster"])
+    p.add_argument("what", choices=["alloc", "pipeline", "decode", "batched", "faults", "fuzz-gguf",
+                                           "cluster"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
 
     p = sub.add_parser("warmup", help="compile the model's kernels into the kernel cache now (for images and "
@@ -474,9 +475,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import alloc, cluster, decode, faults, fuzz_gguf, pipeline
-    mains = {"alloc": alloc.main, "pipeline": pipeline.main, "decode": decode.main, "faults": faults.main,
-             "fuzz-gguf": fuzz_gguf.main, "cluster": cluster.main}
+    from .bench import alloc, batched, cluster, decode, faults, fuzz_gguf, pipeline
+    mains = {"alloc": alloc.main, "pipeline": pipeline.main, "decode": decode.main, "batched": batched.main,
+             "faults": faults.main, "fuzz-gguf": fuzz_gguf.main, "cluster": cluster.main}
     return mains[args.what](args.rest)
 
 
