@@ -173,7 +173,7 @@ def test_rounds_alternate_and_take_medians(monkeypatch, tiny_model):
         p, d = next(figures[which])
         info = {"ours": {"kernels": "avx2"}} if which == "ours" else \
             {"llamacpp": {"flash_attn": {"resolved": "enabled"}}}
-        return {"prompt_tok_s": p, "decode_tok_s": d, "peak_rss_mb": 1.0, "weight_bytes": 10**9, **info}
+        return {"prompt_tok_s": p, "decode_tok_s": d, "peak_rss_mb": 1.0, "weight_bytes": 10**9, "read_bytes": 10**9, **info}
 
     monkeypatch.setattr(decode, "_child", child)
     m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0, rounds=3)
@@ -246,7 +246,7 @@ def test_paired_run_model_reports_ratios(monkeypatch, tiny_model):
     def child(which, *args):
         calls.append((which, args[-1]))
         def pair(p, d):
-            return [{"prompt_tok_s": p, "decode_tok_s": d, "weight_bytes": 10**9, "ours": {"kernels": "avx2"}},
+            return [{"prompt_tok_s": p, "decode_tok_s": d, "weight_bytes": 10**9, "read_bytes": 10**9, "ours": {"kernels": "avx2"}},
                     {"prompt_tok_s": 100, "decode_tok_s": 10, "llamacpp": {"flash_attn": {"resolved": "enabled"}}}]
         return {"runs": [pair(100, 20), pair(300, 5)], "decode_chunk_ratios": [1.0, 2.0, 3.0], "peak_rss_mb": 123.4}
     monkeypatch.setattr(decode, "_child", child)
@@ -320,7 +320,7 @@ def test_run_model_reports_a_token_mismatch(monkeypatch, tiny_model, capsys):
         info = {"ours": {"kernels": "avx2"}} if which == "ours" else \
             {"llamacpp": {"flash_attn": {"resolved": "enabled"}}}
         toks = [7, 8, 9, 10, 11] if which == "ours" else [7, 8, 0, 0, 0]
-        return {"prompt_tok_s": 100, "decode_tok_s": 10, "peak_rss_mb": 1.0, "weight_bytes": 10**9,
+        return {"prompt_tok_s": 100, "decode_tok_s": 10, "peak_rss_mb": 1.0, "weight_bytes": 10**9, "read_bytes": 10**9,
                 "tokens": toks, **info}
     monkeypatch.setattr(decode, "_child", child)
     m = decode.run_model("tiny", tiny_model, 16, 4, 1, 1.0)

@@ -1,5 +1,6 @@
 """CPU speed next to llama.cpp on the same file, in the same run: prompt and decode tok/s, their ratios,
-peak RSS, the decode bandwidth achieved (weight bytes x tok/s) and a plain numpy copy bandwidth.
+peak RSS, the decode bandwidth achieved (the weight bytes a token reads x tok/s: of a mixture of experts'
+stacked expert weights only the top-k share) and a plain numpy copy bandwidth.
 
     ggml-dist bench decode [--model smollm2-135m] [--tinyllama] [--threads 2] [--prompt-len 128]
                            [--gen 64] [--llamacpp-flash-attn {default,on,off}] [--rounds 1] [--paired] --json
@@ -104,6 +105,7 @@ def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str
     _warm(ours, toks)
     tp, td, out = _timed(ours, toks, gen)
     return {"prompt_tok_s": prompt_len / tp, "decode_tok_s": gen / td, "weight_bytes": ours.model.weight_bytes(),
+            "read_bytes": ours.model.bytes_read_per_token(),
             "peak_rss_mb": peak_rss_mb(), "ours": ours_info(), "tokens": out}
 
 
@@ -168,7 +170,8 @@ def measure_paired(path: str, prompt_len: int, gen: int, threads: int, flash_att
     def figures(k: str, r: int) -> dict[str, Any]:
         return {"prompt_tok_s": prompt_len / spent[k][r][0], "decode_tok_s": gen / spent[k][r][1],
                 "tokens": chosen[k][r]}
-    about = {"weight_bytes": ours.model.weight_bytes(), "ours": ours_info()}
+    about = {"weight_bytes": ours.model.weight_bytes(), "read_bytes": ours.model.bytes_read_per_token(),
+             "ours": ours_info()}
     ll_about = {"llamacpp": ll.info()} if "llamacpp" in engines else {}
     ours_runs = [{**figures("ours", r), **about} for r in range(rounds)]
     ll_runs = [{**figures("llamacpp", r), **ll_about} if ll_about else {"error": ll_error} for r in range(rounds)]
@@ -347,7 +350,7 @@ def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, cop
     med = {k: float(np.median([o[k] for o in ours])) for k in ("prompt_tok_s", "decode_tok_s")}
     out.update({"prompt_tok_s": round(med["prompt_tok_s"], 2), "decode_tok_s": round(med["decode_tok_s"], 2),
                 "peak_rss_mb": None if paired else round(max(o["peak_rss_mb"] for o in ours), 1),
-                "decode_gb_s": round(ours[0]["weight_bytes"] * med["decode_tok_s"] / 1e9, 3),
+                "decode_gb_s": round(ours[0]["read_bytes"] * med["decode_tok_s"] / 1e9, 3),
                 "copy_gb_s": round(copy, 2), "file_mb": round(os.path.getsize(path) / 2**20, 1),
                 "kernels": ours[0]["ours"]["kernels"], "_ours": ours[0]["ours"]})
     ref_failed = next((r for _, r in runs if "error" in r), None)

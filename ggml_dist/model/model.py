@@ -38,3 +38,10 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.weights.values())
+
+    def bytes_read_per_token(self) -> int:
+        """The weight bytes one token's decode step reads: every weight, but of each stacked expert tensor
+        (ffn_*_exps) only its top-k experts' share (n_expert_used / n_expert of it)."""
+        dense = sum(t.nbytes for n, t in self.weights.items() if "_exps." not in n)
+        experts = sum(t.nbytes for n, t in self.weights.items() if "_exps." in n)
+        return dense + (experts * self.hp.n_expert_used // self.hp.n_expert if self.hp.n_expert else 0)

@@ -17,6 +17,7 @@ from ggml_dist.model.hparams import hparams_from_gguf
 from ggml_dist.model.tensors import check_tensors
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import write_synthetic
+from ggml_dist.model.synthetic_moe import write_moe
 from ggml_dist.model.ubatch import Batch
 
 from .refs import MOE_SPECS
@@ -139,3 +140,13 @@ def test_moe_rows_route_independently(tmp_path: Path) -> None:
     rows = ctx.decode(both)
     assert rows.shape[0] == len(toks) + 4
     assert np.array_equal(rows[: len(toks)], alone)
+
+
+def test_a_token_reads_its_top_k_share_of_the_experts(tmp_path: Path) -> None:
+    spec = MOE_SPECS[0]
+    m = LlamaModel.load(write_moe(tmp_path / "moe.gguf", spec))
+    exps = sum(t.nbytes for n, t in m.weights.items() if "_exps." in n)
+    assert exps > m.weight_bytes() // 2
+    assert m.bytes_read_per_token() == m.weight_bytes() - exps + exps * spec.n_expert_used // spec.n_expert
+    dense = LlamaModel.load(write_synthetic(tmp_path / "d.gguf"))
+    assert dense.bytes_read_per_token() == dense.weight_bytes()
