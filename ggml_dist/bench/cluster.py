@@ -183,16 +183,19 @@ def _logits_check(c: Any, path: str, a: argparse.Namespace, n: int = 16) -> dict
 
 
 def _slice_points(c: Any, sampler: Any, name: str, k: int, a: argparse.Namespace) -> list[dict]:
-    """One host's rates on the shape `name` with ceil(L/k) layers (what one of k stages holds), at the
+    """One host's rates on the shape `name` cut to s = ceil(L/k) layers (what one of k stages holds) and
+    to s // 2 layers (cluster_report.slice_bound takes a layer's and the head's time from the two), at the
     sequences N / min(k, N) that a pipeline of k stages gives each micro-batch."""
     spec = SHAPES[name]
-    sliced = dataclasses.replace(spec, n_layer=-(-spec.n_layer // k))
-    path = str(cached_synthetic(sliced))
+    s = -(-spec.n_layer // k)
     seqs = sorted({n // min(k, n) for n in _ints(a.sequences)})
-    print(f"ggml-dist bench cluster: {Path(path).name} (a stage's slice), ours on 1 host", file=sys.stderr, flush=True)
-    rows, _ = _ours(c, sampler, path, 1, a, seqs, "local")
-    for r in rows:
-        r["slice_layers"] = sliced.n_layer
+    rows = []
+    for n_layer in sorted({s, max(1, s // 2)}):
+        path = str(cached_synthetic(dataclasses.replace(spec, n_layer=n_layer)))
+        print(f"ggml-dist bench cluster: {Path(path).name} (a slice of {n_layer} layers), ours on 1 host",
+              file=sys.stderr, flush=True)
+        sliced, _ = _ours(c, sampler, path, 1, a, seqs, "local")
+        rows += [{**r, "slice_layers": n_layer} for r in sliced]
     return rows
 
 
@@ -301,7 +304,8 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                     m["serve"].append(_serve(c, sampler, path, k, a))
         ours = [r for r in m["points"] if r["impl"] == "ours"]
         m["tokens_mismatch"] = check_tokens(ours)
-        bounds(ours, {max(hosts_list): m["slice_points"]} if m.get("slice_points") else None)
+        bounds(ours, {max(hosts_list): m["slice_points"]} if m.get("slice_points") else None,
+               SHAPES[name].n_layer if name in SHAPES else 0)
         bounds([r for r in m["points"] if r["impl"] == "llama.cpp"])
         m["summary"] = summary(m)
         report["models"].append(m)

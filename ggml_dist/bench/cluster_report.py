@@ -6,17 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def bounds(rows: list[dict], slices: dict[int, list[dict]] | None = None) -> None:
+def bounds(rows: list[dict], slices: dict[int, list[dict]] | None = None, n_layer: int = 0) -> None:
     """Each pipeline point's bounds and efficiency, from the one-host points at the same prompt; for a
-    model bigger than a host, from its slice's one-host points (slices: hosts -> the slice's rows)."""
+    model bigger than a host (n_layer layers), from one host's points on slices of it (slices: hosts ->
+    the slices' rows, each with its "slice_layers"): slice_bound."""
     one = {(r["prompt"], r["sequences"]): r["decode_tok_s"] for r in rows if r["hosts"] == 1 and r["decode_tok_s"]}
     for r in rows:
         if slices and r["hosts"] in slices:
-            k, m = r["hosts"], min(r["hosts"], r["sequences"])
-            sl = {(x["prompt"], x["sequences"]): x["decode_tok_s"] for x in slices[k] if x["decode_tok_s"]}
-            if r["sequences"] % m == 0 and sl.get((r["prompt"], r["sequences"] // m)):
-                r["pipeline_bound"] = round(m / k * sl[(r["prompt"], r["sequences"] // m)], 3)
-                r["efficiency"] = round(r["decode_tok_s"] / r["pipeline_bound"], 3)
+            bound = slice_bound(slices[r["hosts"]], n_layer, r["prompt"], r["sequences"], r["hosts"])
+            if bound:
+                r["pipeline_bound"] = round(bound, 3)
+                r["efficiency"] = round(r["decode_tok_s"] / bound, 3)
             continue
         base = one.get((r["prompt"], r["sequences"]))
         if base:
@@ -28,6 +28,33 @@ def bounds(rows: list[dict], slices: dict[int, list[dict]] | None = None) -> Non
             r["efficiency"] = round(r["decode_tok_s"] / r["pipeline_bound"], 3)
 
 
+def slice_bound(slice_rows: list[dict], n_layer: int, prompt: int, n_seq: int, k: int) -> float | None:
+    """The pipeline bound of k stages over a model of n_layer layers that no host holds, from one host's
+    decode rates on two slices of it (s = ceil(n_layer / k) layers, a stage's share, and fewer), each a
+    whole model (embeddings, its layers, the head). A step of n sequences costs a stage t = head + layers x
+    t_layer (the head only on the last stage), so the two slices give t_layer and t_head, and the whole
+    model's step t_full = t_head + n_layer x t_layer. With m = min(k, N) micro-batches of n = N / m: each
+    micro-batch's next step waits for its previous one through every stage (a cycle >= t_full(n)), and the
+    busiest stage, the last with s layers and the head, takes every micro-batch in turn (a cycle >= m x
+    t_s(n)); N tokens a cycle: min(m n / t_full(n), n / t_s(n)). With one slice only (s = 1), t_full = k t_s."""
+    m = min(k, n_seq)
+    if n_seq % m:
+        return None
+    n = n_seq // m
+    t = {x["slice_layers"]: n / x["decode_tok_s"] for x in slice_rows
+         if x["prompt"] == prompt and x["sequences"] == n and x["decode_tok_s"]}
+    if not t:
+        return None
+    s = max(t)
+    if len(t) == 1:
+        t_full = k * t[s]
+    else:
+        h = min(t)
+        t_layer = (t[s] - t[h]) / (s - h)
+        t_full = t[s] + (n_layer - s) * t_layer
+    return min(m * n / t_full, n / t[s])
+
+
 def check_tokens(rows: list[dict]) -> list[str]:
     """Greedy tokens of every multi-host point against one process's at the same prompt and sequences. One
     sequence must match (the same cells, the same one-row batches); with N sequences a pipeline decodes
@@ -36,8 +63,9 @@ def check_tokens(rows: list[dict]) -> list[str]:
     one = {(r["prompt"], r["sequences"]): r["tokens"] for r in rows if r["hosts"] == 1}
     bad = [f"{r['hosts']} hosts, prompt {r['prompt']}, {r['sequences']} seq" for r in rows
            if r["hosts"] > 1 and r["sequences"] == 1 and one.get((r["prompt"], 1)) not in (None, r["tokens"])]
-    for r in rows:
-        r["tokens_match_one_process"] = r["hosts"] == 1 or one.get((r["prompt"], r["sequences"])) == r["tokens"]
+    for r in rows:                 # None: no one-process run to compare with (a model bigger than a host)
+        ref = one.get((r["prompt"], r["sequences"]))
+        r["tokens_match_one_process"] = True if r["hosts"] == 1 else None if ref is None else ref == r["tokens"]
         r.pop("tokens")
     return bad
 

@@ -16,6 +16,7 @@ output norm and head. Three quirks live here and nowhere else:
     stage_owns(name, layers, first, last, tied)
     stage_tensors(names, layers, first, last, tied)   the names a stage maps, in the file's order
     stage_weight_bytes(f, layers, first, last)        their bytes (placement's per-stage weights)
+    bytes_read_per_token(f, n_expert, n_expert_used)  the weight bytes one token's decode step reads
 """
 from __future__ import annotations
 
@@ -59,3 +60,18 @@ def stage_tensors(names: Iterable[str], layers: tuple[int, int] | range, first: 
 
 def stage_weight_bytes(f: GGUFFile, layers: tuple[int, int], first: bool, last: bool) -> int:
     return sum(f.tensors[n].nbytes for n in stage_tensors(f.tensors, layers, first, last, tied_head(f)))
+
+
+def bytes_read_per_token(f: GGUFFile, n_expert: int = 0, n_expert_used: int = 0) -> int:
+    """The weight bytes one token's decode step reads: every weight once, but of the token embeddings one
+    row (all of them where they are the tied head), and of each stacked expert tensor (ffn_*_exps) the
+    top-k experts' share, n_expert_used / n_expert of it."""
+    total = 0
+    for name, t in f.tensors.items():
+        if name == EMBD and not tied_head(f):
+            total += t.nbytes // max(1, t.ne[1])
+        elif "_exps." in name and n_expert:
+            total += t.nbytes * n_expert_used // n_expert
+        else:
+            total += t.nbytes
+    return total

@@ -40,8 +40,5 @@ class LlamaModel:
         return sum(t.nbytes for t in self.weights.values())
 
     def bytes_read_per_token(self) -> int:
-        """The weight bytes one token's decode step reads: every weight, but of each stacked expert tensor
-        (ffn_*_exps) only its top-k experts' share (n_expert_used / n_expert of it)."""
-        dense = sum(t.nbytes for n, t in self.weights.items() if "_exps." not in n)
-        experts = sum(t.nbytes for n, t in self.weights.items() if "_exps." in n)
-        return dense + (experts * self.hp.n_expert_used // self.hp.n_expert if self.hp.n_expert else 0)
+        """The weight bytes one token's decode step reads (layout.bytes_read_per_token)."""
+        return layout.bytes_read_per_token(self.file, self.hp.n_expert, self.hp.n_expert_used)

@@ -143,10 +143,13 @@ def test_moe_rows_route_independently(tmp_path: Path) -> None:
 
 
 def test_a_token_reads_its_top_k_share_of_the_experts(tmp_path: Path) -> None:
-    spec = MOE_SPECS[0]
-    m = LlamaModel.load(write_moe(tmp_path / "moe.gguf", spec))
-    exps = sum(t.nbytes for n, t in m.weights.items() if "_exps." in n)
-    assert exps > m.weight_bytes() // 2
-    assert m.bytes_read_per_token() == m.weight_bytes() - exps + exps * spec.n_expert_used // spec.n_expert
-    dense = LlamaModel.load(write_synthetic(tmp_path / "d.gguf"))
+    for spec in (MOE_SPECS[0], dataclasses.replace(MOE_SPECS[0], tied=False)):
+        m = LlamaModel.load(write_moe(tmp_path / f"moe-{spec.tied}.gguf", spec))
+        exps = sum(t.nbytes for n, t in m.weights.items() if "_exps." in n)
+        assert exps > m.weight_bytes() // 3
+        embd = m.weights["token_embd.weight"]
+        unread = 0 if spec.tied else embd.nbytes - embd.nbytes // embd.ne[1]    # untied: one row of it
+        want = m.weight_bytes() - unread - exps + exps * spec.n_expert_used // spec.n_expert
+        assert m.bytes_read_per_token() == want
+    dense = LlamaModel.load(write_synthetic(tmp_path / "d.gguf"))        # tied: the head reads all of it
     assert dense.bytes_read_per_token() == dense.weight_bytes()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ggml_dist.bench.cluster_report import bounds as _bounds
+from ggml_dist.bench.cluster_report import check_tokens, slice_bound
 
 
 def _row(hosts: int, seqs: int, tok_s: float) -> dict:
@@ -21,11 +22,33 @@ def test_pipeline_bound_from_one_host_rates():
 
 
 def test_pipeline_bound_of_a_model_bigger_than_a_host_from_its_slice():
-    """4 stages: the slice (L/4 layers) runs at s(n); micro-batches of N/4 keep every stage busy, so the
-    bound is s(N/4); one sequence passes the 4 stages in turn: s(1) / 4."""
+    """4 stages of 4 layers: micro-batches of N/4 keep every stage busy, and the last (its 4 layers and the
+    head) is the busiest, so the bound is s4(N/4); one sequence passes the 16 layers and the head once."""
     pipe = [_row(4, 1, 2.0), _row(4, 4, 7.0), _row(4, 8, 11.0)]
-    slice_rows = [_row(1, 1, 9.0), _row(1, 2, 13.0)]
-    _bounds(pipe, {4: slice_rows})
-    assert [r["pipeline_bound"] for r in pipe] == [2.25, 9.0, 13.0]
-    assert pipe[1]["efficiency"] == pytest.approx(7 / 9, abs=1e-3)
+    # t(n) per step of n sequences: 4 layers + head 1/8 + 1/8 s (rate 4); 2 layers + head 1/16 + 1/8 s
+    slice_rows = [{**_row(1, 1, 4.0), "slice_layers": 4}, {**_row(1, 1, 1 / (1 / 16 + 1 / 8)), "slice_layers": 2},
+                  {**_row(1, 2, 6.0), "slice_layers": 4}, {**_row(1, 2, 8.0), "slice_layers": 2}]
+    _bounds(pipe, {4: slice_rows}, n_layer=16)
+    # one sequence: t_layer 1/32 s, t_head 1/8 s, the whole model 16/32 + 1/8 = 5/8 s a token
+    assert pipe[0]["pipeline_bound"] == pytest.approx(1.6, abs=1e-3)
+    assert pipe[1]["pipeline_bound"] == pytest.approx(4.0, abs=1e-3)     # the busiest stage: s4(1)
+    assert pipe[1]["efficiency"] == pytest.approx(7 / 4, abs=1e-3)
+    assert pipe[2]["pipeline_bound"] == pytest.approx(6.0, abs=1e-3)     # s4(2)
     assert "linear_bound" not in pipe[0]                         # no one-host rate of the whole model
+
+
+def test_slice_bound_takes_the_round_trip_where_it_binds():
+    # the head costs nothing: t_full = 4 t_s, and 2 micro-batches of 1 cannot fill 4 stages: 2 / (4 t_s)
+    rows = [{**_row(1, 1, 10.0), "slice_layers": 4}, {**_row(1, 1, 20.0), "slice_layers": 2}]
+    assert slice_bound(rows, 16, 128, 2, 4) == pytest.approx(5.0)
+    assert slice_bound(rows, 16, 128, 1, 4) == pytest.approx(2.5)
+    assert slice_bound(rows, 16, 128, 3, 2) is None              # 3 sequences do not split into 2 micro-batches
+    assert slice_bound(rows[:1], 16, 128, 1, 4) == pytest.approx(2.5)    # one slice: k x its step
+
+
+def test_no_one_process_run_leaves_the_token_check_open():
+    rows = [{**_row(4, 1, 2.0), "tokens": [1, 2]}, {**_row(2, 1, 2.0), "tokens": [1, 3]},
+            {**_row(1, 1, 3.0), "tokens": [1, 2]}, {**_row(4, 4, 2.0), "tokens": [5]}]
+    bad = check_tokens(rows)
+    assert [r["tokens_match_one_process"] for r in rows] == [True, False, True, None]
+    assert bad == ["2 hosts, prompt 128, 1 seq"]
