@@ -36,9 +36,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     return {s.name: write_synthetic(d / f"{s.name}.gguf", s) for s in QWEN35_SPECS}
 
 
-def _ctx(path: Path) -> LlamaContext:
+def _ctx(path: Path, numba: bool = True) -> LlamaContext:
     return LlamaContext(LlamaModel.load(path), ContextParams(n_ctx=N_CTX, type_k=GGMLType.F16,
-                                                             type_v=GGMLType.F16))
+                                                             type_v=GGMLType.F16, numba=numba))
 
 
 def _assert_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -56,9 +56,10 @@ def test_the_files_are_the_ones_llama_cpp_ran(spec, files):
         assert REFS[f"{spec.name}/{mode}"].shape == (len(TOKENS), spec.n_vocab)
 
 
+@pytest.mark.parametrize("numba", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("spec", QWEN35_SPECS, ids=lambda s: s.arch)
-def test_logits_equal_llama_cpp_bit_for_bit(spec, files):
-    ctx = _ctx(files[spec.name])
+def test_logits_equal_llama_cpp_bit_for_bit(spec, numba, files):
+    ctx = _ctx(files[spec.name], numba)
     _assert_equal(ctx.decode(Batch.from_tokens(TOKENS, all_outputs=True)), REFS[f"{spec.name}/batch"], "batch")
     ctx.clear()
     single = np.concatenate([ctx.decode(Batch.from_tokens([t], pos0=i)) for i, t in enumerate(TOKENS)])
