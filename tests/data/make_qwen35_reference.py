@@ -29,6 +29,7 @@ from tests.data.make_reference import _GraphTaps, _moe_context, _moe_decode, _qu
 
 QWEN35_TOKENS = [1, 300, 17, 402, 259, 260, 511, 299, 333, 42, 270, 480, 77, 5, 404, 123]
 QWEN35_SPLIT = 7
+QWEN35_N_GREEDY = 16
 
 
 def qwen35_run(path: Path, spec) -> dict[str, np.ndarray]:
@@ -52,6 +53,9 @@ def qwen35_run(path: Path, spec) -> dict[str, np.ndarray]:
         r["mixed"] = np.concatenate([_moe_decode(ctx, toks[:k], 0, n_vocab)] +
                                     [_moe_decode(ctx, [t], k + i, n_vocab) for i, t in enumerate(toks[k:])])
         taps.take("ffn_moe_topk", spec.n_layer)
+        llama_cpp.llama_memory_clear(mem, True)
+        r["greedy"] = np.array(_greedy(ctx, toks[:k], n_vocab), np.int32)
+        taps.take("ffn_moe_topk", spec.n_layer)
         llama_cpp.llama_free(ctx)
     finally:
         llama_cpp.llama_model_free(model)
@@ -59,12 +63,23 @@ def qwen35_run(path: Path, spec) -> dict[str, np.ndarray]:
     return r
 
 
+def _greedy(ctx, prompt: list[int], n_vocab: int) -> list[int]:
+    """QWEN35_N_GREEDY greedy tokens after the prompt (one ubatch), each the first argmax."""
+    out: list[int] = []
+    logits = _moe_decode(ctx, prompt, 0, n_vocab)[-1]
+    for i in range(QWEN35_N_GREEDY):
+        out.append(int(np.argmax(logits)))
+        logits = _moe_decode(ctx, [out[-1]], len(prompt) + i, n_vocab)[0]
+    return out
+
+
 def qwen35_refs(out: Path) -> None:
     import llama_cpp
     _quiet_llama_logs()
     arrays: dict[str, np.ndarray] = {"meta/llama_cpp_python": np.array(llama_cpp.__version__),
                                      "meta/tokens": np.array(QWEN35_TOKENS, np.int32),
-                                     "meta/split": np.array(QWEN35_SPLIT, np.int32)}
+                                     "meta/split": np.array(QWEN35_SPLIT, np.int32),
+                                     "meta/n_greedy": np.array(QWEN35_N_GREEDY, np.int32)}
     with tempfile.TemporaryDirectory() as tmp:
         for spec in QWEN35_SPECS:
             path = write_synthetic(Path(tmp) / f"{spec.name}.gguf", spec)

@@ -169,3 +169,27 @@ def test_a_ubatch_that_does_not_continue_the_state_is_refused(files):
     with pytest.raises(StateTrimError, match="follow one another"):
         ctx.rs.begin(ub([6, 8]))
     assert ctx.rs.begin(ub([6, 7])).tolist() == [0] and ctx.rs.pos[0] == 7
+
+
+@pytest.mark.parametrize("spec", QWEN35_SPECS, ids=lambda s: s.arch)
+def test_greedy_generation_equals_llama_cpps(spec, files):
+    """generate() (what `ggml-dist run` calls) after a prompt of SPLIT tokens: llama.cpp's argmax tokens."""
+    from ggml_dist.model.generate import generate
+    ctx = _ctx(files[spec.name])
+    want = REFS[f"{spec.name}/greedy"].tolist()
+    res = generate(ctx, ctx.model.tokenizer, TOKENS[:SPLIT], len(want), stop_at_eog=False)
+    assert res.tokens == want
+
+
+def test_ggml_dist_run_generates_greedily_from_a_qwen35_file(files, capsys):
+    import json
+
+    from ggml_dist.cli import main
+    from ggml_dist.model.generate import generate
+    spec = next(s for s in QWEN35_SPECS if s.n_expert)
+    path = str(files[spec.name])
+    assert main(["run", "--model", path, "--prompt", "a b c", "-n", "8", "--json", "--ctx", "256"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ctx = _ctx(files[spec.name])
+    want = generate(ctx, ctx.model.tokenizer, out["prompt_tokens"], 8)
+    assert out["tokens"] == want.tokens and len(out["tokens"]) == 8
