@@ -39,11 +39,17 @@ def recurrent_state(hp: LlamaHParams, n_seq_max: int, pipelined: bool,
     if not hp.spec.hybrid:
         return None
     if pipelined:
-        raise ValueError(f"a {hp.arch} model runs in one process only for now: the recurrent state of its "
-                         f"Gated DeltaNet layers is not yet owned by pipeline stages")
+        refuse_pipeline(hp)
     rs = RecurrentState(hp, n_seq_max)
     rs.allocate(buft())
     return rs
+
+
+def refuse_pipeline(hp: LlamaHParams) -> None:
+    """Raise if hp's model cannot run over pipeline stages yet (a hybrid model: its recurrent state)."""
+    if hp.spec.hybrid:
+        raise ValueError(f"a {hp.arch} model runs in one process only for now: the recurrent state of its "
+                         f"Gated DeltaNet layers is not yet owned by pipeline stages")
 
 
 class RecurrentState:

@@ -193,3 +193,10 @@ def test_ggml_dist_run_generates_greedily_from_a_qwen35_file(files, capsys):
     ctx = _ctx(files[spec.name])
     want = generate(ctx, ctx.model.tokenizer, out["prompt_tokens"], 8)
     assert out["tokens"] == want.tokens and len(out["tokens"]) == 8
+
+
+def test_a_pipeline_of_a_qwen35_file_is_refused_before_any_stage_starts(files):
+    pytest.importorskip("ray")
+    from ggml_dist.workers.cluster import Pipeline
+    with pytest.raises(ValueError, match="not yet owned by pipeline stages"):
+        Pipeline.launch(str(files[QWEN35_SPECS[0].name]), 2)
