@@ -74,8 +74,11 @@ _BUILDERS: dict[str, str] = {
     "scale": "tf", "clamp": "tff", "sum_rows": "t", "cont": "t",
     "sigmoid": "t", "silu": "t", "soft_max": "t", "soft_max_ext": "ttff", "swiglu_oai": "ttff",
     "argsort": "ti", "argsort_top_k": "ti", "top_k": "ti",
+    "ssm_conv": "tt", "l2_norm": "tf", "softplus": "t", "concat": "tti",
+    "gated_delta_net": "ttttttl",           # q, k, v, g, beta, state, int64_t K (state snapshots kept)
+    "rope_multi": "tttipiiffffff",          # a, pos, freq_factors, n_dims, sections[4], mode, n_ctx_orig, ...
 }
-_KIND = {"t": c_void_p, "f": c_float, "i": c_int}
+_KIND = {"t": c_void_p, "f": c_float, "i": c_int, "p": POINTER(c_int), "l": c_int64}
 
 # plain C functions (no context): name -> (argtypes, restype)
 _FUNCS: dict[str, tuple[list, object]] = {

@@ -49,6 +49,9 @@ class Op(enum.IntEnum):
     FLASH_ATTN_EXT = enum.auto()
     UNARY = enum.auto()
     GLU = enum.auto()
+    L2_NORM = enum.auto()
+    SSM_CONV = enum.auto()
+    GATED_DELTA_NET = enum.auto()
 
 
 class UnaryOp(enum.IntEnum):
@@ -56,6 +59,7 @@ class UnaryOp(enum.IntEnum):
     SIGMOID = 7
     GELU = 8
     SILU = 10
+    SOFTPLUS = 15           # log(1 + exp(x)), x past 20 passed through (Qwen3.5's delta-net gate)
 
 
 class GLUOp(enum.IntEnum):

@@ -139,3 +139,51 @@ def swa_pattern(f: GGUFFile, a: str, n_layer: int, default: int) -> tuple[bool, 
         raise GGUFError(f"{f.path}: {a}attention.sliding_window_pattern = {short(pat)} is not supported "
                         f"(a positive layer period or a bool per layer)")
     return tuple(il % pat < pat - 1 for il in range(n_layer))
+
+
+# `{arch}.` keys of Qwen3.5's hybrid layers that qwen35_hparams reads
+QWEN35_KEYS = frozenset({"rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
+                         "ssm.time_step_rank", "ssm.group_count", "full_attention_interval",
+                         "attention.recurrent_layers", "nextn_predict_layers"})
+
+
+def qwen35_hparams(f: GGUFFile, a: str, hp: LlamaHParams) -> None:
+    """llama_model_qwen35(moe)::load_arch_hparams: the IMRoPE sections, the Gated DeltaNet sizes (a key
+    and a value head are ssm.state_size wide; ssm.group_count key heads, ssm.time_step_rank value heads,
+    ssm.inner_size = their product), and which layers are recurrent: attention.recurrent_layers, else
+    every layer but each full_attention_interval-th (4 by default). The multi-token-prediction layers
+    (nextn_predict_layers) are not built: a file with them is refused."""
+    sections = f.metadata.get(a + "rope.dimension_sections")
+    sections = sections.tolist() if isinstance(sections, np.ndarray) else sections
+    if not isinstance(sections, list) or len(sections) != 4 or not all(isinstance(v, int) and v >= 0
+                                                                       for v in sections):
+        raise GGUFError(f"{f.path}: {a}rope.dimension_sections = {short(sections)}: expected 4 section sizes")
+    if not 0 < sum(sections) <= hp.n_rot // 2:
+        raise GGUFError(f"{f.path}: {a}rope.dimension_sections = {sections} must cover 1..n_rot/2 = "
+                        f"{hp.n_rot // 2} pairs")
+    hp.rope_sections = tuple(sections)
+    hp.ssm_d_conv = key(f, a + "ssm.conv_kernel", int)
+    hp.ssm_d_inner = key(f, a + "ssm.inner_size", int)
+    hp.ssm_d_state = key(f, a + "ssm.state_size", int)
+    hp.ssm_dt_rank = key(f, a + "ssm.time_step_rank", int)
+    hp.ssm_n_group = key(f, a + "ssm.group_count", int)
+    if min(hp.ssm_d_conv - 1, hp.ssm_d_state, hp.ssm_dt_rank, hp.ssm_n_group) <= 0 \
+            or hp.ssm_dt_rank % hp.ssm_n_group or hp.ssm_d_inner != hp.ssm_d_state * hp.ssm_dt_rank:
+        raise GGUFError(f"{f.path}: {a}ssm.* = conv_kernel {hp.ssm_d_conv}, state_size {hp.ssm_d_state}, "
+                        f"time_step_rank {hp.ssm_dt_rank}, group_count {hp.ssm_n_group}, inner_size "
+                        f"{hp.ssm_d_inner}: need conv_kernel >= 2, value heads a multiple of key heads and "
+                        f"inner_size = state_size * time_step_rank")
+    if key(f, a + "nextn_predict_layers", int, default=0):
+        raise GGUFError(f"{f.path}: {a}nextn_predict_layers: multi-token prediction layers are not implemented")
+    layers = f.metadata.get(a + "attention.recurrent_layers")
+    if layers is not None:
+        layers = layers.tolist() if isinstance(layers, np.ndarray) else layers
+        if not isinstance(layers, list) or len(layers) != hp.n_layer or not all(isinstance(v, bool) for v in layers):
+            raise GGUFError(f"{f.path}: {a}attention.recurrent_layers = {short(layers)}: expected "
+                            f"{hp.n_layer} booleans")
+        hp.recurrent_layers = tuple(layers)
+        return
+    interval = key(f, a + "full_attention_interval", int, default=4)
+    if interval <= 0:
+        raise GGUFError(f"{f.path}: {a}full_attention_interval = {interval} must be positive")
+    hp.recurrent_layers = tuple((il + 1) % interval != 0 for il in range(hp.n_layer))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ggml_dist.core.ops import ROPE_TYPE_NEOX, ROPE_TYPE_NORM
+from ggml_dist.core.ops_hybrid import ROPE_TYPE_IMROPE
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +18,7 @@ class MoESpec:
     n_ff_exp_key: bool          # expert_feed_forward_length gives the expert width (else feed_forward_length)
     shared_expert: bool = False     # qwen2moe: a dense SwiGLU expert every token takes, gated by sigmoid
     oai: bool = False               # gpt-oss: biases on the router and every expert, SWIGLU_OAI activation
+    shared_sigmoid: bool = False    # qwen35moe: the shared expert's gate is ggml_sigmoid (qwen2moe's: silu(g)/g)
 
 
 # llama_expert_gating_func_type
@@ -39,6 +41,8 @@ class ArchSpec:
     moe_optional: bool = False  # dense unless {arch}.expert_count > 0 (llama: Mixtral's files are "llama")
     gpt_oss: bool = False   # gpt-oss: Wo bias, attention sinks, sliding-window layers il % 2 == 0 (same rope),
                             # the FFN norm is post_attention_norm, the output rows taken after the last layer
+    hybrid: bool = False    # Qwen3.5: Gated DeltaNet layers (recurrent state) and gated attention layers
+                            # (model/qwen35.py), IMRoPE over a partial rotary dimension
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -53,6 +57,10 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False),
     "qwen3moe": ArchSpec(ROPE_TYPE_NEOX, qkv_bias=False, qk_norm=True, rope_freqs=False,
                          moe=MoESpec(EXPERT_GATING_SOFTMAX, norm_w=True, n_ff_exp_key=True)),
+    "qwen35": ArchSpec(ROPE_TYPE_IMROPE, qkv_bias=False, qk_norm=True, rope_freqs=False, hybrid=True),
+    "qwen35moe": ArchSpec(ROPE_TYPE_IMROPE, qkv_bias=False, qk_norm=True, rope_freqs=False, hybrid=True,
+                          moe=MoESpec(EXPERT_GATING_SOFTMAX, norm_w=True, n_ff_exp_key=True, shared_expert=True,
+                                      shared_sigmoid=True)),
 }
 SUPPORTED_ARCHS = tuple(ARCHS)
 
@@ -89,11 +97,37 @@ class LlamaHParams:
     n_expert_used: int = 0              # expert_used_count: the top k each token takes
     n_ff_exp: int = 0                   # an expert's FFN width
     n_ff_shexp: int = 0                 # the shared expert's FFN width (qwen2moe)
+    # Qwen3.5's Gated DeltaNet layers (zero / empty elsewhere; arch_hparams.qwen35_hparams)
+    rope_sections: tuple[int, ...] = ()     # rope.dimension_sections: IMRoPE's t, h, w, e pair counts
+    recurrent_layers: tuple[bool, ...] = ()     # is_recr(il): a Gated DeltaNet layer (else gated attention)
+    ssm_d_conv: int = 0                 # ssm.conv_kernel: the causal conv's taps
+    ssm_d_inner: int = 0                # ssm.inner_size: value heads * head size
+    ssm_d_state: int = 0                # ssm.state_size: the head size of keys and values
+    ssm_dt_rank: int = 0                # ssm.time_step_rank: the value heads
+    ssm_n_group: int = 0                # ssm.group_count: the key heads
 
     @property
     def moe(self) -> MoESpec | None:
         """The architecture's build_moe_ffn arguments where this model's FFNs are mixtures of experts."""
         return ARCHS[self.arch].moe if self.n_expert else None
+
+    def is_recurrent(self, il: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[il]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with a KV cache: all but a hybrid model's recurrent ones."""
+        return [il for il in range(self.n_layer) if not self.is_recurrent(il)]
+
+    @property
+    def n_embd_r(self) -> int:
+        """A Gated DeltaNet layer's conv state per sequence: the last d_conv - 1 inputs of each channel."""
+        return (self.ssm_d_conv - 1) * (self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state)
+
+    @property
+    def n_embd_s(self) -> int:
+        """A Gated DeltaNet layer's delta-rule state per sequence: a head size squared per value head."""
+        return self.ssm_d_state * self.ssm_d_inner
 
     def is_swa(self, il: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[il]

@@ -28,7 +28,9 @@ from .kv_cache import ContextFullError, KVCache
 from .llama import GraphKey, GraphResult, LlamaGraphBuilder
 from .model import LlamaModel
 from .recovery import Recovery, StageLostError, UbatchRecord
+from .recurrent_state import recurrent_state
 from .sampling import RowSampling
+from .sequences import SequenceOps
 from .ubatch import Batch, BatchError, BatchSplitter, Ubatch
 from .warmup import Warmup, background_compile
 
@@ -143,7 +145,7 @@ class PendingLogits:
         return out
 
 
-class LlamaContext:
+class LlamaContext(SequenceOps):
     """Owns the KV cache, the scheduler over its backends and the previous graph (for reuse).
 
     With backends that take their inputs by value (Ray stage proxies), ubatches are submitted without
@@ -171,10 +173,13 @@ class LlamaContext:
             backends = pipeline.backends
         self.backends = backends
         self.pipelined = any(b.inputs_by_value for b in backends)
-        self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, range(hp.n_layer),
+        # the KV cache of the attention layers; a hybrid model's recurrent layers keep a state instead
+        self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, hp.attention_layers,
                           params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
         self.kv.allocate(backends[-1].device.get_buffer_type(), None if pipeline is None else pipeline.layer_buft)
-        self.builder = LlamaGraphBuilder(hp, model.weights if pipeline is None else pipeline.weights, self.kv)
+        self.rs = recurrent_state(hp, params.n_seq_max, pipeline is not None, backends[-1].device.get_buffer_type)
+        self.builder = LlamaGraphBuilder(hp, model.weights if pipeline is None else pipeline.weights, self.kv,
+                                         self.rs)
         self.n_copies = 1 if pipeline is None else pipeline.n_copies
         self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=self.n_copies)
         # ubatches in flight: n_copies; a pipeline of stages that take their inputs by value (no copy slot
@@ -184,7 +189,7 @@ class LlamaContext:
         self.recovery = Recovery()           # recoverable where the pipeline can restore its stages
         self.recovery.restore = None if pipeline is None else pipeline.restore
         self.gf_res_prev: GraphResult | None = None
-        self.inputs = GraphInputs(self.kv, hp.n_swa)
+        self.inputs = GraphInputs(self.kv, hp.n_swa, self.rs)
         # graphs built before, by shape: a batch of a shape seen recently (continuous batching alternates
         # a few) reuses its graph instead of building one, and its scheduler plan (splits, addresses)
         # while the compute buffer has not grown since, instead of splitting and planning again
@@ -440,42 +445,6 @@ class LlamaContext:
         for s, _ in rec.token_src:
             s.chosen()
         rec.settle()
-
-    # -- sequences -----------------------------------------------------------------------------------
-    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
-        self.kv.cells.seq_rm(seq_id, p0, p1)
-        self.recovery.prune(self.kv.cells)
-
-    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        """dst joins src's cells; between KV streams, src's whole stream is copied into dst's (once
-        the work in flight has written its cells)."""
-        cells = self.kv.cells
-        ss, sd = cells.stream_of(src), cells.stream_of(dst)
-        if ss != sd and self.recoverable:
-            raise ValueError(f"seq_cp({src}, {dst}): a copy between KV streams is not replayed after a "
-                             f"stage loss; this pipeline needs a unified KV cache for it")
-        cells.seq_cp(src, dst, p0, p1)
-        if ss != sd:
-            self.sched.synchronize()
-            self.kv.copy_stream(ss, sd, cells.used_max_p1_in(ss))
-
-    def seq_swap(self, a: int, b: int) -> None:
-        """Sequences a and b, each in a KV stream of its own, trade streams (cells and K/V), once the
-        work in flight has written its cells; see KVCells.seq_swap."""
-        if self.recoverable:
-            raise ValueError(f"seq_swap({a}, {b}) is not replayed after a stage loss")
-        cells = self.kv.cells
-        cells.seq_swap(a, b)
-        self.sched.synchronize()
-        sa, sb = cells.stream_of(a), cells.stream_of(b)
-        self.kv.swap_streams(sa, sb, max(cells.used_max_p1_in(sa), cells.used_max_p1_in(sb)))
-
-    def seq_pos_max(self, seq_id: int) -> int:
-        return self.kv.cells.seq_pos_max(seq_id)
-
-    def clear(self) -> None:
-        self.kv.cells.clear()
-        self.recovery.log.clear()
 
     @property
     def recoverable(self) -> bool:

@@ -22,6 +22,7 @@ from ..core.types import GGMLType
 from .archs import LlamaHParams
 from .kv_cache import KVCache
 from .moe import build_moe_ffn
+from .recurrent_state import RecurrentState
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class GraphInputs:
     v_idxs: Tensor
     out_ids: Tensor | None = None
     kq_mask_swa: Tensor | None = None     # the sliding-window layers' mask (llm_graph_input_attn_kv_iswa)
+    s_copy: Tensor | None = None          # I32 [1]: the state row of the ubatch's sequence (llm_graph_input_rs)
 
 
 @dataclass
@@ -68,10 +70,12 @@ def graph_max_nodes(n_tensors: int) -> int:
 class GraphContext:
     """The model's hyperparameters, weights and KV cache, and the blocks of one ubatch's graph."""
 
-    def __init__(self, hp: LlamaHParams, weights: dict[str, Tensor], kv: KVCache) -> None:
+    def __init__(self, hp: LlamaHParams, weights: dict[str, Tensor], kv: KVCache,
+                 rs: RecurrentState | None = None) -> None:
         self.hp = hp
         self.w = weights
         self.kv = kv
+        self.rs = rs                # the recurrent layers' state (hybrid models)
         self.max_nodes = graph_max_nodes(len(weights))
 
     # -- inputs and embeddings ------------------------------------------------------------------------
@@ -84,7 +88,9 @@ class GraphContext:
     def _inputs(self, ctx: Context, key: GraphKey) -> GraphInputs:
         n = key.n_tokens
         tokens = ctx.new_tensor(GGMLType.I32, (n,)).set_name("inp_tokens").set_input()
-        pos = ctx.new_tensor(GGMLType.I32, (n,)).set_name("inp_pos").set_input()
+        # multi-section rope reads four position streams (text: t = h = w = the position, e = 0)
+        n_pos = 4 * n if self.hp.spec.hybrid else n
+        pos = ctx.new_tensor(GGMLType.I32, (n_pos,)).set_name("inp_pos").set_input()
         ns = key.n_stream
         mask_ne = (key.n_kv, n) if ns == 1 else (key.n_kv, n // ns, 1, ns)
         mask = ctx.new_tensor(GGMLType.F32, mask_ne).set_name("kq_mask").set_input()
@@ -96,7 +102,10 @@ class GraphContext:
         mask_swa = None
         if self.hp.n_swa:
             mask_swa = ctx.new_tensor(GGMLType.F32, mask_ne).set_name("kq_mask_swa").set_input()
-        return GraphInputs(tokens, pos, mask, k_idxs, v_idxs, out_ids, mask_swa)
+        s_copy = None
+        if self.rs is not None:
+            s_copy = ctx.new_tensor(GGMLType.I32, (1,)).set_name("inp_s_copy").set_input()
+        return GraphInputs(tokens, pos, mask, k_idxs, v_idxs, out_ids, mask_swa, s_copy)
 
     def build_inp_embd(self, ctx: Context, inp: GraphInputs) -> Tensor:
         return ops.get_rows(ctx, self.w["token_embd.weight"], inp.tokens).set_name("inp_embd")
@@ -150,8 +159,9 @@ class GraphContext:
                             base, scale, hp.rope_ext_factor, hp.rope_attn_factor, 32.0, 1.0)
 
     def build_attn(self, ctx: Context, gf: Graph, il: int, q: Tensor, k_cur: Tensor, v_cur: Tensor,
-                   inp: GraphInputs, key: GraphKey, scale: float | None = None) -> Tensor:
-        """build_attn with a KV cache, flash attention off (build_attn_mha), then Wo. ne = (n_embd, n_tokens)
+                   inp: GraphInputs, key: GraphKey, scale: float | None = None, wo: bool = True) -> Tensor:
+        """build_attn with a KV cache, flash attention off (build_attn_mha), then Wo (not with wo=False:
+        ne = (n_embd_head_v * n_head, n_tokens) then). ne = (n_embd, n_tokens)
         scale: kq_scale (default 1/sqrtf(head size)); a sliding-window layer uses the SWA mask."""
         hp = self.hp
         mask = inp.kq_mask_swa if hp.is_swa(il) else inp.kq_mask
@@ -174,6 +184,8 @@ class GraphContext:
         kqv = ops.mul_mat(ctx, v, kq)                               # ne = (head_dim, n_tokens/ns, n_head, ns)
         cur = ops.permute(ctx, kqv, 0, 2, 1, 3)                     # ne = (head_dim, n_head, n_tokens/ns, ns)
         cur = ops.cont(ctx, cur, (hp.n_embd_head_v * hp.n_head, n)).set_name(f"kqv_out-{il}")
+        if not wo:
+            return cur
         cur = ops.mul_mat(ctx, self.w[f"blk.{il}.attn_output.weight"], cur)
         bias = self.w.get(f"blk.{il}.attn_output.bias")              # gpt-oss
         return (cur if bias is None else ops.add(ctx, cur, bias)).set_name(f"attn_out-{il}")

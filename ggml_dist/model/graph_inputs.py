@@ -11,19 +11,26 @@ from ..backends.base import tensor_array, tensor_set
 from ..core.tensor import Tensor
 from .kv_cache import KVCache
 from .llama import GraphResult
+from .recurrent_state import RecurrentState
 from .ubatch import Ubatch
 
 
 class GraphInputs:
-    def __init__(self, kv: KVCache, n_swa: int) -> None:
-        self.kv, self.n_swa = kv, n_swa
+    def __init__(self, kv: KVCache, n_swa: int, rs: RecurrentState | None = None) -> None:
+        self.kv, self.n_swa, self.rs = kv, n_swa, rs
         self._views: tuple[GraphResult | None, dict] = (None, {})   # the current graph's views
 
     def set(self, res: GraphResult, ub: Ubatch, slot: np.ndarray, n_kv: int, compiled: bool) -> None:
         """res's inputs for ubatch ub on cells slot, attending over n_kv cells."""
         inp = res.inputs
         self.put(res, inp.tokens, ub.tokens)
-        self.put(res, inp.pos, ub.pos)
+        if inp.pos.nelements == ub.n_tokens:
+            self.put(res, inp.pos, ub.pos)
+        else:                               # multi-section rope: text positions are (p, p, p, 0)
+            self.put(res, inp.pos, np.concatenate([ub.pos, ub.pos, ub.pos, np.zeros_like(ub.pos)]))
+        if inp.s_copy is not None:
+            assert self.rs is not None
+            self.put(res, inp.s_copy, self.rs.begin(ub))
         if inp.out_ids is not None:
             self.put(res, inp.out_ids, ub.out_ids)
         kv, n_swa = self.kv, self.n_swa

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 
 from ggml_dist.model import layout
-from ggml_dist.model.arch_hparams import MOE_KEYS, gemma3_hparams, gpt_oss_hparams, moe_hparams
+from ggml_dist.model.arch_hparams import (
+    MOE_KEYS,
+    QWEN35_KEYS,
+    gemma3_hparams,
+    gpt_oss_hparams,
+    moe_hparams,
+    qwen35_hparams,
+)
 from ggml_dist.model.archs import ARCHS, SUPPORTED_ARCHS, LlamaHParams
 from ggml_dist.model.gguf import GGUFError, GGUFFile
 from ggml_dist.model.gguf_keys import key, rope_freq_base, short
@@ -40,6 +47,8 @@ ARCH_EXTRA_KEYS: dict[str, frozenset[str]] = {
     "gemma3": frozenset({"attention.sliding_window", "attention.sliding_window_pattern",
                          "rope.freq_base_swa", "final_logit_softcapping"}),
     "gpt-oss": frozenset({"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"}),
+    "qwen35": QWEN35_KEYS,
+    "qwen35moe": QWEN35_KEYS,
 }
 
 # `{arch}.` keys that leave the forward pass as it is at the value given (None: at any value)
@@ -86,8 +95,9 @@ def check_keys(f: GGUFFile, arch: str) -> None:
                         f"is refused rather than run with it ignored")
 
 
-def _head_sizes(f: GGUFFile, a: str, n_embd: int, n_head: int) -> tuple[int, int, int]:
-    """(n_embd_head_k, n_embd_head_v, n_rot). The three graphs rotate whole heads of one size."""
+def _head_sizes(f: GGUFFile, a: str, n_embd: int, n_head: int, partial: bool) -> tuple[int, int, int]:
+    """(n_embd_head_k, n_embd_head_v, n_rot). The graphs rotate whole heads of one size; partial: the
+    first n_rot dimensions of each (Qwen3.5's), the rest passed through."""
     if n_embd % n_head and (a + "attention.key_length") not in f.metadata:
         raise GGUFError(f"{f.path}: embedding_length {n_embd} is not a multiple of head_count {n_head}")
     head_k = key(f, a + "attention.key_length", int, default=n_embd // n_head)
@@ -96,9 +106,9 @@ def _head_sizes(f: GGUFFile, a: str, n_embd: int, n_head: int) -> tuple[int, int
     if head_k <= 0 or head_v != head_k:
         raise GGUFError(f"{f.path}: {a}attention.key_length = {head_k} and {a}attention.value_length = "
                         f"{head_v} must be equal and positive")
-    if n_rot != head_k or n_rot % 2:
+    if (n_rot != head_k and not (partial and 0 < n_rot < head_k)) or n_rot % 2:
         raise GGUFError(f"{f.path}: {a}rope.dimension_count = {n_rot} must equal the head size {head_k} "
-                        f"(an even number)")
+                        f"(an even number)" + (" or be less than it" if partial else ""))
     return head_k, head_v, n_rot
 
 
@@ -174,7 +184,7 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise GGUFError(f"{f.path}: {a}attention.head_count_kv = {n_head_kv} must be positive and divide "
                         f"head_count = {n_head}")
-    head_k, head_v, n_rot = _head_sizes(f, a, n_embd, n_head)
+    head_k, head_v, n_rot = _head_sizes(f, a, n_embd, n_head, ARCHS[arch].hybrid)
     freq_scale, ext_factor, attn_factor = _rope_scaling(f, a)
     n_ctx_orig = key(f, a + "rope.scaling.original_context_length", int, default=n_ctx_train)
     if n_ctx_orig <= 0:
@@ -194,6 +204,8 @@ def hparams_from_gguf(f: GGUFFile) -> LlamaHParams:
         gemma3_hparams(f, a, hp)
     if ARCHS[arch].gpt_oss:
         gpt_oss_hparams(f, a, hp)
+    if ARCHS[arch].hybrid:
+        qwen35_hparams(f, a, hp)
     if ARCHS[arch].moe is not None:
         moe_hparams(f, a, hp)
     return hp

@@ -17,6 +17,7 @@ from .gemma3 import build_gemma3
 from .gpt_oss import build_gpt_oss
 from .graph_context import GraphContext, GraphInputs, GraphKey, GraphResult, graph_max_nodes
 from .qwen3 import build_qwen3
+from .qwen35 import build_qwen35
 
 __all__ = ["GraphInputs", "GraphKey", "GraphResult", "LlamaGraphBuilder", "build_llama", "graph_max_nodes"]
 
@@ -48,6 +49,8 @@ ARCH_GRAPHS: dict[str, Callable[[GraphContext, GraphKey], GraphResult]] = {
     "qwen2moe": build_llama,        # qwen2's graph with the experts and the shared expert (model/moe.py)
     "qwen3": build_qwen3,
     "qwen3moe": build_qwen3,        # qwen3's graph with the experts
+    "qwen35": build_qwen35,         # Gated DeltaNet and gated attention layers (model/qwen35.py)
+    "qwen35moe": build_qwen35,      # the same with the experts and the shared expert
 }
 
 

@@ -113,9 +113,13 @@ def _experts(ctx: Context, w: dict[str, Tensor], b: str, what: str, x: Tensor, s
 
 def build_shared_expert(g: GraphContext, ctx: Context, cur: Tensor, il: int) -> Tensor:
     """qwen2moe's shared expert: a dense SwiGLU FFN every token takes, scaled by sigmoid of a one-row gate,
-    computed as llama.cpp does: silu(g) / g."""
+    computed as llama.cpp's qwen2moe does, silu(g) / g (qwen35moe's calls ggml_sigmoid: other bits)."""
     b = f"blk.{il}."
     gate_inp = ops.mul_mat(ctx, g.w[b + "ffn_gate_inp_shexp.weight"], cur).set_name(f"ffn_shexp_gate_inp-{il}")
-    gate = ops.div(ctx, ops.silu(ctx, gate_inp), gate_inp).set_name(f"ffn_shexp_gate-{il}")   # (1, n_tokens)
+    moe = g.hp.moe
+    if moe is not None and moe.shared_sigmoid:                        # qwen35moe: ggml_sigmoid
+        gate = ops.sigmoid(ctx, gate_inp).set_name(f"ffn_shexp_gate-{il}")
+    else:
+        gate = ops.div(ctx, ops.silu(ctx, gate_inp), gate_inp).set_name(f"ffn_shexp_gate-{il}")   # (1, n_tokens)
     ffn = g.build_ffn(ctx, cur, il, suffix="_shexp").set_name(f"ffn_shexp-{il}")
     return ops.mul(ctx, ffn, gate).set_name(f"ffn_shexp_out-{il}")

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gquants
 
 from ..core.types import GGMLType
+from .synthetic_hybrid import SyntheticHybridSpec, write_hybrid
 from .synthetic_moe import MOE_SHAPES, SyntheticMoESpec, write_moe
 from .synthetic_parts import random_kquant, spm_vocab
 
@@ -101,11 +102,18 @@ def _weight(rng: np.random.Generator, type_name: str, rows: int, ne0: int, std: 
     return gquants.quantize(x, GGMLQuantizationType(t.value)), GGMLQuantizationType(t.value)
 
 
-def write_synthetic(path: str | Path, spec: SyntheticSpec | SyntheticMoESpec = SyntheticSpec()) -> Path:
-    """Write the model described by spec to path (overwriting); a mixture of experts: synthetic_moe's."""
+def write_synthetic(path: str | Path,
+                    spec: SyntheticSpec | SyntheticMoESpec | SyntheticHybridSpec = SyntheticSpec()) -> Path:
+    """Write the model described by spec to path (overwriting); a mixture of experts: synthetic_moe's; a
+    Qwen3.5 (hybrid) model: synthetic_hybrid's."""
+    if isinstance(spec, SyntheticHybridSpec):
+        return write_hybrid(path, spec)
     if not isinstance(spec, SyntheticSpec):
         return write_moe(path, spec)
-    s = spec
+    return _write_dense(path, spec)
+
+
+def _write_dense(path: str | Path, s: SyntheticSpec) -> Path:
     if s.arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"synthetic models are llama, qwen2 or qwen3, not '{s.arch}'")
     if s.rope_scaling not in ("", "llama3") or (s.rope_scaling and s.arch != "llama"):
@@ -192,7 +200,7 @@ SHAPES: dict[str, SyntheticSpec | SyntheticMoESpec] = {"tinyllama": TINYLLAMA_Q4
                                                       **MOE_SHAPES}
 
 
-def cached_synthetic(spec: SyntheticSpec | SyntheticMoESpec, force: bool = False) -> Path:
+def cached_synthetic(spec: SyntheticSpec | SyntheticMoESpec | SyntheticHybridSpec, force: bool = False) -> Path:
     """The model of `spec` in the user cache, written once (via a .part file, so a killed run never
     leaves a truncated file under the final name)."""
     from .pull import cache_dir

@@ -34,6 +34,8 @@ def _op_types(name: str, shape: tuple[int, ...],
               hp: LlamaHParams) -> tuple[str, Collection[GGMLType] | None]:
     """The op that reads weight `name` and the types it computes; None for the norms and biases, which
     MUL and ADD read in any type that is not quantized (cpu_supports_op)."""
+    if name.endswith("ssm_conv1d.weight"):
+        return "SSM_CONV", frozenset({GGMLType.F32})     # the conv's taps, read as f32
     if name == "rope_freqs.weight":
         return "ROPE", frozenset({GGMLType.F32})        # the frequency factors are read as f32
     if name == "token_embd.weight":
@@ -62,6 +64,9 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
         want["rope_freqs.weight"] = (hp.n_rot // 2,)
     for i in range(hp.n_layer):
         b = f"blk.{i}."
+        if spec.hybrid:
+            want.update(_hybrid_layer_tensors(hp, b, hp.is_recurrent(i)))
+            continue
         want[b + "attn_norm.weight"] = (n_embd,)
         want[b + "attn_q.weight"] = (n_embd, q_out)
         want[b + "attn_k.weight"] = (n_embd, hp.n_embd_k_gqa)
@@ -82,6 +87,27 @@ def expected_tensors(hp: LlamaHParams) -> dict[str, tuple[int, ...]]:
             want[b + "attn_sinks.weight"] = (hp.n_head,)
         want[b + ffn_norm_name(hp)] = (n_embd,)
         want.update(_ffn_tensors(hp, b))
+    return want
+
+
+def _hybrid_layer_tensors(hp: LlamaHParams, b: str, recurrent: bool) -> dict[str, tuple[int, ...]]:
+    """A Qwen3.5 layer (load_arch_tensors): the norms before and after its mixer, a Gated DeltaNet
+    (recurrent) or gated attention (Wq twice as wide: each head's query and its gate), then the FFN."""
+    n_embd, S, H_v = hp.n_embd, hp.ssm_d_state, hp.ssm_dt_rank
+    want: dict[str, tuple[int, ...]] = {b + "attn_norm.weight": (n_embd,), b + "post_attention_norm.weight": (n_embd,)}
+    if recurrent:
+        conv_dim = 2 * S * hp.ssm_n_group + S * H_v
+        want.update({b + "attn_qkv.weight": (n_embd, conv_dim), b + "attn_gate.weight": (n_embd, S * H_v),
+                     b + "ssm_conv1d.weight": (hp.ssm_d_conv, conv_dim), b + "ssm_dt.bias": (H_v,),
+                     b + "ssm_a": (H_v,), b + "ssm_beta.weight": (n_embd, H_v),
+                     b + "ssm_alpha.weight": (n_embd, H_v), b + "ssm_norm.weight": (S,),
+                     b + "ssm_out.weight": (S * H_v, n_embd)})
+    else:
+        hd = hp.n_embd_head_k
+        want.update({b + "attn_q.weight": (n_embd, 2 * hd * hp.n_head), b + "attn_k.weight": (n_embd, hp.n_embd_k_gqa),
+                     b + "attn_v.weight": (n_embd, hp.n_embd_v_gqa), b + "attn_output.weight": (hd * hp.n_head, n_embd),
+                     b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+    want.update(_ffn_tensors(hp, b))
     return want
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from ..backends.devices import DeviceKind, DeviceSpec, ray_resources
 from ..model.context import ContextParams, LlamaContext
 from ..model.model import LlamaModel
+from ..model.recurrent_state import refuse_pipeline
 from .actor import StageActor, _ray_call, _stage_error
 from .compiled import CompiledChain
 from .direct import DirectChain, fall_back_line
@@ -115,6 +116,7 @@ class Pipeline:
         if params is None:
             params = ContextParams()
         model = LlamaModel.load(model_path)
+        refuse_pipeline(model.hp)                # before any stage starts
         if nodes is None and not node_ids and not started_local() and budgets is None:
             nodes = cluster_nodes()
         # the one memory account (driver.plan_stages): what `plan` prints, and run's table and --json

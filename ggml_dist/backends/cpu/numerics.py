@@ -5,8 +5,15 @@ add can double-round, which happens on a vanishing fraction of inputs.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+from functools import cache
+
 import numpy as np
 import numpy.typing as npt
+
+from ...core.tensor import UnaryOp
 
 F32 = np.float32
 F64 = np.float64
@@ -75,6 +82,41 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     """ggml's op_sigmoid, element by element: 1.f / (1.f + expf(-x))."""
     x = np.asarray(x, F32)
     return (F32(1) / (F32(1) + expf(-x)).astype(F32)).astype(F32)
+
+
+@cache
+def _libm_f(name: str) -> Callable[[float], float] | None:
+    """The C library's float function `name` (expf, logf) through ctypes; None where no libm loads."""
+    path = ctypes.util.find_library("m")
+    try:
+        lib = ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
+    if lib is None:
+        return None
+    f = getattr(lib, name)
+    f.restype, f.argtypes = ctypes.c_float, [ctypes.c_float]
+    return f
+
+
+def libm(name: str, x: np.ndarray) -> np.ndarray:
+    """The C library's expf / logf element by element, as ggml's scalar code calls them: glibc's differ
+    from the double result rounded once in a few inputs per thousand (logf) or ten thousand (expf).
+    Without a loadable libm, the double result rounded once. For small arrays (a step's gates)."""
+    x = np.asarray(x, F32)
+    f = _libm_f(name)
+    if f is None:
+        with np.errstate(over="ignore", divide="ignore"):
+            return getattr(np, name[:-1])(x.astype(F64)).astype(F32)
+    return np.array([f(float(v)) for v in x.reshape(-1)], F32).reshape(x.shape)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """ggml's op_softplus, element by element: x > 20 ? x : logf(1 + expf(x)), each step in f32 with the
+    C library's expf and logf (bit for bit with llama.cpp's ggml)."""
+    x = np.asarray(x, F32)
+    one_plus = (F32(1) + libm("expf", np.minimum(x, F32(20)))).astype(F32)
+    return np.where(x > F32(20), x, libm("logf", one_plus))
 
 
 def swiglu_oai(g: np.ndarray, u: np.ndarray, alpha: float, limit: float) -> np.ndarray:
@@ -157,3 +199,7 @@ def gelu(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, F32)
     g = gelu_table()[x.astype(np.float16).view(np.uint16)]
     return np.where(x <= -10, F32(0), np.where(x >= 10, x, g)).astype(F32)
+
+
+# the UNARY node's element-wise function by ggml_unary_op
+UNARY = {UnaryOp.SILU: silu, UnaryOp.GELU: gelu, UnaryOp.SIGMOID: sigmoid, UnaryOp.SOFTPLUS: softplus}

@@ -28,7 +28,7 @@ from ...core.tensor import GLUOp, Op, SortOrder, Tensor, TensorFlag, UnaryOp
 from ...core.types import GGMLType, is_quantized
 from ..base import BufferUsage
 from . import numerics as nm
-from . import quants
+from . import quants, recurrent
 from .blocks import KPACK_TYPES, QPACK_TYPES, ggml_repacks
 from .rope import bind_rope, rope_forward
 
@@ -266,8 +266,7 @@ def _norm(t, dst, srcs, opts):
 
 def _unary(t, dst, srcs, opts):
     x = _src(t, srcs, 0)
-    uop = UnaryOp(t.op_param(0))
-    f = {UnaryOp.SILU: nm.silu, UnaryOp.GELU: nm.gelu, UnaryOp.SIGMOID: nm.sigmoid}[uop]
+    f = nm.UNARY[UnaryOp(t.op_param(0))]
     store(dst, t.type, f(x))
 
 
@@ -963,7 +962,7 @@ KERNELS: dict[Op, Kernel] = {
     Op.UNARY: _unary, Op.GLU: _glu, Op.MUL_MAT: _mul_mat, Op.GET_ROWS: _get_rows,
     Op.SET_ROWS: _set_rows, Op.ARGMAX: _argmax, Op.SOFT_MAX: _soft_max,
     Op.FLASH_ATTN_EXT: _flash_attn_ext, Op.CPY: _cpy, Op.CONT: _cpy, Op.DUP: _cpy,
-    Op.CONCAT: _concat, Op.ROPE: _rope,
+    Op.CONCAT: _concat, Op.ROPE: _rope, **recurrent.KERNELS,
 }
 
 # ops whose kernels accept quantized operands (any position)

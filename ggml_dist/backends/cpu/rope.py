@@ -15,6 +15,8 @@ from .numerics import fma32
 
 F32 = np.float32
 ROPE_TYPE_NEOX = 2
+ROPE_TYPE_MROPE = 8
+ROPE_TYPE_IMROPE = 40
 
 
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
@@ -157,13 +159,43 @@ def _rope_params(op_params: tuple) -> tuple:
     return n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr
 
 
+def mrope_cache(pos: np.ndarray, sections: tuple, mode: int, n_dims: int, freq_base: float, freq_scale: float,
+                ext_factor: float, attn_factor: float, corr_dims: tuple[float, float],
+                freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n_tok, n_dims/2] of ggml_mrope_cache_init: pos holds four streams of n_tok positions (time,
+    height, width, extra); pair i takes its angle from one stream, by its sector i mod sum(sections). Each
+    stream's angles are the plain cache's (the same iterated f32 product from its position), so the
+    column of a pair is that stream's column. IMROPE interleaves the sections (sector % 3 picks t, h, w
+    while within 3 * their size, the rest the extra stream); MROPE puts them one after the other."""
+    n = len(pos) // 4
+    streams = [rope_cache(pos[s * n:(s + 1) * n], n_dims, freq_base, freq_scale, ext_factor, attn_factor,
+                          corr_dims, freq_factors) for s in range(4)]
+    s0, s1, s2, _ = (int(v) for v in sections)
+    sect_dims = sum(int(v) for v in sections)
+    cos, sin = np.empty_like(streams[0][0]), np.empty_like(streams[0][1])
+    for i in range(n_dims // 2):
+        sector = i % sect_dims
+        if mode == ROPE_TYPE_IMROPE:
+            which = (1 if sector % 3 == 1 and sector < 3 * s1 else 2 if sector % 3 == 2 and sector < 3 * s2
+                     else 0 if sector % 3 == 0 and sector < 3 * s0 else 3)
+        else:
+            which = 0 if sector < s0 else 1 if sector < s0 + s1 else 2 if sector < s0 + s1 + s2 else 3
+        cos[:, i], sin[:, i] = streams[which][0][:, i], streams[which][1][:, i]
+    return cos, sin
+
+
 def rope_forward(t: Tensor, dst: np.ndarray, srcs: list, fk=None) -> None:
     """x: [ne3, n_tok, n_head, head_dim]; rotates pairs (NORM: 2i, 2i+1; NEOX: i, i+n_dims/2).
     With fk (the fkernels module) and F32 x and dst, the rotation is one fk.rope call (same bits)."""
     n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr = _rope_params(tuple(t.op_params))
     pos = srcs[1].reshape(-1)
     ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
-    cos, sin = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
+    if mode & ROPE_TYPE_MROPE:
+        cos, sin = mrope_cache(pos, tuple(t.op_params[11:15]), mode, n_dims, freq_base, freq_scale, ext_factor,
+                               attn_factor, corr, ff)
+        mode |= ROPE_TYPE_NEOX                      # the multi-section ropes rotate NEOX's pairs (i, i + n_dims/2)
+    else:
+        cos, sin = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
     if fk is not None and srcs[0].dtype == F32 and dst.dtype == F32:
         fk.rope(srcs[0], cos, sin, n_dims, bool(mode & ROPE_TYPE_NEOX), dst)
         return
@@ -198,7 +230,7 @@ def rope_args(t: Tensor, dst: np.ndarray, srcs: list, fk: Any, prologue: list, s
     that path does not apply. The cos/sin of the step's positions are made once per replay, by a
     prologue call that every ROPE node with the same positions and parameters shares (shared: key ->
     the arrays it fills; prologue: the calls a replay makes first)."""
-    if srcs[0].dtype != F32 or dst.dtype != F32:
+    if srcs[0].dtype != F32 or dst.dtype != F32 or int(t.op_params[2]) & ROPE_TYPE_MROPE:
         return None
     params = _rope_params(tuple(t.op_params))
     n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr = params

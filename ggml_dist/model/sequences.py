@@ -1,0 +1,64 @@
+"""A context's sequence operations (llama_memory_seq_*): on the KV cells, and on the recurrent state of a
+hybrid model's recurrent layers (model/recurrent_state.py), which can give only whole sequences and
+raises StateTrimError where a caller would cut one back to a prefix. LlamaContext (model/context.py)
+takes these methods from here.
+"""
+from __future__ import annotations
+
+from ..scheduler.sched import Sched
+from .kv_cache import KVCache
+from .recovery import Recovery
+from .recurrent_state import RecurrentState
+
+
+class SequenceOps:
+    """seq_rm / seq_cp / seq_swap / seq_pos_max / clear over a context's KV cache and recurrent state."""
+    kv: KVCache
+    rs: RecurrentState | None
+    recovery: Recovery
+    sched: Sched
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        if self.rs is not None:                 # first: a refused trim leaves the KV cells as they were
+            self.rs.seq_rm(seq_id, p0, p1)
+        self.kv.cells.seq_rm(seq_id, p0, p1)
+        self.recovery.prune(self.kv.cells)
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """dst joins src's cells; between KV streams, src's whole stream is copied into dst's (once
+        the work in flight has written its cells)."""
+        cells = self.kv.cells
+        ss, sd = cells.stream_of(src), cells.stream_of(dst)
+        if ss != sd and self.recovery.recoverable:
+            raise ValueError(f"seq_cp({src}, {dst}): a copy between KV streams is not replayed after a "
+                             f"stage loss; this pipeline needs a unified KV cache for it")
+        if self.rs is not None:
+            self.sched.synchronize()
+            self.rs.seq_cp(src, dst, p0, p1)
+        cells.seq_cp(src, dst, p0, p1)
+        if ss != sd:
+            self.sched.synchronize()
+            self.kv.copy_stream(ss, sd, cells.used_max_p1_in(ss))
+
+    def seq_swap(self, a: int, b: int) -> None:
+        """Sequences a and b, each in a KV stream of its own, trade streams (cells and K/V), once the
+        work in flight has written its cells; see KVCells.seq_swap."""
+        if self.recovery.recoverable:
+            raise ValueError(f"seq_swap({a}, {b}) is not replayed after a stage loss")
+        cells = self.kv.cells
+        cells.seq_swap(a, b)
+        self.sched.synchronize()
+        sa, sb = cells.stream_of(a), cells.stream_of(b)
+        self.kv.swap_streams(sa, sb, max(cells.used_max_p1_in(sa), cells.used_max_p1_in(sb)))
+        if self.rs is not None:
+            self.rs.seq_swap(a, b)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.kv.cells.seq_pos_max(seq_id)
+
+    def clear(self) -> None:
+        self.kv.cells.clear()
+        self.recovery.log.clear()
+        if self.rs is not None:
+            self.sched.synchronize()
+            self.rs.clear()
