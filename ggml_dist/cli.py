@@ -144,8 +144,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(default 1000; past it new ones are closed, and requests get 503)")
 
     p = sub.add_parser("bench", help="benchmarks (each prints one JSON object)")
-    p.add_argument("what", choices=["alloc", "pipeline", "decode", "batched", "faults", "fuzz-gguf",
-                                           "cluster"])
+    p.add_argument("what", choices=["alloc", "pipeline", "decode", "batched", "faults", "fuzz-gguf", "cluster"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
 
     p = sub.add_parser("warmup", help="compile the model's kernels into the kernel cache now (for images and "

@@ -1,6 +1,5 @@
 """CPU speed next to llama.cpp on the same file, in the same run: prompt and decode tok/s, their ratios,
-peak RSS, the decode bandwidth achieved (the weight bytes a token reads x tok/s: of a mixture of experts'
-stacked expert weights only the top-k share) and a plain numpy copy bandwidth.
+peak RSS, the decode bandwidth achieved (model.bytes_read_per_token() x tok/s) and a numpy copy bandwidth.
 
     ggml-dist bench decode [--model smollm2-135m] [--tinyllama] [--threads 2] [--prompt-len 128]
                            [--gen 64] [--llamacpp-flash-attn {default,on,off}] [--rounds 1] [--paired] --json
@@ -104,9 +103,8 @@ def measure_ours(path: str, prompt_len: int, gen: int, threads: int) -> dict[str
     toks = _prompt(ours.n_vocab, prompt_len)
     _warm(ours, toks)
     tp, td, out = _timed(ours, toks, gen)
-    return {"prompt_tok_s": prompt_len / tp, "decode_tok_s": gen / td, "weight_bytes": ours.model.weight_bytes(),
-            "read_bytes": ours.model.bytes_read_per_token(),
-            "peak_rss_mb": peak_rss_mb(), "ours": ours_info(), "tokens": out}
+    return {"prompt_tok_s": prompt_len / tp, "decode_tok_s": gen / td, "read_bytes": ours.model.bytes_read_per_token(),
+            "weight_bytes": ours.model.weight_bytes(), "peak_rss_mb": peak_rss_mb(), "ours": ours_info(), "tokens": out}
 
 
 def measure_llamacpp(path: str, prompt_len: int, gen: int, threads: int,
@@ -168,10 +166,10 @@ def measure_paired(path: str, prompt_len: int, gen: int, threads: int, flash_att
                 chunk_ratios.append(this["llamacpp"] / this["ours"])
 
     def figures(k: str, r: int) -> dict[str, Any]:
-        return {"prompt_tok_s": prompt_len / spent[k][r][0], "decode_tok_s": gen / spent[k][r][1],
-                "tokens": chosen[k][r]}
-    about = {"weight_bytes": ours.model.weight_bytes(), "read_bytes": ours.model.bytes_read_per_token(),
-             "ours": ours_info()}
+        (tp, td), toks = spent[k][r], chosen[k][r]
+        return {"prompt_tok_s": prompt_len / tp, "decode_tok_s": gen / td, "tokens": toks}
+    m = ours.model
+    about = {"weight_bytes": m.weight_bytes(), "read_bytes": m.bytes_read_per_token(), "ours": ours_info()}
     ll_about = {"llamacpp": ll.info()} if "llamacpp" in engines else {}
     ours_runs = [{**figures("ours", r), **about} for r in range(rounds)]
     ll_runs = [{**figures("llamacpp", r), **ll_about} if ll_about else {"error": ll_error} for r in range(rounds)]
