@@ -23,6 +23,7 @@ from .ubatch import Ubatch
 
 if TYPE_CHECKING:
     from .kv_cache import KVCells
+    from .recurrent_state import RecurrentState
 
 T = TypeVar("T")
 __all__ = ["Recovery", "StageLostError", "UbatchRecord"]
@@ -87,7 +88,8 @@ class UbatchRecord:
 class Recovery:
     """The log and the figures of a context's recoveries; recoverable once `restore` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, rs: RecurrentState | None = None) -> None:
+        self.rs = rs                                     # a hybrid model's recurrent state
         self.restore: Callable[[], None] | None = None   # a pipeline's hook: restore lost stages
         self.max_recoveries = 3
         self.log: list[UbatchRecord] = []    # ubatches to replay after a loss (recoverable only)

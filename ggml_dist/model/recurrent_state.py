@@ -13,14 +13,21 @@ continued (the next ubatch starts at the position after the last one), restarted
 begins from zeros), copied or removed whole, but never cut back to a prefix: seq_rm of a tail, or a
 ubatch that does not continue the sequence, raises StateTrimError instead of running on a wrong state.
 A ubatch holds one sequence (the graph's state rows are one row per ubatch).
+
+On a pipeline each stage owns the rows of its own recurrent layers (workers/stage.py allocates them in its
+device's buffer type, as its KV layers); the driver keeps the positions. A row operation (zero a row, copy
+or swap rows, clear) on rows in another process is sent to their stage with its next call, which applies
+it before it computes (PipelineHooks.state_op): in the place of the sequence's timeline where it was asked,
+without waiting for the calls in flight.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..backends.base import Buffer, BufferType, tensor_array
+from ..backends.base import Buffer, BufferType, tensor_array, tensor_get, tensor_set
 from ..core import ops
 from ..core.context import Context
 from ..core.tensor import Tensor
@@ -28,34 +35,44 @@ from ..core.types import GGMLType
 from .archs import LlamaHParams
 from .ubatch import Ubatch
 
+if TYPE_CHECKING:
+    from .hooks import PipelineHooks
+
+# a row operation: ("zero", row), ("cp", src, dst), ("swap", a, b), ("clear",)
+RowOp = tuple
+# where rows live in another process: state_op(buft, op) sends op to the stage of buffer type buft
+StateOpHook = Callable[[BufferType, RowOp], None]
+
 
 class StateTrimError(ValueError):
     """An operation would need a recurrent state cut back to a prefix, which no state can give."""
 
 
-def recurrent_state(hp: LlamaHParams, n_seq_max: int, pipelined: bool,
-                    buft: Callable[[], BufferType]) -> RecurrentState | None:
-    """The state of a hybrid model's recurrent layers, allocated in buft(); None for other models."""
+def recurrent_state(hp: LlamaHParams, n_seq_max: int, buft: Callable[[], BufferType],
+                    pipeline: PipelineHooks | None = None) -> RecurrentState | None:
+    """The state of a hybrid model's recurrent layers, allocated in buft(), or on a pipeline (its hooks:
+    model/hooks.py) each layer's rows in its stage's buffer type; None for other models."""
     if not hp.spec.hybrid:
         return None
-    if pipelined:
-        refuse_pipeline(hp)
-    rs = RecurrentState(hp, n_seq_max)
-    rs.allocate(buft())
+    rs = RecurrentState.of(hp, n_seq_max)
+    if pipeline is None:
+        rs.allocate(buft())
+    else:
+        rs.allocate(buft(), pipeline.layer_buft, pipeline.state_op)
     return rs
 
 
-def refuse_pipeline(hp: LlamaHParams) -> None:
-    """Raise if hp's model cannot run over pipeline stages yet (a hybrid model: its recurrent state)."""
-    if hp.spec.hybrid:
-        raise ValueError(f"a {hp.arch} model runs in one process only for now: the recurrent state of its "
-                         f"Gated DeltaNet layers is not yet owned by pipeline stages")
+def recurrent_layers(hp: LlamaHParams, layers: Iterable[int]) -> tuple[int, ...]:
+    """Of the given layers, the recurrent ones (a stage's rows)."""
+    return tuple(il for il in layers if hp.is_recurrent(il))
 
 
 class RecurrentState:
-    def __init__(self, hp: LlamaHParams, n_seq_max: int) -> None:
-        self.layers = [il for il in range(hp.n_layer) if hp.is_recurrent(il)]
-        self.n_embd_r, self.n_embd_s, self.n_seq_max = hp.n_embd_r, hp.n_embd_s, n_seq_max
+    """The rows of the given recurrent layers (one process: all of them; a stage: its own)."""
+
+    def __init__(self, layers: Iterable[int], n_embd_r: int, n_embd_s: int, n_seq_max: int) -> None:
+        self.layers = list(layers)
+        self.n_embd_r, self.n_embd_s, self.n_seq_max = n_embd_r, n_embd_s, n_seq_max
         self.ctx = Context(len(self.layers) * 2 * 400 + 1024, no_alloc=True, name="recurrent_state")
         self.r_l: dict[int, Tensor] = {}
         self.s_l: dict[int, Tensor] = {}
@@ -63,25 +80,56 @@ class RecurrentState:
             self.r_l[il] = self.ctx.new_tensor(GGMLType.F32, (self.n_embd_r, n_seq_max)).set_name(f"cache_r_l{il}")
             self.s_l[il] = self.ctx.new_tensor(GGMLType.F32, (self.n_embd_s, n_seq_max)).set_name(f"cache_s_l{il}")
         self.pos = np.full(n_seq_max, -1, np.int64)      # per row: the last position in its state, -1 empty
-        self.buffer: Buffer | None = None
+        # per buffer: its buffer type, buffer and tensors (one; on a pipeline one per stage with such layers)
+        self.groups: list[tuple[BufferType, Buffer, list[Tensor]]] = []
+        self.state_op: StateOpHook | None = None
+
+    @classmethod
+    def of(cls, hp: LlamaHParams, n_seq_max: int) -> RecurrentState:
+        return cls(recurrent_layers(hp, range(hp.n_layer)), hp.n_embd_r, hp.n_embd_s, n_seq_max)
 
     def tensors(self) -> list[Tensor]:
         return [t for il in self.layers for t in (self.r_l[il], self.s_l[il])]
 
-    def allocate(self, buft: BufferType) -> None:
-        """One zeroed buffer of buft for every layer's rows."""
-        offs, size = [], 0
-        for t in self.tensors():
-            offs.append(size)
-            size += -(-buft.get_alloc_size(t) // buft.alignment) * buft.alignment
-        self.buffer = buft.alloc_buffer(size)
-        self.buffer.clear(0)
-        for t, o in zip(self.tensors(), offs, strict=True):
-            t.buffer, t.data = self.buffer, o
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def allocate(self, buft: BufferType, layer_buft: Callable[[int], BufferType] | None = None,
+                 state_op: StateOpHook | None = None) -> None:
+        """Zeroed buffers for every layer's rows: one of buft, or with layer_buft(il) -> buft one per
+        distinct buffer type (a pipeline's stages; their rows are edited through state_op)."""
+        by_buft: dict[int, tuple[BufferType, list[Tensor]]] = {}
+        for il in self.layers:
+            b = layer_buft(il) if layer_buft is not None else buft
+            by_buft.setdefault(id(b), (b, []))[1].extend((self.r_l[il], self.s_l[il]))
+        self.groups, self.state_op = [], state_op
+        for b, ts in by_buft.values():
+            offs, size = [], 0
+            for t in ts:
+                offs.append(size)
+                size += -(-b.get_alloc_size(t) // b.alignment) * b.alignment
+            buf = b.alloc_buffer(size)
+            buf.clear(0)
+            for t, o in zip(ts, offs, strict=True):
+                t.buffer, t.data = buf, o
+            self.groups.append((b, buf, ts))
+
+    # -- row operations: here on host memory, through the stage that holds them elsewhere ---------------
+    def _rows(self, op: RowOp) -> None:
+        for b, buf, ts in self.groups:
+            if buf.base is None and self.state_op is not None:
+                self.state_op(b, op)
+            else:
+                apply_row_op(ts, op)
+
+    def apply(self, row_ops: list[RowOp]) -> None:
+        """Row operations sent by the driver (a stage's rows)."""
+        for op in row_ops:
+            apply_row_op(self.tensors(), tuple(op))
 
     def _zero(self, row: int) -> None:
-        for t in self.tensors():
-            tensor_array(t)[0, 0, row] = 0
+        self._rows(("zero", row))
         self.pos[row] = -1
 
     # -- a ubatch ------------------------------------------------------------------------------------
@@ -130,20 +178,16 @@ class RecurrentState:
         if last >= 0 and (p0 > 0 or 0 <= p1 <= last):
             raise StateTrimError(f"seq_cp({src}, {dst}, {p0}, {p1}): only a whole recurrent state can be "
                                  f"copied (sequence {src}'s covers positions 0..{last})")
-        for t in self.tensors():
-            a = tensor_array(t)
-            a[0, 0, dst] = a[0, 0, src]
+        self._rows(("cp", src, dst))
         self.pos[dst] = last
 
     def seq_swap(self, a: int, b: int) -> None:
-        for t in self.tensors():
-            arr = tensor_array(t)
-            arr[0, 0, [a, b]] = arr[0, 0, [b, a]]
+        self._rows(("swap", a, b))
         self.pos[[a, b]] = self.pos[[b, a]]
 
     def clear(self) -> None:
-        for s in range(self.n_seq_max):
-            self._zero(s)
+        self._rows(("clear",))
+        self.pos[:] = -1
 
     # -- graph pieces (build_rs and the copies back into the cache) -------------------------------------
     def get_r(self, ctx: Context, il: int, s_copy: Tensor) -> Tensor:
@@ -159,3 +203,23 @@ class RecurrentState:
 
     def cpy_s(self, ctx: Context, il: int, rows: Tensor, s_copy: Tensor) -> Tensor:
         return ops.set_rows(ctx, self.s_l[il], rows, s_copy)
+
+
+def apply_row_op(tensors: list[Tensor], op: RowOp) -> None:
+    """One row operation on every tensor's rows (in place on host memory, else read and written back)."""
+    kind = op[0]
+    for t in tensors:
+        host = t.buffer is not None and t.buffer.base is not None
+        a = tensor_array(t) if host else tensor_get(t)
+        if kind == "zero":
+            a[0, 0, op[1]] = 0
+        elif kind == "cp":
+            a[0, 0, op[2]] = a[0, 0, op[1]]
+        elif kind == "swap":
+            a[0, 0, [op[1], op[2]]] = a[0, 0, [op[2], op[1]]]
+        elif kind == "clear":
+            a[...] = 0
+        else:
+            raise ValueError(f"unknown recurrent state row operation {op!r}")
+        if not host:
+            tensor_set(t, a)

@@ -17,6 +17,7 @@ class SequenceOps:
     rs: RecurrentState | None
     recovery: Recovery
     sched: Sched
+    pipelined: bool
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         if self.rs is not None:                 # first: a refused trim leaves the KV cells as they were
@@ -33,7 +34,8 @@ class SequenceOps:
             raise ValueError(f"seq_cp({src}, {dst}): a copy between KV streams is not replayed after a "
                              f"stage loss; this pipeline needs a unified KV cache for it")
         if self.rs is not None:
-            self.sched.synchronize()
+            if not self.pipelined:              # a stage applies it before its next call: no wait
+                self.sched.synchronize()
             self.rs.seq_cp(src, dst, p0, p1)
         cells.seq_cp(src, dst, p0, p1)
         if ss != sd:
@@ -60,5 +62,6 @@ class SequenceOps:
         self.kv.cells.clear()
         self.recovery.log.clear()
         if self.rs is not None:
-            self.sched.synchronize()
+            if not self.pipelined:
+                self.sched.synchronize()
             self.rs.clear()

@@ -1,0 +1,114 @@
+"""Qwen3.5 hybrid files (qwen35 and qwen35moe) over pipeline stages: each stage owns the recurrent state of
+its Gated DeltaNet layers (model/recurrent_state.py, allocated by workers/stage.py in its buffer type), the
+graph's split reads and writes its rows there, and the driver's sequence operations reach them as row
+operations sent with the stage's next call. Logits and tokens are one process's (and llama.cpp's) bit for bit.
+
+The synthetic files are tests/model/test_qwen35_refs.py's (4 layers: 3 recurrent, then one attention
+layer): over 2 stages both hold recurrent layers, over 3 the last holds only the attention layer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggml_dist.backends.base import tensor_get
+from ggml_dist.model.context import ContextParams, LlamaContext
+from ggml_dist.model.generate import generate
+from ggml_dist.model.model import LlamaModel
+from ggml_dist.model.recurrent_state import StateTrimError
+from ggml_dist.model.synthetic import write_synthetic
+from ggml_dist.model.synthetic_hybrid import QWEN35_SPECS
+from ggml_dist.model.ubatch import Batch
+from tests.workers.test_stage_local import local_pipeline
+
+REFS = np.load(Path(__file__).resolve().parents[1] / "data" / "qwen35_refs.npz")
+TOKENS = REFS["meta/tokens"].tolist()
+SPLIT = int(REFS["meta/split"])
+N = 12
+ARCHS = {s.arch: s for s in QWEN35_SPECS}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q35-pipe")
+    return {a: str(write_synthetic(d / f"{s.name}.gguf", s)) for a, s in ARCHS.items()}
+
+
+@pytest.fixture(scope="module")
+def want(paths):
+    """One process's greedy continuation of the first SPLIT tokens."""
+    out = {}
+    for a, p in paths.items():
+        m = LlamaModel.load(p)
+        out[a] = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, TOKENS[:SPLIT], N,
+                          stop_at_eog=False).tokens
+    return out
+
+
+def _mixed(ctx: LlamaContext) -> np.ndarray:
+    """A prompt, then one token at a time: the state carried from call to call on its stages."""
+    out = [ctx.decode(Batch.from_tokens(TOKENS[:SPLIT], all_outputs=True))]
+    out += [ctx.decode(Batch.from_tokens([t], pos0=SPLIT + i)) for i, t in enumerate(TOKENS[SPLIT:])]
+    return np.concatenate(out)
+
+
+# in-process stages (no Ray): llama.cpp's logits, one process's tokens; the state rows where they belong
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_local_stages_own_the_state(paths, want, arch, stages):
+    model, ctx, workers = local_pipeline(paths[arch], stages, ContextParams(n_ctx=256))
+    hp = model.hp
+    for w in workers:                             # each stage: its recurrent layers' rows, KV for the others
+        rec = [il for il in range(*w.spec.layers) if hp.is_recurrent(il)]
+        assert (w.rs.layers if w.rs else []) == rec
+        assert w.kv.layers == [il for il in range(*w.spec.layers) if il not in rec]
+    assert ctx.rs is not None and all(buf.base is None for _, buf, _ in ctx.rs.groups)   # none on the driver
+    assert np.array_equal(_mixed(ctx), REFS[f"{ARCHS[arch].name}/mixed"])
+    ctx.clear()
+    assert generate(ctx, model.tokenizer, TOKENS[:SPLIT], N, stop_at_eog=False).tokens == want[arch]
+    ctx.clear()                                   # cleared on the stages too: a new run, the same logits
+    assert np.array_equal(_mixed(ctx), REFS[f"{ARCHS[arch].name}/mixed"])
+
+
+# the driver's sequence operations reach the stages' rows: a whole copy continues as the original, a
+# trim into the state is refused by name and changes nothing
+def test_sequence_operations_on_the_stages_rows(paths):
+    name = ARCHS["qwen35"].name
+    _, ctx, workers = local_pipeline(paths["qwen35"], 2, ContextParams(n_ctx=256, n_seq_max=3))
+    ctx.decode(Batch.from_tokens(TOKENS[:SPLIT]))
+    ctx.seq_cp(0, 2)
+    with pytest.raises(StateTrimError, match="cannot be cut back to a prefix"):
+        ctx.seq_rm(0, 3)
+    assert ctx.seq_pos_max(0) == SPLIT - 1
+    for s in (2, 0):
+        one = Batch(np.array([TOKENS[SPLIT]], np.int32), np.array([SPLIT], np.int32), [frozenset({s})],
+                    np.array([True]))
+        assert np.array_equal(ctx.decode(one)[0], REFS[f"{name}/mixed"][SPLIT])
+    for w in workers:                            # rows 0 and 2 hold the same state on every stage
+        for t in w.rs.tensors():
+            a = tensor_get(t)
+            assert np.array_equal(a[0, 0, 0], a[0, 0, 2]) and a[0, 0, 0].any() and not a[0, 0, 1].any()
+    ctx.seq_rm(2)                                # whole: fine
+    assert ctx.rs.pos.tolist() == [SPLIT, -1, -1]
+
+
+@pytest.fixture
+def ray_up(request):
+    """conftest's module-wide local Ray, where Ray is installed."""
+    pytest.importorskip("ray")
+    request.getfixturevalue("local_ray")
+
+
+# Ray actors: greedy tokens over 2 and 3 stages equal one process's
+@pytest.mark.parametrize("arch,stages", [("qwen35", 2), ("qwen35", 3), ("qwen35moe", 2), ("qwen35moe", 3)])
+def test_hybrid_pipeline_tokens(ray_up, paths, want, arch, stages):
+    from ggml_dist.workers.cluster import Pipeline
+    pl = Pipeline.launch(paths[arch], stages, ContextParams(n_ctx=256))
+    try:
+        assert np.array_equal(_mixed(pl.ctx), REFS[f"{ARCHS[arch].name}/mixed"])
+        pl.ctx.clear()
+        assert generate(pl.ctx, pl.model.tokenizer, TOKENS[:SPLIT], N, stop_at_eog=False).tokens == want[arch]
+    finally:
+        pl.shutdown()
