@@ -37,6 +37,7 @@ class SequenceOps:
             if not self.pipelined:              # a stage applies it before its next call: no wait
                 self.sched.synchronize()
             self.rs.seq_cp(src, dst, p0, p1)
+            self.recovery.record_copy(src, dst)
         cells.seq_cp(src, dst, p0, p1)
         if ss != sd:
             self.sched.synchronize()
@@ -60,7 +61,7 @@ class SequenceOps:
 
     def clear(self) -> None:
         self.kv.cells.clear()
-        self.recovery.log.clear()
+        self.recovery.clear()
         if self.rs is not None:
             if not self.pipelined:
                 self.sched.synchronize()
