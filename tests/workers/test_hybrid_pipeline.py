@@ -112,3 +112,78 @@ def test_hybrid_pipeline_tokens(ray_up, paths, want, arch, stages):
         assert generate(pl.ctx, pl.model.tokenizer, TOKENS[:SPLIT], N, stop_at_eog=False).tokens == want[arch]
     finally:
         pl.shutdown()
+
+
+# -- --parallel: the prompt evaluated once, then its state copied whole to the other sequences ----------
+SAMPLED = ["--temp", "1.5", "--seed", "11"]
+
+
+def _run_json(capsys, path: str, *args: str) -> dict:
+    import json
+
+    from ggml_dist.cli import main
+    assert main(["run", "--model", path, "--prompt", "a b c d e", "-n", str(N), "--json", "--ctx", "256", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def fresh(paths):
+    """Per file, a fresh single-sequence run of `run` with seed 11 + i, i < 4 (the seed --parallel's
+    sequence i samples with), as a function of the capsys of the test that asks."""
+    memo: dict[str, list[list[int]]] = {}
+
+    def get(capsys, arch: str) -> list[list[int]]:
+        if arch not in memo:
+            memo[arch] = [_run_json(capsys, paths[arch], "--temp", "1.5", "--seed", str(11 + i))["tokens"]
+                          for i in range(4)]
+            # the seeds give different tokens (the dense file's greedy choice is one token, repeated)
+            assert len({tuple(t) for t in memo[arch]}) >= (4 if arch == "qwen35moe" else 3)
+        return memo[arch]
+    return get
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_run_parallel_branches_in_one_process(capsys, paths, fresh, arch, monkeypatch):
+    evaluated = []
+    submit = LlamaContext.submit
+
+    def counting(self, batch, *a, **k):
+        evaluated.append(batch.n_tokens)
+        return submit(self, batch, *a, **k)
+    monkeypatch.setattr(LlamaContext, "submit", counting)
+    out = _run_json(capsys, paths[arch], "--parallel", "4", *SAMPLED)
+    n_prompt = len(out["prompt_tokens"])
+    assert evaluated[0] == n_prompt and n_prompt not in evaluated[1:]            # the prompt once
+    monkeypatch.setattr(LlamaContext, "submit", submit)
+    assert [s["tokens"] for s in out["sequences"]] == fresh(capsys, arch)
+
+
+# the same over 2 in-process stages: the copies are row operations sent to the stages
+def test_parallel_branches_over_local_stages(capsys, paths, fresh):
+    from ggml_dist.model.generate import generate_parallel
+    from ggml_dist.model.sampling import SamplingParams
+    want = fresh(capsys, "qwen35moe")
+    m, ctx, _ = local_pipeline(paths["qwen35moe"], 2, ContextParams(n_ctx=256, n_seq_max=4))
+    ids = m.tokenizer.encode("a b c d e", add_special=True, parse_special=True)
+    sp = SamplingParams(temperature=1.5, seed=11)
+    assert [r.tokens for r in generate_parallel(ctx, m.tokenizer, ids, N, 4, sp)] == want
+
+
+# `run --parallel 4 --stages 2` (Ray actors, direct calls): each branch's tokens are a fresh run's
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_run_parallel_over_two_stages(ray_up, capsys, paths, fresh, arch):
+    want = fresh(capsys, arch)
+    out = _run_json(capsys, paths[arch], "--parallel", "4", "--stages", "2", *SAMPLED)
+    assert [s["tokens"] for s in out["sequences"]] == want
+
+
+# token feedback (a step queued before the previous token is read) would have to take a step past a
+# stop back out of the state: refused by name; the default over stages is one step in flight
+def test_lookahead_is_refused_by_name(paths):
+    from ggml_dist.model.generate import generate_parallel
+    m = LlamaModel.load(paths["qwen35"])
+    ctx = LlamaContext(m, ContextParams(n_ctx=256, n_seq_max=2))
+    with pytest.raises(ValueError, match="recurrent state cannot take back a step queued past a stop"):
+        generate(ctx, m.tokenizer, TOKENS[:SPLIT], 4, lookahead=2)
+    with pytest.raises(ValueError, match="use lookahead 1"):
+        generate_parallel(ctx, m.tokenizer, TOKENS[:SPLIT], 4, 2, lookahead=2)
