@@ -269,8 +269,8 @@ def _run_parallel(args: argparse.Namespace, rt: Runtime, ids: list[int], sp) -> 
         if not args.json and done[0] % 32 == 0:
             print(f"ggml-dist: {done[0]} tokens over {args.parallel} sequences", file=sys.stderr, flush=True)
     # over direct links a group's next step fed its tokens by the last stage pays (2 hosts, 4 sequences:
-    # 30.5 against 28.5 tok/s); through Ray calls it did not; a recurrent state cannot take a step back
-    lookahead = args.lookahead or (2 if rt.calls_used() == "direct" and lctx.rs is None else None)
+    # 30.5 against 28.5 tok/s); through Ray calls it did not
+    lookahead = args.lookahead or (2 if rt.calls_used() == "direct" else None)
     res = generate_parallel(lctx, tok, ids, args.n_predict, args.parallel, sp, lookahead=lookahead,
                             n_batch=args.batch, on_token=progress)
     n_gen = sum(max(len(r.tokens) - 1, 0) for r in res)

@@ -64,17 +64,17 @@ def generate(ctx: LlamaContext, tokenizer: Tokenizer, prompt_tokens: list[int], 
     """Greedy or sampled continuation of prompt_tokens; on_token(index, id) runs after each token.
 
     lookahead: decode steps queued before the oldest one's token is read (default 2 on a pipeline,
-    1 elsewhere and for a hybrid model, whose recurrent state cannot take a step back: Steps refuses
-    more). Step k+1 takes step k's token where it is sampled (submit(tokens_from=)): a pipeline's last
-    stage hands it to the first without the driver in between. Steps queued past a stop are taken out of
-    the KV cache again (seq_rm), which leaves it as lookahead 1 would."""
+    1 elsewhere; a hybrid model's recurrent state takes back one step, so no more than 2). Step k+1
+    takes step k's token where it is sampled (submit(tokens_from=)): a pipeline's last stage hands it to
+    the first without the driver in between. Steps queued past a stop are taken out of the KV cache (and
+    the recurrent state) again (seq_rm), which leaves them as lookahead 1 would."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty: give at least one token")
     if n_predict < 0:
         raise ValueError(f"n_predict must be >= 0, got {n_predict}")
     if lookahead is not None and lookahead < 1:
         raise ValueError(f"lookahead must be >= 1, got {lookahead}")
-    depth = lookahead or (2 if ctx.pipelined and ctx.rs is None else 1)
+    depth = lookahead or (2 if ctx.pipelined else 1)
     s = Seq(seq_id, list(prompt_tokens), Sampler(params), list(prompt_tokens), n_predict)
     run = _Run(ctx, tokenizer, [s], stop_at_eog, lambda _, i, t: on_token(i, t) if on_token else None, on_text)
     run.loop(Steps(ctx, n_batch, ctx.n_ctx + 1, depth=depth, lookahead=depth))

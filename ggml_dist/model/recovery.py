@@ -136,6 +136,13 @@ class Recovery:
             self.log.append(e)
             self.lineage[dst] = [*self.lineage.get(src, []), e]
 
+    def step_back(self, seq: int) -> None:
+        """seq's last ubatch was taken back out of its state (a step queued past a stop)."""
+        es = self.lineage.get(seq)
+        if es:
+            assert isinstance(es[-1], UbatchRecord), "a copy's state has no step to take back"
+            es.pop()
+
     def clear(self) -> None:
         self.log.clear()
         self.lineage.clear()

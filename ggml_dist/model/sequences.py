@@ -21,7 +21,8 @@ class SequenceOps:
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         if self.rs is not None:                 # first: a refused trim leaves the KV cells as they were
-            self.rs.seq_rm(seq_id, p0, p1)
+            for s in self.rs.seq_rm(seq_id, p0, p1):
+                self.recovery.step_back(s)
         self.kv.cells.seq_rm(seq_id, p0, p1)
         self.recovery.prune(self.kv.cells)
 

@@ -86,10 +86,13 @@ def test_sequence_operations_on_the_stages_rows(paths):
         one = Batch(np.array([TOKENS[SPLIT]], np.int32), np.array([SPLIT], np.int32), [frozenset({s})],
                     np.array([True]))
         assert np.array_equal(ctx.decode(one)[0], REFS[f"{name}/mixed"][SPLIT])
-    for w in workers:                            # rows 0 and 2 hold the same state on every stage
+    r0, r2, n = ctx.rs.row(0), ctx.rs.row(2), 3
+    assert (r0, r2) == (0, 2 + n)                   # each ubatch wrote its sequence's other row: 0 two
+    for w in workers:                               # 0 and 2 hold the same state on every stage, 1 none
         for t in w.rs.tensors():
             a = tensor_get(t)
-            assert np.array_equal(a[0, 0, 0], a[0, 0, 2]) and a[0, 0, 0].any() and not a[0, 0, 1].any()
+            assert np.array_equal(a[0, 0, r0], a[0, 0, r2]) and a[0, 0, r0].any()
+            assert not a[0, 0, 1].any() and not a[0, 0, 1 + n].any()
     ctx.seq_rm(2)                                # whole: fine
     assert ctx.rs.pos.tolist() == [SPLIT, -1, -1]
 
@@ -177,13 +180,48 @@ def test_run_parallel_over_two_stages(ray_up, capsys, paths, fresh, arch):
     assert [s["tokens"] for s in out["sequences"]] == want
 
 
-# token feedback (a step queued before the previous token is read) would have to take a step past a
-# stop back out of the state: refused by name; the default over stages is one step in flight
-def test_lookahead_is_refused_by_name(paths):
+# token feedback: a step queued before the previous token is read, past a stop, is taken back out of the
+# state (the row it read kept the state from before it): the tokens and the cache lookahead 1 leaves
+@pytest.mark.parametrize("where", ["one process", "2 stages"])
+def test_a_step_queued_past_a_stop_is_taken_back(paths, where, monkeypatch):
+    from ggml_dist.model.recurrent_state import RecurrentState
+    m = LlamaModel.load(paths["qwen35moe"])
+    free = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, TOKENS[:SPLIT], N, stop_at_eog=False)
+    stop = free.tokens[5]
+    monkeypatch.setattr(m.tokenizer, "is_eog", lambda t: t == stop)
+    ref = LlamaContext(m, ContextParams(n_ctx=256))
+    want = generate(ref, m.tokenizer, TOKENS[:SPLIT], N, lookahead=1)
+    assert want.stop_reason == "eog" and len(want.tokens) == free.tokens.index(stop)
+    ctx = LlamaContext(m, ContextParams(n_ctx=256)) if where == "one process" else \
+        local_pipeline(paths["qwen35moe"], 2, ContextParams(n_ctx=256))[1]
+    back = []
+    seq_rm = RecurrentState.seq_rm
+
+    def counting(self, *a):
+        back.extend(out := seq_rm(self, *a))
+        return out
+    monkeypatch.setattr(RecurrentState, "seq_rm", counting)
+    got = generate(ctx, m.tokenizer, TOKENS[:SPLIT], N, lookahead=2)
+    assert (got.tokens, got.stop_reason) == (want.tokens, "eog") and back == [0]
+    assert ctx.seq_pos_max(0) == ref.seq_pos_max(0) and ctx.rs is not None and ref.rs is not None
+    assert ctx.rs.pos[0] == ref.rs.pos[0] == SPLIT + len(want.tokens) - 1
+    nxt = Batch.from_tokens([7], pos0=ref.seq_pos_max(0) + 1)      # the state goes on from the right place
+    assert np.array_equal(ctx.decode(nxt), ref.decode(nxt))
+
+
+def test_two_steps_back_are_refused_by_name(paths):
     from ggml_dist.model.generate import generate_parallel
     m = LlamaModel.load(paths["qwen35"])
     ctx = LlamaContext(m, ContextParams(n_ctx=256, n_seq_max=2))
-    with pytest.raises(ValueError, match="recurrent state cannot take back a step queued past a stop"):
-        generate(ctx, m.tokenizer, TOKENS[:SPLIT], 4, lookahead=2)
-    with pytest.raises(ValueError, match="use lookahead 1"):
-        generate_parallel(ctx, m.tokenizer, TOKENS[:SPLIT], 4, 2, lookahead=2)
+    with pytest.raises(ValueError, match="can take back one step queued past a stop"):
+        generate(ctx, m.tokenizer, TOKENS[:SPLIT], 4, lookahead=3)
+    with pytest.raises(ValueError, match="use lookahead 1 or 2"):
+        generate_parallel(ctx, m.tokenizer, TOKENS[:SPLIT], 4, 2, lookahead=3)
+    ctx.clear()                                                # (their prompts ran before the refusal)
+    ctx.decode(Batch.from_tokens(TOKENS[:SPLIT]))
+    for i, t in enumerate(TOKENS[SPLIT:SPLIT + 2]):
+        ctx.decode(Batch.from_tokens([t], pos0=SPLIT + i))
+    with pytest.raises(StateTrimError, match="the state before position 8 is kept"):
+        ctx.seq_rm(0, SPLIT)                                   # two ubatches back
+    ctx.seq_rm(0, SPLIT + 1)                                   # one: fine
+    assert ctx.rs is not None and ctx.rs.pos[0] == SPLIT and ctx.seq_pos_max(0) == SPLIT

@@ -160,3 +160,22 @@ def test_hybrid_pipeline_recovers(ray_up, paths, arch):
         assert pl.ctx.recovery.n_recoveries == 1
     finally:
         pl.shutdown()
+
+
+# a step queued past a stop and taken back leaves the lineage too: a loss after it replays without it
+def test_local_stage_lost_after_a_step_was_taken_back(paths, monkeypatch):
+    from ggml_dist.model.ubatch import Batch
+    m = LlamaModel.load(paths["qwen35moe"])
+    free = generate(LlamaContext(m, ContextParams(n_ctx=256)), m.tokenizer, PROMPT, N, stop_at_eog=False).tokens
+    monkeypatch.setattr(m.tokenizer, "is_eog", lambda t: t == free[5])
+    ref = LlamaContext(m, ContextParams(n_ctx=256))
+    want = generate(ref, m.tokenizer, PROMPT, N, lookahead=1)
+    st = LocalStages(paths["qwen35moe"], 2, ContextParams(n_ctx=256))
+    got = generate(st.ctx, m.tokenizer, PROMPT, N, lookahead=2)
+    assert got.tokens == want.tokens and got.stop_reason == "eog"
+    st.lose(1)
+    nxt = Batch.from_tokens([7], pos0=ref.seq_pos_max(0) + 1)
+    assert np.array_equal(st.ctx.decode(nxt), ref.decode(nxt))
+    assert st.ctx.recovery.n_recoveries == 1
+    # the prompt, a step per token (the last chose the stop), and nxt: not the step taken back
+    assert st.ctx.recovery.n_replayed_tokens == len(PROMPT) + len(want.tokens) + 1
