@@ -177,7 +177,7 @@ class LlamaContext(SequenceOps):
         self.kv = KVCache(hp.n_embd_k_gqa, hp.n_embd_v_gqa, params.n_ctx, hp.attention_layers,
                           params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
         self.kv.allocate(backends[-1].device.get_buffer_type(), None if pipeline is None else pipeline.layer_buft)
-        self.rs = recurrent_state(hp, params.n_seq_max, pipeline is not None, backends[-1].device.get_buffer_type)
+        self.rs = recurrent_state(hp, params.n_seq_max, backends[-1].device.get_buffer_type, pipeline)
         self.builder = LlamaGraphBuilder(hp, model.weights if pipeline is None else pipeline.weights, self.kv,
                                          self.rs)
         self.n_copies = 1 if pipeline is None else pipeline.n_copies
@@ -186,7 +186,7 @@ class LlamaContext(SequenceOps):
         # is overwritten while in use) may keep more
         self.max_inflight = self.n_copies if pipeline is None else pipeline.max_inflight
         self._inflight: deque = deque()      # per ubatch in flight: the events of its stages
-        self.recovery = Recovery()           # recoverable where the pipeline can restore its stages
+        self.recovery = Recovery(self.rs)    # recoverable where the pipeline can restore its stages
         self.recovery.restore = None if pipeline is None else pipeline.restore
         self.gf_res_prev: GraphResult | None = None
         self.inputs = GraphInputs(self.kv, hp.n_swa, self.rs)
@@ -256,10 +256,10 @@ class LlamaContext(SequenceOps):
         splitter = BatchSplitter(batch)
         cells, ubatch_size = self.kv.cells, self.params.n_ubatch
         while True:
-            # a stream per sequence takes equal groups of consecutive sequences (llama.cpp's
-            # split_equal(sequential=true)); the unified cache takes the tokens in order
-            ub = (splitter.split_simple(ubatch_size) if self.kv.unified
-                  else splitter.split_equal(ubatch_size, sequential=True))
+            # a stream per sequence takes equal groups of consecutive sequences (llama.cpp's split_equal(
+            # sequential=true)); the unified cache the tokens in order; recurrent layers one sequence each
+            ub = (splitter.split_seq(ubatch_size) if self.rs is not None else splitter.split_simple(ubatch_size)
+                  if self.kv.unified else splitter.split_equal(ubatch_size, sequential=True))
             if ub is None:
                 break
             slot = cells.find_slot_ubatch(ub.seq_ids, ub.n_seqs)

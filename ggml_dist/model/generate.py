@@ -64,9 +64,10 @@ def generate(ctx: LlamaContext, tokenizer: Tokenizer, prompt_tokens: list[int], 
     """Greedy or sampled continuation of prompt_tokens; on_token(index, id) runs after each token.
 
     lookahead: decode steps queued before the oldest one's token is read (default 2 on a pipeline,
-    1 elsewhere). Step k+1 takes step k's token where it is sampled (submit(tokens_from=)): a
-    pipeline's last stage hands it to the first without the driver in between. Steps queued past a
-    stop are taken out of the KV cache again (seq_rm), which leaves it as lookahead 1 would."""
+    1 elsewhere; a hybrid model's recurrent state takes back one step, so no more than 2). Step k+1
+    takes step k's token where it is sampled (submit(tokens_from=)): a pipeline's last stage hands it to
+    the first without the driver in between. Steps queued past a stop are taken out of the KV cache (and
+    the recurrent state) again (seq_rm), which leaves them as lookahead 1 would."""
     if not prompt_tokens:
         raise ValueError("the prompt is empty: give at least one token")
     if n_predict < 0:

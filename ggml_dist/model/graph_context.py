@@ -49,6 +49,7 @@ class GraphInputs:
     out_ids: Tensor | None = None
     kq_mask_swa: Tensor | None = None     # the sliding-window layers' mask (llm_graph_input_attn_kv_iswa)
     s_copy: Tensor | None = None          # I32 [1]: the state row of the ubatch's sequence (llm_graph_input_rs)
+    s_dst: Tensor | None = None           # I32 [1]: the row its new state goes to (the other is kept)
 
 
 @dataclass
@@ -102,10 +103,11 @@ class GraphContext:
         mask_swa = None
         if self.hp.n_swa:
             mask_swa = ctx.new_tensor(GGMLType.F32, mask_ne).set_name("kq_mask_swa").set_input()
-        s_copy = None
+        s_copy = s_dst = None
         if self.rs is not None:
             s_copy = ctx.new_tensor(GGMLType.I32, (1,)).set_name("inp_s_copy").set_input()
-        return GraphInputs(tokens, pos, mask, k_idxs, v_idxs, out_ids, mask_swa, s_copy)
+            s_dst = ctx.new_tensor(GGMLType.I32, (1,)).set_name("inp_s_dst").set_input()
+        return GraphInputs(tokens, pos, mask, k_idxs, v_idxs, out_ids, mask_swa, s_copy, s_dst)
 
     def build_inp_embd(self, ctx: Context, inp: GraphInputs) -> Tensor:
         return ops.get_rows(ctx, self.w["token_embd.weight"], inp.tokens).set_name("inp_embd")

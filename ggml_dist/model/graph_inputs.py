@@ -28,9 +28,11 @@ class GraphInputs:
             self.put(res, inp.pos, ub.pos)
         else:                               # multi-section rope: text positions are (p, p, p, 0)
             self.put(res, inp.pos, np.concatenate([ub.pos, ub.pos, ub.pos, np.zeros_like(ub.pos)]))
-        if inp.s_copy is not None:
+        if inp.s_copy is not None and inp.s_dst is not None:
             assert self.rs is not None
-            self.put(res, inp.s_copy, self.rs.begin(ub))
+            read, write = self.rs.begin(ub)
+            self.put(res, inp.s_copy, read)
+            self.put(res, inp.s_dst, write)
         if inp.out_ids is not None:
             self.put(res, inp.out_ids, ub.out_ids)
         kv, n_swa = self.kv, self.n_swa

@@ -26,7 +26,9 @@ class PipelineHooks(Protocol):
                                 the stages take their inputs by value)
     weights                     the model's weights bound to their stage's buffer type (the scheduler's
                                 weight rule sends each layer's ops to its stage)
-    layer_buft(il)              the buffer type of layer il's KV cache
+    layer_buft(il)              the buffer type of layer il's KV cache (or its recurrent state's rows)
+    state_op(buft, op)          a row operation on the recurrent state rows in buft (model/recurrent_state.py),
+                                sent with the next call of the stage that holds them, applied before it computes
     after_alloc(sched, graph)   after each allocation: the stages' exports of that graph
     sample(t, rows, keep)       where the tokens of t's rows (t: the logits; rows: RowSampling) are chosen,
                                 the one place that decides it: True, the stage that computes t, at its
@@ -45,6 +47,7 @@ class PipelineHooks(Protocol):
     restore: Callable[[], None] | None
 
     def layer_buft(self, il: int) -> BufferType: ...
+    def state_op(self, buft: BufferType, op: tuple) -> None: ...
     def after_alloc(self, sched: Sched, graph: Graph) -> None: ...
     def sample(self, t: Tensor, rows: list[RowSampling], keep_logits: bool) -> bool: ...
     def fetch_tokens(self, t: Tensor) -> Callable[[], np.ndarray]: ...

@@ -18,8 +18,8 @@ delta_net (one sequence of n tokens):
     q, k, v = views of silu(ssm_conv(conv_in, w_conv)); q, k = l2_norm(q), l2_norm(k)
     o, state' = gated_delta_net(q, k, v, g, beta, state)
     out = Wout_ssm · (n_ssm(o) * silu(z))
-The states are read with GET_ROWS and written back with SET_ROWS at the ubatch's state row (s_copy:
-model/recurrent_state.py), the values llama.cpp's GET_ROWS and CPY give.
+The states are read with GET_ROWS at the ubatch's state row (s_copy) and written with SET_ROWS into the
+sequence's other row (s_dst: model/recurrent_state.py), the values llama.cpp's GET_ROWS and CPY give.
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def _rope(g: GraphContext, ctx: Context, x: Tensor, pos: Tensor) -> Tensor:
 def build_delta_net_layer(g: GraphContext, ctx: Context, gf: Graph, x: Tensor, inp: GraphInputs,
                           il: int) -> Tensor:
     """build_layer_attn_linear for a ubatch of one sequence (n tokens): ne = (n_embd, n_tokens)."""
-    hp, w, rs, s_copy = g.hp, g.w, g.rs, inp.s_copy
-    assert rs is not None and s_copy is not None, "a hybrid model's graph needs its recurrent state"
+    hp, w, rs, s_copy, s_dst = g.hp, g.w, g.rs, inp.s_copy, inp.s_dst
+    assert rs is not None and s_copy is not None and s_dst is not None, "a hybrid model's graph needs its state"
     b, n = f"blk.{il}.", x.ne[1]
     S, H_k, H_v = hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank
     d_conv, channels = hp.ssm_d_conv, hp.ssm_d_inner + 2 * H_k * S
@@ -110,7 +110,7 @@ def build_delta_net_layer(g: GraphContext, ctx: Context, gf: Graph, x: Tensor, i
     last = ops.view_3d(ctx, conv_input, d_conv - 1, channels, 1, conv_input.nb[1], conv_input.nb[2],
                        row_size(conv_input.type, n))
     last = ops.cont(ctx, last, (hp.n_embd_r, 1))
-    gf.build_forward_expand(rs.cpy_r(ctx, il, last, s_copy))
+    gf.build_forward_expand(rs.cpy_r(ctx, il, last, s_dst))
 
     state = ops.reshape(ctx, rs.get_s(ctx, il, s_copy), S, S, H_v, 1).set_name(f"state_predelta-{il}")
     conv = ops.silu(ctx, oh.ssm_conv(ctx, conv_input, w[b + "ssm_conv1d.weight"])).set_name(f"conv_output_silu-{il}")
@@ -125,7 +125,7 @@ def build_delta_net_layer(g: GraphContext, ctx: Context, gf: Graph, x: Tensor, i
     res = oh.gated_delta_net(ctx, q, k, v, gate, beta, state).set_name(f"gdn_out-{il}")
     out = ops.view_4d(ctx, res, S, H_v, n, 1, es * S, es * S * H_v, es * S * H_v * n, 0)
     new_state = ops.view_2d(ctx, res, hp.n_embd_s, 1, es * hp.n_embd_s, es * S * H_v * n)
-    gf.build_forward_expand(rs.cpy_s(ctx, il, new_state, s_copy))
+    gf.build_forward_expand(rs.cpy_s(ctx, il, new_state, s_dst))
 
     # the gated norm: n_ssm(o) * silu(z), per value head
     z = ops.reshape(ctx, z, S, H_v, n, 1)

@@ -7,6 +7,12 @@ cache still holds is run again, in order, on the same cells and with the same gr
 rebuilt cache holds the same bits and generation goes on with the same tokens. A stage lost during
 the replay starts the recovery over, max_recoveries times. Ubatches none of whose tokens the cache
 holds any more (their sequence removed) leave the log (prune).
+
+A hybrid model's recurrent state cannot be cut back, so its replay starts every live sequence at position
+0: per sequence the log entries its state is the sum of (its lineage: its ubatches since its position 0,
+and where it was copied from another sequence, that one's lineage and the copy, StateCopy) are kept, and
+nothing else; the replay runs them in their order from zeroed rows, copies included, and the state's
+positions are the ones from before the loss once it is done.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from .ubatch import Ubatch
 
 if TYPE_CHECKING:
     from .kv_cache import KVCells
+    from .recurrent_state import RecurrentState
 
 T = TypeVar("T")
 __all__ = ["Recovery", "StageLostError", "UbatchRecord"]
@@ -84,13 +91,23 @@ class UbatchRecord:
             self.token_src = None
 
 
+@dataclass(eq=False)
+class StateCopy:
+    """seq_cp(src, dst) of a hybrid model's recurrent state, logged in its place among the ubatches: a
+    replay copies the rows again where the sequences' timeline did."""
+    src: int
+    dst: int
+
+
 class Recovery:
     """The log and the figures of a context's recoveries; recoverable once `restore` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, rs: RecurrentState | None = None) -> None:
+        self.rs = rs                                     # a hybrid model's recurrent state
+        self.lineage: dict[int, list[UbatchRecord | StateCopy]] = {}    # with rs: per sequence, its entries
         self.restore: Callable[[], None] | None = None   # a pipeline's hook: restore lost stages
         self.max_recoveries = 3
-        self.log: list[UbatchRecord] = []    # ubatches to replay after a loss (recoverable only)
+        self.log: list[UbatchRecord | StateCopy] = []    # to replay after a loss (recoverable only)
         self.n_recoveries = 0
         self.n_replayed_tokens = 0
         self.recovery_s: list[float] = []    # wall time of each recovery (restart + replay)
@@ -105,6 +122,30 @@ class Recovery:
     def record(self, rec: UbatchRecord) -> None:
         if self.recoverable:
             self.log.append(rec)
+            if self.rs is not None:                      # one sequence per ubatch
+                seq = min(rec.ub.seq_ids[0])
+                if int(rec.ub.pos[0]) == 0:
+                    self.lineage[seq] = [rec]
+                else:
+                    self.lineage.setdefault(seq, []).append(rec)
+
+    def record_copy(self, src: int, dst: int) -> None:
+        """dst's recurrent state became a copy of src's (seq_cp)."""
+        if self.recoverable and self.rs is not None:
+            e = StateCopy(src, dst)
+            self.log.append(e)
+            self.lineage[dst] = [*self.lineage.get(src, []), e]
+
+    def step_back(self, seq: int) -> None:
+        """seq's last ubatch was taken back out of its state (a step queued past a stop)."""
+        es = self.lineage.get(seq)
+        if es:
+            assert isinstance(es[-1], UbatchRecord), "a copy's state has no step to take back"
+            es.pop()
+
+    def clear(self) -> None:
+        self.log.clear()
+        self.lineage.clear()
 
     def retrying(self, fn: Callable[[], T], recover: Callable[[], None]) -> T:
         """fn(), recovering (recover: the context's) and calling it again when a stage was lost."""
@@ -124,6 +165,8 @@ class Recovery:
         self.lost_at.append(t0)
         self.lost_wall.append(time.time())
         self.recovering = True
+        rs = self.rs
+        pos = None if rs is None else rs.pos.copy()         # the state's positions before the loss
         try:
             for attempt in range(self.max_recoveries + 1):
                 try:
@@ -131,9 +174,16 @@ class Recovery:
                     self.restore()
                     reset()
                     self.prune(cells)
+                    if rs is not None:
+                        rs.pos[:] = -1                       # every live sequence again from position 0
+                    owners = self._owners()
                     for rec in self.log:
+                        if isinstance(rec, StateCopy):
+                            assert rs is not None
+                            rs.seq_cp(rec.src, rec.dst)
+                            continue
                         self.n_replayed_tokens += rec.ub.n_tokens
-                        run(rec)
+                        self._replay(rec, run, cells, owners)
                     self.n_recoveries += 1
                     self.recovery_s.append(time.perf_counter() - t0)
                     return
@@ -142,13 +192,49 @@ class Recovery:
                         raise
         finally:
             self.recovering = False
+            if rs is not None and pos is not None:
+                rs.pos[:] = pos
+
+    def _owners(self) -> dict[int, set[int]]:
+        """Per logged ubatch (id), the live sequences whose lineage holds it (a recurrent state's)."""
+        owners: dict[int, set[int]] = {}
+        for seq, es in self.lineage.items():
+            for e in es:
+                owners.setdefault(id(e), set()).add(seq)
+        return owners
+
+    def _replay(self, rec: UbatchRecord, run: Callable[[UbatchRecord], None], cells: KVCells,
+                owners: dict[int, set[int]]) -> None:
+        """run(rec); a ubatch kept only for the sequences copied from its own (removed since, or begun
+        again) attends as one of them: the cells its tokens saw then are theirs now (a whole copy of its
+        cells), and its own sequence's bits are elsewhere or gone; the mask would hide them all."""
+        seq = min(rec.ub.seq_ids[0])
+        heirs = owners.get(id(rec), set())
+        if self.rs is None or not heirs or seq in heirs:
+            run(rec)
+            return
+        own, heir = np.uint64(1 << seq), np.uint64(1 << min(heirs))
+        saved = cells.seq.copy()
+        cells.seq[:] = (saved & ~own) | np.where((saved & heir) != 0, own, np.uint64(0))
+        try:
+            run(rec)                                # its graph inputs are written before it returns
+        finally:
+            cells.seq[:] = saved
 
     def prune(self, cells: KVCells) -> None:
-        """Drop logged ubatches none of whose tokens the cache still holds (nothing to rebuild)."""
+        """Drop logged ubatches none of whose tokens the cache still holds (nothing to rebuild); with a
+        recurrent state, the entries no live sequence's state is the sum of."""
         if not self.log:
             return
+        if self.rs is not None:
+            for s in [s for s in self.lineage if self.rs.pos[s] < 0]:     # removed whole
+                del self.lineage[s]
+            held = {id(e) for es in self.lineage.values() for e in es}
+            self.log = [e for e in self.log if id(e) in held]
+            return
 
-        def live(rec: UbatchRecord) -> bool:
-            return any(cells.pos[c] == p and bool(int(cells.seq[c]) >> min(s) & 1)
-                       for c, p, s in zip(rec.slot, rec.ub.pos, rec.ub.seq_ids))
+        def live(rec: UbatchRecord | StateCopy) -> bool:
+            return isinstance(rec, UbatchRecord) and any(
+                cells.pos[c] == p and bool(int(cells.seq[c]) >> min(s) & 1)
+                for c, p, s in zip(rec.slot, rec.ub.pos, rec.ub.seq_ids))
         self.log = [rec for rec in self.log if live(rec)]

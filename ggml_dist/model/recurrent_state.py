@@ -1,26 +1,35 @@
 """The recurrent state of Qwen3.5's Gated DeltaNet layers, beside the KV cache (llama.cpp's
 llama_memory_recurrent, for one process).
 
-Per recurrent layer two F32 tensors with one row per sequence: r_l [n_embd_r, n_seq_max], the last
-d_conv - 1 inputs of every conv channel, and s_l [n_embd_s, n_seq_max], each value head's delta-rule
-state. Sequence s owns row s (llama.cpp gives each sequence one cell). A ubatch's graph reads its
-sequence's rows with GET_ROWS at the row ids s_copy (a graph input) and writes the new state back with
-SET_ROWS at the same ids, as llama.cpp's build_rs and its copies into the cache do, so the graph's
-topology does not depend on which sequence it runs.
+Per recurrent layer two F32 tensors with two rows per sequence: r_l [n_embd_r, 2 n_seq_max], the last
+d_conv - 1 inputs of every conv channel, and s_l [n_embd_s, 2 n_seq_max], each value head's delta-rule
+state. Sequence s owns rows s and s + n_seq_max, one holding its state (row(s)). A ubatch's graph reads
+that row with GET_ROWS at the row id s_copy (a graph input) and writes the new state with SET_ROWS into the
+other at s_dst, as llama.cpp's build_rs and its copies into the cache do (its spare cells), so the graph's
+topology does not depend on which sequence it runs, and the state from before the last ubatch is kept:
+seq_rm of exactly that ubatch's positions takes it back (token feedback's step queued past a stop).
 
 Unlike KV cells, a state holds no positions: it is the sum of everything its sequence saw. So it can be
 continued (the next ubatch starts at the position after the last one), restarted (a ubatch at position 0
-begins from zeros), copied or removed whole, but never cut back to a prefix: seq_rm of a tail, or a
-ubatch that does not continue the sequence, raises StateTrimError instead of running on a wrong state.
+begins from zeros), copied or removed whole, or its last ubatch taken back, but never cut back further:
+seq_rm of a longer tail, or a ubatch that does not continue the sequence, raises StateTrimError instead of
+running on a wrong state.
 A ubatch holds one sequence (the graph's state rows are one row per ubatch).
+
+On a pipeline each stage owns the rows of its own recurrent layers (workers/stage.py allocates them in its
+device's buffer type, as its KV layers); the driver keeps the positions. A row operation (zero a row, copy
+or swap rows, clear) on rows in another process is sent to their stage with its next call, which applies
+it before it computes (PipelineHooks.state_op): in the place of the sequence's timeline where it was asked,
+without waiting for the calls in flight.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..backends.base import Buffer, BufferType, tensor_array
+from ..backends.base import Buffer, BufferType, tensor_array, tensor_get, tensor_set
 from ..core import ops
 from ..core.context import Context
 from ..core.tensor import Tensor
@@ -28,66 +37,115 @@ from ..core.types import GGMLType
 from .archs import LlamaHParams
 from .ubatch import Ubatch
 
+if TYPE_CHECKING:
+    from .hooks import PipelineHooks
+
+# a row operation: ("zero", row), ("cp", src, dst), ("swap", a, b), ("clear",)
+RowOp = tuple
+# where rows live in another process: state_op(buft, op) sends op to the stage of buffer type buft
+StateOpHook = Callable[[BufferType, RowOp], None]
+
 
 class StateTrimError(ValueError):
     """An operation would need a recurrent state cut back to a prefix, which no state can give."""
 
 
-def recurrent_state(hp: LlamaHParams, n_seq_max: int, pipelined: bool,
-                    buft: Callable[[], BufferType]) -> RecurrentState | None:
-    """The state of a hybrid model's recurrent layers, allocated in buft(); None for other models."""
+def recurrent_state(hp: LlamaHParams, n_seq_max: int, buft: Callable[[], BufferType],
+                    pipeline: PipelineHooks | None = None) -> RecurrentState | None:
+    """The state of a hybrid model's recurrent layers, allocated in buft(), or on a pipeline (its hooks:
+    model/hooks.py) each layer's rows in its stage's buffer type; None for other models."""
     if not hp.spec.hybrid:
         return None
-    if pipelined:
-        refuse_pipeline(hp)
-    rs = RecurrentState(hp, n_seq_max)
-    rs.allocate(buft())
+    rs = RecurrentState.of(hp, n_seq_max)
+    if pipeline is None:
+        rs.allocate(buft())
+    else:
+        rs.allocate(buft(), pipeline.layer_buft, pipeline.state_op)
     return rs
 
 
-def refuse_pipeline(hp: LlamaHParams) -> None:
-    """Raise if hp's model cannot run over pipeline stages yet (a hybrid model: its recurrent state)."""
-    if hp.spec.hybrid:
-        raise ValueError(f"a {hp.arch} model runs in one process only for now: the recurrent state of its "
-                         f"Gated DeltaNet layers is not yet owned by pipeline stages")
+def recurrent_layers(hp: LlamaHParams, layers: Iterable[int]) -> tuple[int, ...]:
+    """Of the given layers, the recurrent ones (a stage's rows)."""
+    return tuple(il for il in layers if hp.is_recurrent(il))
 
 
 class RecurrentState:
-    def __init__(self, hp: LlamaHParams, n_seq_max: int) -> None:
-        self.layers = [il for il in range(hp.n_layer) if hp.is_recurrent(il)]
-        self.n_embd_r, self.n_embd_s, self.n_seq_max = hp.n_embd_r, hp.n_embd_s, n_seq_max
+    """The rows of the given recurrent layers (one process: all of them; a stage: its own)."""
+
+    def __init__(self, layers: Iterable[int], n_embd_r: int, n_embd_s: int, n_seq_max: int) -> None:
+        self.layers = list(layers)
+        self.n_embd_r, self.n_embd_s, self.n_seq_max = n_embd_r, n_embd_s, n_seq_max
         self.ctx = Context(len(self.layers) * 2 * 400 + 1024, no_alloc=True, name="recurrent_state")
         self.r_l: dict[int, Tensor] = {}
         self.s_l: dict[int, Tensor] = {}
         for il in self.layers:
-            self.r_l[il] = self.ctx.new_tensor(GGMLType.F32, (self.n_embd_r, n_seq_max)).set_name(f"cache_r_l{il}")
-            self.s_l[il] = self.ctx.new_tensor(GGMLType.F32, (self.n_embd_s, n_seq_max)).set_name(f"cache_s_l{il}")
-        self.pos = np.full(n_seq_max, -1, np.int64)      # per row: the last position in its state, -1 empty
-        self.buffer: Buffer | None = None
+            r = self.ctx.new_tensor(GGMLType.F32, (self.n_embd_r, 2 * n_seq_max))
+            s = self.ctx.new_tensor(GGMLType.F32, (self.n_embd_s, 2 * n_seq_max))
+            self.r_l[il], self.s_l[il] = r.set_name(f"cache_r_l{il}"), s.set_name(f"cache_s_l{il}")
+        self.pos = np.full(n_seq_max, -1, np.int64)      # per sequence: the last position in its state, -1 empty
+        self.half = np.zeros(n_seq_max, np.int64)        # per sequence: its state is in row s + half * n_seq_max
+        self.prev = np.full(n_seq_max, -2, np.int64)     # the other row's state's last position (-2: none kept)
+        # per buffer: its buffer type, buffer and tensors (one; on a pipeline one per stage with such layers)
+        self.groups: list[tuple[BufferType, Buffer, list[Tensor]]] = []
+        self.state_op: StateOpHook | None = None
+
+    @classmethod
+    def of(cls, hp: LlamaHParams, n_seq_max: int) -> RecurrentState:
+        return cls(recurrent_layers(hp, range(hp.n_layer)), hp.n_embd_r, hp.n_embd_s, n_seq_max)
 
     def tensors(self) -> list[Tensor]:
         return [t for il in self.layers for t in (self.r_l[il], self.s_l[il])]
 
-    def allocate(self, buft: BufferType) -> None:
-        """One zeroed buffer of buft for every layer's rows."""
-        offs, size = [], 0
-        for t in self.tensors():
-            offs.append(size)
-            size += -(-buft.get_alloc_size(t) // buft.alignment) * buft.alignment
-        self.buffer = buft.alloc_buffer(size)
-        self.buffer.clear(0)
-        for t, o in zip(self.tensors(), offs, strict=True):
-            t.buffer, t.data = self.buffer, o
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
 
-    def _zero(self, row: int) -> None:
-        for t in self.tensors():
-            tensor_array(t)[0, 0, row] = 0
-        self.pos[row] = -1
+    def allocate(self, buft: BufferType, layer_buft: Callable[[int], BufferType] | None = None,
+                 state_op: StateOpHook | None = None) -> None:
+        """Zeroed buffers for every layer's rows: one of buft, or with layer_buft(il) -> buft one per
+        distinct buffer type (a pipeline's stages; their rows are edited through state_op)."""
+        by_buft: dict[int, tuple[BufferType, list[Tensor]]] = {}
+        for il in self.layers:
+            b = layer_buft(il) if layer_buft is not None else buft
+            by_buft.setdefault(id(b), (b, []))[1].extend((self.r_l[il], self.s_l[il]))
+        self.groups, self.state_op = [], state_op
+        for b, ts in by_buft.values():
+            offs, size = [], 0
+            for t in ts:
+                offs.append(size)
+                size += -(-b.get_alloc_size(t) // b.alignment) * b.alignment
+            buf = b.alloc_buffer(size)
+            buf.clear(0)
+            for t, o in zip(ts, offs, strict=True):
+                t.buffer, t.data = buf, o
+            self.groups.append((b, buf, ts))
+
+    # -- row operations: here on host memory, through the stage that holds them elsewhere ---------------
+    def _rows(self, op: RowOp) -> None:
+        for b, buf, ts in self.groups:
+            if buf.base is None and self.state_op is not None:
+                self.state_op(b, op)
+            else:
+                apply_row_op(ts, op)
+
+    def apply(self, row_ops: list[RowOp]) -> None:
+        """Row operations sent by the driver (a stage's rows)."""
+        for op in row_ops:
+            apply_row_op(self.tensors(), tuple(op))
+
+    def row(self, seq: int) -> int:
+        """The row that holds sequence seq's state."""
+        return seq + int(self.half[seq]) * self.n_seq_max
+
+    def _forget(self, seq: int) -> None:
+        """The sequence holds no state (a ubatch at position 0 zeroes its row before it reads it)."""
+        self.pos[seq], self.prev[seq] = -1, -2
 
     # -- a ubatch ------------------------------------------------------------------------------------
-    def begin(self, ub: Ubatch) -> np.ndarray:
-        """The state rows (s_copy, I32 [1]) a ubatch reads and writes, once it is checked to continue its
-        sequence: it starts at position 0 (the row is zeroed first) or right after the state's last one."""
+    def begin(self, ub: Ubatch) -> tuple[np.ndarray, np.ndarray]:
+        """The state rows a ubatch reads (s_copy, I32 [1]) and writes (s_dst), once it is checked to continue
+        its sequence: it starts at position 0 (the row read is zeroed first) or right after the state's last
+        one. The row read keeps the state from before the ubatch (seq_rm can take the ubatch back)."""
         seqs = frozenset().union(*ub.seq_ids)
         if len(seqs) != 1 or any(len(s) != 1 for s in ub.seq_ids):
             raise ValueError(f"a ubatch of sequences {sorted(seqs)}: a model with recurrent layers evaluates "
@@ -99,30 +157,42 @@ class RecurrentState:
         if np.any(np.diff(ub.pos) != 1):
             raise StateTrimError(f"sequence {seq}: a ubatch's positions must follow one another for the "
                                  f"recurrent state (got {ub.pos.tolist()})")
+        read = self.row(seq)
         if p0 == 0:
-            self._zero(seq)
+            self._rows(("zero", read))
+            self._forget(seq)
         elif p0 != self.pos[seq] + 1:
             raise StateTrimError(f"sequence {seq}: its recurrent state is at position {self.pos[seq]}, and a "
                                  f"ubatch at position {p0} cannot continue it; a recurrent state cannot be cut "
                                  f"back to a prefix (evaluate the sequence again from position 0)")
-        self.pos[seq] = p1
-        return np.array([seq], np.int32)
+        self.prev[seq], self.pos[seq] = self.pos[seq], p1
+        self.half[seq] ^= 1
+        return np.array([read], np.int32), np.array([self.row(seq)], np.int32)
 
     # -- sequences (llama_memory_recurrent's seq_* on rows) ---------------------------------------------
-    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> list[int]:
         """Positions [p0, p1) of a sequence (p1 < 0: to the end; seq_id < 0: every sequence). Removing the
-        whole state, or positions after it, is fine; cutting into it is not (StateTrimError)."""
-        rows = range(self.n_seq_max) if seq_id < 0 else [seq_id]
-        for s in rows:
-            last = int(self.pos[s])
-            end = p1 if p1 >= 0 else np.iinfo(np.int64).max
-            if last < 0 or not p0 <= last < end:
-                continue                        # nothing of the state is in the range
-            if p0 > 0:
+        whole state, positions after it, or exactly its last ubatch's (the state from before it comes
+        back) is fine; cutting into it further is not (StateTrimError, and nothing changes). Returns the
+        sequences whose last ubatch was taken back."""
+        seqs = range(self.n_seq_max) if seq_id < 0 else [seq_id]
+        end = p1 if p1 >= 0 else np.iinfo(np.int64).max
+        hit = [s for s in seqs if self.pos[s] >= 0 and p0 <= self.pos[s] < end]    # its state in the range
+        for s in hit:
+            if p0 > 0 and not (self.prev[s] >= 0 and p0 == self.prev[s] + 1):
+                kept = f" (the state before position {self.prev[s] + 1} is kept)" if self.prev[s] >= 0 else ""
                 raise StateTrimError(f"seq_rm({seq_id}, {p0}, {p1}): sequence {s}'s recurrent state covers "
-                                     f"positions 0..{last}, and a recurrent state cannot be cut back to a "
-                                     f"prefix; remove the whole sequence and evaluate it again")
-            self._zero(s)
+                                     f"positions 0..{self.pos[s]}, and a recurrent state cannot be cut back to "
+                                     f"a prefix{kept}; remove the whole sequence and evaluate it again")
+        back = []
+        for s in hit:
+            if p0 == 0:
+                self._forget(s)
+            else:                               # the last ubatch taken back: the row it read holds the state
+                self.half[s] ^= 1
+                self.pos[s], self.prev[s] = self.prev[s], -2
+                back.append(s)
+        return back
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         """dst takes src's whole state; a part of it cannot be copied."""
@@ -130,20 +200,19 @@ class RecurrentState:
         if last >= 0 and (p0 > 0 or 0 <= p1 <= last):
             raise StateTrimError(f"seq_cp({src}, {dst}, {p0}, {p1}): only a whole recurrent state can be "
                                  f"copied (sequence {src}'s covers positions 0..{last})")
-        for t in self.tensors():
-            a = tensor_array(t)
-            a[0, 0, dst] = a[0, 0, src]
-        self.pos[dst] = last
+        self._rows(("cp", self.row(src), self.row(dst)))
+        self.pos[dst], self.prev[dst] = last, -2
 
     def seq_swap(self, a: int, b: int) -> None:
-        for t in self.tensors():
-            arr = tensor_array(t)
-            arr[0, 0, [a, b]] = arr[0, 0, [b, a]]
-        self.pos[[a, b]] = self.pos[[b, a]]
+        n = self.n_seq_max
+        self._rows(("swap", a, b))
+        self._rows(("swap", a + n, b + n))
+        for arr in (self.pos, self.half, self.prev):
+            arr[[a, b]] = arr[[b, a]]
 
     def clear(self) -> None:
-        for s in range(self.n_seq_max):
-            self._zero(s)
+        self._rows(("clear",))
+        self.pos[:], self.half[:], self.prev[:] = -1, 0, -2
 
     # -- graph pieces (build_rs and the copies back into the cache) -------------------------------------
     def get_r(self, ctx: Context, il: int, s_copy: Tensor) -> Tensor:
@@ -154,8 +223,28 @@ class RecurrentState:
         """The ubatch's delta-rule state rows: ne = (n_embd_s, n_seqs)."""
         return ops.get_rows(ctx, self.s_l[il], s_copy)
 
-    def cpy_r(self, ctx: Context, il: int, rows: Tensor, s_copy: Tensor) -> Tensor:
-        return ops.set_rows(ctx, self.r_l[il], rows, s_copy)
+    def cpy_r(self, ctx: Context, il: int, rows: Tensor, s_dst: Tensor) -> Tensor:
+        return ops.set_rows(ctx, self.r_l[il], rows, s_dst)
 
-    def cpy_s(self, ctx: Context, il: int, rows: Tensor, s_copy: Tensor) -> Tensor:
-        return ops.set_rows(ctx, self.s_l[il], rows, s_copy)
+    def cpy_s(self, ctx: Context, il: int, rows: Tensor, s_dst: Tensor) -> Tensor:
+        return ops.set_rows(ctx, self.s_l[il], rows, s_dst)
+
+
+def apply_row_op(tensors: list[Tensor], op: RowOp) -> None:
+    """One row operation on every tensor's rows (in place on host memory, else read and written back)."""
+    kind = op[0]
+    for t in tensors:
+        host = t.buffer is not None and t.buffer.base is not None
+        a = tensor_array(t) if host else tensor_get(t)
+        if kind == "zero":
+            a[0, 0, op[1]] = 0
+        elif kind == "cp":
+            a[0, 0, op[2]] = a[0, 0, op[1]]
+        elif kind == "swap":
+            a[0, 0, [op[1], op[2]]] = a[0, 0, [op[2], op[1]]]
+        elif kind == "clear":
+            a[...] = 0
+        else:
+            raise ValueError(f"unknown recurrent state row operation {op!r}")
+        if not host:
+            tensor_set(t, a)

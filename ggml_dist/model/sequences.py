@@ -17,10 +17,12 @@ class SequenceOps:
     rs: RecurrentState | None
     recovery: Recovery
     sched: Sched
+    pipelined: bool
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
         if self.rs is not None:                 # first: a refused trim leaves the KV cells as they were
-            self.rs.seq_rm(seq_id, p0, p1)
+            for s in self.rs.seq_rm(seq_id, p0, p1):
+                self.recovery.step_back(s)
         self.kv.cells.seq_rm(seq_id, p0, p1)
         self.recovery.prune(self.kv.cells)
 
@@ -33,8 +35,10 @@ class SequenceOps:
             raise ValueError(f"seq_cp({src}, {dst}): a copy between KV streams is not replayed after a "
                              f"stage loss; this pipeline needs a unified KV cache for it")
         if self.rs is not None:
-            self.sched.synchronize()
+            if not self.pipelined:              # a stage applies it before its next call: no wait
+                self.sched.synchronize()
             self.rs.seq_cp(src, dst, p0, p1)
+            self.recovery.record_copy(src, dst)
         cells.seq_cp(src, dst, p0, p1)
         if ss != sd:
             self.sched.synchronize()
@@ -58,7 +62,8 @@ class SequenceOps:
 
     def clear(self) -> None:
         self.kv.cells.clear()
-        self.recovery.log.clear()
+        self.recovery.clear()
         if self.rs is not None:
-            self.sched.synchronize()
+            if not self.pipelined:
+                self.sched.synchronize()
             self.rs.clear()

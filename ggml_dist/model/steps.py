@@ -94,6 +94,10 @@ class Steps:
 
     def __init__(self, ctx: LlamaContext, n_batch: int, n_ctx_seq: int, depth: int = 1, n_groups: int = 1,
                  lookahead: int = 1) -> None:
+        if lookahead > 2 and ctx.rs is not None:
+            raise ValueError(f"lookahead {lookahead}: a {ctx.model.hp.arch} model's recurrent state keeps the state "
+                             f"from before its last step only, so it can take back one step queued past a stop "
+                             f"(token feedback), not {lookahead - 1}; use lookahead 1 or 2")
         self.ctx = ctx
         self.n_batch, self.n_ctx_seq = n_batch, n_ctx_seq
         self.per_seq_streams = not ctx.kv.unified   # split_equal: hence _short_chunk

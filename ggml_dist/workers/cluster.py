@@ -25,7 +25,6 @@ from typing import Any
 from ..backends.devices import DeviceKind, DeviceSpec, ray_resources
 from ..model.context import ContextParams, LlamaContext
 from ..model.model import LlamaModel
-from ..model.recurrent_state import refuse_pipeline
 from .actor import StageActor, _ray_call, _stage_error
 from .compiled import CompiledChain
 from .direct import DirectChain, fall_back_line
@@ -36,7 +35,7 @@ from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError
 from .proxy import Call, StageDevice, StageProxy
 from .resources import cluster_nodes, stage_options
 from .shipping import WeightManifest, manifest, ship
-from .stage import StageInfo, StageSpec, StageStats
+from .stage import StageInfo, StageSpec, StageStats, recurrent_fields
 from .timeline import trace_events
 
 
@@ -116,7 +115,6 @@ class Pipeline:
         if params is None:
             params = ContextParams()
         model = LlamaModel.load(model_path)
-        refuse_pipeline(model.hp)                # before any stage starts
         if nodes is None and not node_ids and not started_local() and budgets is None:
             nodes = cluster_nodes()
         # the one memory account (driver.plan_stages): what `plan` prints, and run's table and --json
@@ -143,7 +141,7 @@ class Pipeline:
         for sp, kind in zip(placement.stages, stage_kinds(devices, n)):
             pl.specs.append(StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
                                       sp.stage == n - 1, params, model.hp.n_embd_k_gqa, model.hp.n_embd_v_gqa,
-                                      DeviceSpec(kind, options)))
+                                      DeviceSpec(kind, options), **recurrent_fields(model.hp, sp.layers)))
             pl.actors.append(actor_cls.options(**pl._actor_options(k=sp.stage)).remote(pl.specs[-1]))
         pl.infos = [None] * n
         pl.watch.addresses = [""] * n

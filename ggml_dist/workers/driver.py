@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend, BufferUsage
+from ..backends.base import Backend, BufferType, BufferUsage
 from ..backends.devices import DeviceKind, DeviceSpec, kind_info, open_backend
 from ..core.context import Context
 from ..core.graph import Graph
@@ -67,6 +67,11 @@ class DriverPipeline:
 
     def layer_buft(self, il: int) -> RemoteBufferType:
         return self._stage_of[il].device.buft
+
+    def state_op(self, buft: BufferType, op: tuple) -> None:
+        """A row operation on the recurrent state rows of buft's stage: sent with its next call."""
+        assert isinstance(buft, RemoteBufferType) and buft.proxy is not None, f"{buft.name} is no stage's"
+        buft.proxy.pending_state.append([op[0], *map(int, op[1:])])
 
     def after_alloc(self, sched: Sched, graph: Graph) -> None:
         bind_exports(sched, graph, self.proxies)

@@ -180,6 +180,7 @@ class StageProxy(Backend):
         self.pending_host: dict[Tensor, np.ndarray] = {}
         self.pending_up: dict[Tensor, tuple[Any, str]] = {}      # input copy -> (handle, key)
         self.pending_sample: dict | None = None                   # DriverPipeline.sample's request
+        self.pending_state: list[list] = []                       # DriverPipeline.state_op's row operations
         self.sent_plans: OrderedDict[str, None] = OrderedDict()   # mirrors the stage's plan LRU
         self.last_handle: Any = None
         self.n_calls = 0
@@ -216,12 +217,15 @@ class StageProxy(Backend):
         host = [WireTensor(f"h:{plan_name(t)}", t.type, t.ne, a) for t, a in self.pending_host.items()]
         ups = list({id(h): h for h, _ in self.pending_up.values()}.values())   # each producer's result once
         known = pid in self.sent_plans
-        meta = None if self.pending_sample is None else {"sample": self.pending_sample}
-        handle = self.call.submit(pid, None if known else desc, encode(host, meta), *ups)
+        meta: dict[str, Any] = {} if self.pending_sample is None else {"sample": self.pending_sample}
+        if self.pending_state:
+            meta["state"] = self.pending_state
+        handle = self.call.submit(pid, None if known else desc, encode(host, meta or None), *ups)
         self._touch_plan(pid)
         self.pending_host.clear()
         self.pending_up.clear()
         self.pending_sample = None
+        self.pending_state = []
         for t in plan.graph.nodes:
             if t in self.exports.keys:
                 self.exports.handles[t] = handle
@@ -280,6 +284,7 @@ class StageProxy(Backend):
         self.pending_host.clear()
         self.pending_up.clear()
         self.pending_sample = None
+        self.pending_state = []                  # a restarted stage's rows are zero: the replay remakes them
         self.last_handle = None
         if self.exports is not None:
             self.exports.handles.clear()

@@ -31,9 +31,11 @@ from ..backends.devices import DeviceSpec, open_backend
 from ..core.tensor import Tensor
 from ..core.types import GGMLType
 from ..model import layout
+from ..model.archs import LlamaHParams
 from ..model.context import ContextParams
 from ..model.gguf import load_gguf
 from ..model.kv_cache import KVCache
+from ..model.recurrent_state import RecurrentState, recurrent_layers
 from ..model.warmup import Warmup, background_compile
 from ..model.weights import MAPPED_BUFT, MappedBuffer, load_weights, upload_weights
 from .plan import PlanError, RebuiltPlan, rebuild
@@ -72,9 +74,24 @@ class StageSpec:
     n_embd_k_gqa: int
     n_embd_v_gqa: int
     device: DeviceSpec = field(default_factory=DeviceSpec)
+    # a hybrid model's recurrent layers in this stage's range: a state of n_embd_r + n_embd_s values per
+    # sequence each (model/recurrent_state.py) instead of KV cells
+    recurrent: tuple[int, ...] = ()
+    n_embd_r: int = 0
+    n_embd_s: int = 0
 
     def weight_names(self, all_names: list[str], tied: bool) -> list[str]:
         return layout.stage_tensors(all_names, self.layers, self.first, self.last, tied)
+
+    @property
+    def kv_layers(self) -> list[int]:
+        return [il for il in range(*self.layers) if il not in self.recurrent]
+
+
+def recurrent_fields(hp: LlamaHParams, layers: tuple[int, int]) -> dict[str, Any]:
+    """StageSpec's recurrent-state fields for a stage of `layers` of a model of hp (none but a hybrid's)."""
+    rec = recurrent_layers(hp, range(*layers))
+    return {"recurrent": rec, "n_embd_r": hp.n_embd_r, "n_embd_s": hp.n_embd_s} if rec else {}
 
 
 class ArenaBufferType(BufferType):
@@ -165,11 +182,16 @@ class StageWorker:
             f = load_gguf(spec.model_path)
             names = spec.weight_names(list(f.tensors), layout.tied_head(f))
             self._set_weights(load_weights(f, names, MappedBuffer(str(f.path))))
-        self.kv = KVCache(spec.n_embd_k_gqa, spec.n_embd_v_gqa, params.n_ctx, range(*spec.layers),
+        self.kv = KVCache(spec.n_embd_k_gqa, spec.n_embd_v_gqa, params.n_ctx, spec.kv_layers,
                           params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
         self.kv.allocate(self.buft)
+        # the recurrent state of its layers: the driver keeps their positions, and sends row operations
+        self.rs = None if not spec.recurrent else \
+            RecurrentState(spec.recurrent, spec.n_embd_r, spec.n_embd_s, params.n_seq_max)
+        if self.rs is not None:
+            self.rs.allocate(self.buft)
         self.arena = ArenaBufferType(self.buft)
-        self.kv_tensors = {t.name: t for t in self.kv.tensors()}
+        self.kv_tensors = {t.name: t for t in (*self.kv.tensors(), *(self.rs.tensors() if self.rs else ()))}
         self.plans: OrderedDict[str, StagePlan] = OrderedDict()
         self.incarnation = os.urandom(8).hex()       # this process's life: a restart gets another
         self.stats = StageStats()
@@ -218,7 +240,8 @@ class StageWorker:
             pass
         return StageInfo(self.spec.stage_id, os.getpid(), self.incarnation, os.uname().nodename, node_id,
                          self.needs_weights, self.spec.layers, sum(t.nbytes for t in self.weights.values()),
-                         self.kv.nbytes, self.compute_bytes(), DeviceInfo.of(self.device))
+                         self.kv.nbytes + (self.rs.nbytes if self.rs else 0), self.compute_bytes(),
+                         DeviceInfo.of(self.device))
 
     def compute_bytes(self) -> int:
         return self.arena.buffer.size if self.plans and self.arena.buffer is not None else 0
@@ -324,6 +347,10 @@ class StageWorker:
             tensors, meta = decode(msg)
             if i == 0:
                 sample = meta.get("sample")
+                if meta.get("state"):                # the recurrent rows' edits asked since the last call
+                    if self.rs is None:
+                        raise PlanError(f"stage {self.spec.stage_id} holds no recurrent layers: {meta['state']}")
+                    self.rs.apply(meta["state"])
             for wt in tensors:
                 got[wt.name] = wt.data
         for key, t in plan.inputs.items():

@@ -19,7 +19,7 @@ import pytest
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.context import ContextParams, LlamaContext
 from ggml_dist.model.model import LlamaModel
-from ggml_dist.model.recurrent_state import StateTrimError, recurrent_state
+from ggml_dist.model.recurrent_state import StateTrimError
 from ggml_dist.model.synthetic import write_synthetic
 from ggml_dist.model.synthetic_hybrid import QWEN35_SPECS, SyntheticHybridSpec
 from ggml_dist.model.ubatch import Batch, BatchError
@@ -135,16 +135,20 @@ def test_a_whole_state_is_copied_and_continues_as_the_original(files):
     assert np.array_equal(b[0], b[1]) and np.array_equal(b[0], REFS[f"{QWEN35_SPECS[0].name}/mixed"][SPLIT])
 
 
-def test_one_sequence_per_ubatch_and_no_pipeline_yet(files):
+def test_one_sequence_per_ubatch(files):
+    """A batch of two sequences runs as two ubatches (split_seq), each its own state row; a ubatch of two
+    sequences is refused by the state."""
+    from ggml_dist.model.ubatch import Ubatch
     ctx = LlamaContext(LlamaModel.load(files[QWEN35_SPECS[0].name]),
                        ContextParams(n_ctx=N_CTX, n_seq_max=2, type_k=GGMLType.F16, type_v=GGMLType.F16))
-    two = Batch(np.array([1, 1], np.int32), np.array([0, 0], np.int32), [frozenset({0}), frozenset({1})],
-                np.array([True, True]))
+    two = Batch(np.array([TOKENS[0], TOKENS[0]], np.int32), np.array([0, 0], np.int32),
+                [frozenset({0}), frozenset({1})], np.array([True, True]))
+    got = ctx.decode(two)
+    assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], REFS[f"{QWEN35_SPECS[0].name}/batch"][0])
+    assert ctx.rs is not None
     with pytest.raises(ValueError, match="one sequence per ubatch"):
-        ctx.decode(two)
-    hp = ctx.model.hp
-    with pytest.raises(ValueError, match="not yet owned by pipeline stages"):
-        recurrent_state(hp, 1, True, lambda: pytest.fail("no buffer for a refused pipeline"))
+        ctx.rs.begin(Ubatch(np.ones(2, np.int32), np.array([1, 1], np.int32), [frozenset({0}), frozenset({1})],
+                            np.ones(2, bool), [0, 1]))
 
 
 def test_the_spec_is_checked():
@@ -168,7 +172,8 @@ def test_a_ubatch_that_does_not_continue_the_state_is_refused(files):
         ctx.rs.begin(ub([9]))
     with pytest.raises(StateTrimError, match="follow one another"):
         ctx.rs.begin(ub([6, 8]))
-    assert ctx.rs.begin(ub([6, 7])).tolist() == [0] and ctx.rs.pos[0] == 7
+    # sequence 0's state is in its second row (the prompt's ubatch wrote it there), the next goes to its first
+    assert [r.tolist() for r in ctx.rs.begin(ub([6, 7]))] == [[1], [0]] and ctx.rs.pos[0] == 7
 
 
 @pytest.mark.parametrize("spec", QWEN35_SPECS, ids=lambda s: s.arch)
@@ -193,10 +198,3 @@ def test_ggml_dist_run_generates_greedily_from_a_qwen35_file(files, capsys):
     ctx = _ctx(files[spec.name])
     want = generate(ctx, ctx.model.tokenizer, out["prompt_tokens"], 8)
     assert out["tokens"] == want.tokens and len(out["tokens"]) == 8
-
-
-def test_a_pipeline_of_a_qwen35_file_is_refused_before_any_stage_starts(files):
-    pytest.importorskip("ray")
-    from ggml_dist.workers.cluster import Pipeline
-    with pytest.raises(ValueError, match="not yet owned by pipeline stages"):
-        Pipeline.launch(str(files[QWEN35_SPECS[0].name]), 2)

@@ -13,7 +13,7 @@ from ggml_dist.workers import stage as stage_mod
 from ggml_dist.workers.driver import driver_context
 from ggml_dist.workers.placement import place
 from ggml_dist.workers.proxy import Call, StageDevice, StageProxy
-from ggml_dist.workers.stage import StageSpec, StageWorker
+from ggml_dist.workers.stage import StageSpec, StageWorker, recurrent_fields
 from tests.model.refs import LONG_SPECS, LONG_TOKENS
 
 
@@ -26,7 +26,8 @@ def local_pipeline(path, n_stages: int, params: ContextParams, n_copies: int = 1
     workers, proxies = [], []
     for sp, kind in zip(pl.stages, kinds or [DeviceKind.CPU] * n_stages):
         w = StageWorker(StageSpec(sp.stage, str(path), sp.layers, sp.stage == 0, sp.stage == n_stages - 1,
-                                  params, hp.n_embd_k_gqa, hp.n_embd_v_gqa, DeviceSpec(kind)))
+                                  params, hp.n_embd_k_gqa, hp.n_embd_v_gqa, DeviceSpec(kind),
+                                  **recurrent_fields(hp, sp.layers)))
         workers.append(w)
         call = Call(submit=lambda pid, desc, inp, *ups, w=w: w.compute(pid, desc, inp, *ups),
                     get=lambda hs: hs, wait=lambda hs: None)
