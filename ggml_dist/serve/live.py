@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from .engine import ServingEngine
-from .live_probe import Lane, Reading, probe, queued
+from .live_probe import Lane, Reading, computing, probe, queued
 
 INTERVAL_S = 1.0                 # between samples while a stream is open
 HISTORY = 180                    # samples kept: the last three minutes at INTERVAL_S
@@ -78,7 +78,7 @@ class Live:
             lanes.append({"name": lane.name, "node": lane.node, "layers": lane.layers, "device": lane.device,
                           "planned": lane.planned, "planned_bytes": sum(lane.planned.values()),
                           "rss_bytes": lane.rss_bytes, "calls": lane.calls, "state": self._state(k, lane, now, changes),
-                          "busy": _rate(p.busy_s if p else None, lane.busy_s, dt, p is not None and _same(p, lane)),
+                          "busy": self._busy(p, lane, prev.t if prev else now.t, now),
                           "cpu": _rate(p.cpu_s if p else None, lane.cpu_s, dt, p is not None and _same(p, lane)),
                           "queue": (round(queued(now.lanes[k - 1], lane, prev.t, now.t), 3)
                                     if k and prev is not None and now.mode == "pipeline" else None)})
@@ -99,6 +99,17 @@ class Live:
         elif c.recovering and (pc is None or not pc.recovering):
             self._event(out, "recovering", None, "recovering a lost stage: requests wait, none is lost")
         return out
+
+    @staticmethod
+    def _busy(p: Lane | None, lane: Lane, lo: float, now: Reading) -> float | None:
+        """A stage's compute share since the previous reading, from its timeline; this process's or a
+        replica's from its compute seconds (their steps are short)."""
+        if p is None or not _same(p, lane):
+            return None
+        if now.mode == "pipeline":
+            return round(min(1.0, computing(lane, lo, now.t)), 4)
+        rate = _rate(p.busy_s, lane.busy_s, now.t - lo, True)
+        return None if rate is None else min(1.0, rate)
 
     def _state(self, k: int, lane: Lane, now: Reading, changes: list[tuple[str, int, str]]) -> str:
         """A lane's state, with the events its change makes: lost (it does not answer), replaced (it

@@ -4,6 +4,7 @@ its own, only what the engine, its metrics and the stages keep anyway.
     probe(engine, since) -> Reading     the lanes (one per pipeline stage, one for this process, one per
                                         replica), the micro-batches in flight, the slots and queue, the
                                         metrics' counters, the recovery's figures
+    computing(lane, lo, hi)             a stage's share of [lo, hi] in compute, from its timeline
     queued(up, down, lo, hi)            micro-batches waiting before a stage, on average over [lo, hi],
                                         from the two stages' timelines (workers/timeline.py's `queued`)
 
@@ -124,6 +125,14 @@ def queued(up: Lane, down: Lane, lo: float, hi: float) -> float:
         free = max(sent, min(started, down.timeline[i - 1][3])) if i else sent
         total += max(0.0, min(free, hi) - max(sent, lo))
     return total / (hi - lo)
+
+
+def computing(lane: Lane, lo: float, hi: float) -> float:
+    """The share of [lo, hi] the stage spent in compute, from its timeline: a call counts where it ran,
+    not all at once when it ends (one call of a restarted stage, compiling its kernels, ran 35 s)."""
+    if hi <= lo:
+        return 0.0
+    return sum(max(0.0, min(e[2], hi) - max(e[1], lo)) for e in lane.timeline) / (hi - lo)
 
 
 def _own_rss() -> int | None:

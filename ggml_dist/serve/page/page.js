@@ -205,9 +205,10 @@ function conversation() {
 
 async function showTemplate() {
   if (!$("show-template").checked) { $("template").hidden = true; return; }
+  $("template").hidden = false;
+  if (!conversation().length) { $("template").textContent = "(the rendering shows once there is a message)"; return; }
   const r = await call("/apply-template", { method: "POST", body: JSON.stringify({ messages: conversation() }) });
   $("template").textContent = (await r.json()).prompt;
-  $("template").hidden = false;
 }
 
 async function send(text) {
