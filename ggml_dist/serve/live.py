@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import sys
 import threading
 import time
 from typing import Any
@@ -65,23 +66,14 @@ class Live:
         if latest is None or time.time() - latest["t"] > self.interval_s:
             latest = self.sample()
         with self._lock:
-            return {"model": self.model_name, "interval_s": self.interval_s, "latest": latest,
-                    "series": list(self.series), "events": list(self.events)}
+            return {"model": self.model_name, "interval_s": self.interval_s, "watching": len(self._subscribers),
+                    "latest": latest, "series": list(self.series), "events": list(self.events)}
 
     def _derive(self, prev: Reading | None, now: Reading) -> dict[str, Any]:
         dt = now.t - prev.t if prev is not None else 0.0
         pl = dict(enumerate(prev.lanes)) if prev is not None and prev.mode == now.mode else {}
-        lanes: list[dict[str, Any]] = []
         changes: list[tuple[str, int, str]] = []
-        for k, lane in enumerate(now.lanes):
-            p = pl.get(k)
-            lanes.append({"name": lane.name, "node": lane.node, "layers": lane.layers, "device": lane.device,
-                          "planned": lane.planned, "planned_bytes": sum(lane.planned.values()),
-                          "rss_bytes": lane.rss_bytes, "calls": lane.calls, "state": self._state(k, lane, now, changes),
-                          "busy": self._busy(p, lane, prev.t if prev else now.t, now),
-                          "cpu": _rate(p.cpu_s if p else None, lane.cpu_s, dt, p is not None and _same(p, lane)),
-                          "queue": (round(queued(now.lanes[k - 1], lane, prev.t, now.t), 3)
-                                    if k and prev is not None and now.mode == "pipeline" else None)})
+        lanes = [self._lane(k, pl.get(k), lane, prev, now, changes) for k, lane in enumerate(now.lanes)]
         c, pc = now.counts, prev.counts if prev is not None else None
         n_ttft = c.ttft_n - pc.ttft_n if pc is not None else 0
         out = {"t": now.t, "dt": round(dt, 3), "mode": now.mode, "lanes": lanes, "in_flight": now.in_flight,
@@ -100,6 +92,19 @@ class Live:
             self._event(out, "recovering", None, "recovering a lost stage: requests wait, none is lost")
         return out
 
+    def _lane(self, k: int, p: Lane | None, lane: Lane, prev: Reading | None, now: Reading,
+              changes: list[tuple[str, int, str]]) -> dict[str, Any]:
+        """Lane k of a sample: what it is, its state, its shares since the previous reading."""
+        lo = prev.t if prev is not None else now.t
+        same = p is not None and _same(p, lane)
+        queue = round(queued(now.lanes[k - 1], lane, lo, now.t), 3) if k and now.mode == "pipeline" else None
+        return {"name": lane.name, "node": lane.node, "layers": lane.layers, "device": lane.device,
+                "planned": lane.planned, "planned_bytes": sum(lane.planned.values()), "rss_bytes": lane.rss_bytes,
+                "calls": lane.calls, "state": self._state(k, lane, now, changes),
+                "busy": self._busy(p, lane, lo, now) if same else None,
+                "cpu": _rate(p.cpu_s, lane.cpu_s, now.t - lo, same) if p is not None else None,
+                "queue": queue if prev is not None else None}
+
     @staticmethod
     def _busy(p: Lane | None, lane: Lane, lo: float, now: Reading) -> float | None:
         """A stage's compute share since the previous reading, from its timeline; this process's or a
@@ -112,11 +117,15 @@ class Live:
         return None if rate is None else min(1.0, rate)
 
     def _state(self, k: int, lane: Lane, now: Reading, changes: list[tuple[str, int, str]]) -> str:
-        """A lane's state, with the events its change makes: lost (it does not answer), replaced (it
-        answers from another process than before: lost first, if no reading saw it gone), ok."""
+        """A lane's state, with the events its change makes: lost (it does not answer while the engine
+        recovers), replaced (it answers from another process than before: lost first, if no reading saw
+        it gone), silent (it did not answer within the reading's second, the engine recovering nothing:
+        a plain Ray call waits behind the stage's computes), ok."""
         if now.mode != "pipeline":
             return "ok"
         if lane.busy_s is None:
+            if not now.counts.recovering and k not in self._lost:
+                return "silent"
             if k not in self._lost:
                 self._lost.add(k)
                 changes.append(("lost", k, f"{lane.name} lost: it does not answer"))
@@ -160,11 +169,19 @@ class Live:
                 if not self._subscribers:
                     self._thread = None
                     return
-            out = self.sample()
+            try:
+                out = self.sample()
+            except Exception as e:  # noqa: BLE001 - a failed reading is a gap in the view, not its end
+                print(f"ggml-dist serve: the live view's reading failed: {type(e).__name__}: {e}", file=sys.stderr)
+                time.sleep(self.interval_s)
+                continue
             with self._lock:
                 subs = list(self._subscribers)
             for loop, q in subs:
-                loop.call_soon_threadsafe(_offer, q, out)
+                try:
+                    loop.call_soon_threadsafe(_offer, q, out)
+                except RuntimeError:            # its event loop has closed (the server stopped)
+                    self.unsubscribe(q)
             time.sleep(max(0.0, self.interval_s - (time.monotonic() - t0)))
 
 

@@ -109,7 +109,7 @@ function showLanes(sample) {
     el.querySelector(".state").textContent = l.state;
     el.querySelector(".bar i").style.width = l.busy == null ? "0" : Math.min(100, l.busy * 100) + "%";
     el.querySelector(".figs").textContent = `busy ${pct(l.busy)} · CPU ${pct(l.cpu)}` +
-      (l.queue == null ? "" : ` · waiting ${l.queue.toFixed(2)} micro-batches`) + ` · ${l.calls} calls`;
+      (l.queue == null ? "" : ` · waiting ${l.queue.toFixed(2)} micro-batches`) + (l.calls ? ` · ${l.calls} calls` : "");
     const planned = Object.entries(l.planned).map(([k2, v]) => `${k2} ${fmtBytes(v)}`).join(", ");
     el.querySelector(".mem").textContent = `memory planned ${fmtBytes(l.planned_bytes)} (${planned}) · used ${fmtBytes(l.rss_bytes)}`;
     const svg = el.querySelector("svg");
