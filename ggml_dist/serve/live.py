@@ -162,6 +162,11 @@ class Live:
     def watching(self) -> int:
         return len(self._subscribers)
 
+    @property
+    def sampling(self) -> bool:
+        """Whether the stream's thread is running (only while streams are open, and one interval after)."""
+        return self._thread is not None
+
     def _run(self) -> None:
         while True:
             t0 = time.monotonic()

@@ -90,9 +90,9 @@ def test_live_events_stream_and_stop(server):
     assert [n for n, _ in evs] == ["snapshot", "sample", "sample"]
     assert evs[2][1]["t"] > evs[1][1]["t"] and evs[2][1]["lanes"][0]["name"] == "this process"
     deadline = time.monotonic() + 30
-    while view._thread is not None and time.monotonic() < deadline:
+    while view.sampling and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert view._thread is None and view.watching() == 0
+    assert not view.sampling and view.watching() == 0
     n = view.n_samples
     generate(server.url, 8)
     assert view.n_samples == n, "a sample was taken with no page open"
