@@ -103,6 +103,11 @@ class Runtime:
         """Each stage's figures (compute_s, calls, ...); none in one process (the caller times it)."""
         return self._pipeline.stats() if self._pipeline is not None else []
 
+    def poll_stats(self, since: float = 0.0, timeout_s: float = 1.0) -> list[StageStats | None]:
+        """Each stage's figures with its timeline since `since`, None where a stage did not answer within
+        timeout_s (Pipeline.poll_stats); none in one process."""
+        return self._pipeline.poll_stats(since, timeout_s) if self._pipeline is not None else []
+
     def stage_infos(self) -> list[StageInfo]:
         """What each stage last said of itself (its process, node, device, memory); none in one process."""
         if self._pipeline is None:

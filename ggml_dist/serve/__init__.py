@@ -17,6 +17,8 @@ side, or on a Ray pipeline.
                 (its limits: grammar_limits.py; GBNF to Lark: gbnf.py)
     tools.py    tool calls: tools rendered by the chat template, calls parsed from the text, forced calls
     metrics.py  Prometheus text exposition
+    routes_page.py  the page at / (page/: chat and the pipeline live) and its data, /live and /live/events:
+                live.py's samples of what live_probe.py reads from the engine, its metrics and the stages
     server.py   `serve` (blocking, for the CLI) and `ServerThread` (tests, benchmarks)
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@
     state.py          AppState (app.state.serving): what every route reads, and the helpers they share
     routes_openai.py  OpenAI's completions, chat completions, responses, embeddings, models
     routes_llama.py   llama-server's own routes (/completion, /tokenize, /props, /slots, /apply-template, ...)
+    routes_page.py    the page at / (chat and the pipeline live) and its data: /live, /live/events (live.py)
     chat.py           a chat request's prompt, rendered in one place
     answer.py         a generation's answer: engine requests, their events, the body or the stream
 
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import routes_llama as llama
 from . import routes_openai as openai
+from . import routes_page as page
 from .engine import ServingEngine
 from .grammar import Checker
 from .guard import MAX_BODY_BYTES, Admission, Guard, HTTPPolicy
@@ -71,6 +73,10 @@ def prometheus(http: HTTPRequest) -> PlainTextResponse:          # sync: stage s
 # (method, paths, route): llama-server's names of the OpenAI routes beside theirs
 ROUTES: list[tuple[str, tuple[str, ...], Callable[..., Any]]] = [
     ("GET", ("/health",), health),
+    ("GET", ("/",), page.index),
+    ("GET", ("/page/{name}",), page.page_file),
+    ("GET", ("/live",), page.live),
+    ("GET", ("/live/events",), page.live_events),
     ("GET", ("/v1/models", "/models"), openai.models),
     ("GET", ("/metrics",), prometheus),
     ("POST", ("/tokenize",), llama.tokenize),

@@ -3,8 +3,9 @@ for the whole server, before any route runs:
     Host        a name other than the bound address's, localhost or --allowed-hosts: 403 (DNS rebinding
                 would otherwise let a web page reach a loopback server); an IP literal is always allowed
     draining    after SIGTERM: 503 for every new request (serve's graceful shutdown, server.py)
-    API key     --api-key: `Authorization: Bearer KEY` (or `X-Api-Key`) on every path but /health,
-                compared in constant time (hmac.compare_digest): else 401
+    API key     --api-key: `Authorization: Bearer KEY` (or `X-Api-Key`) on every path but /health and
+                the page's files (PUBLIC_PATHS: they hold no data; the page sends the key), compared in
+                constant time (hmac.compare_digest): else 401
     body        POST/PUT/PATCH: a JSON content type (else 415: a cross-site form sends text/plain or
                 form types, which need no CORS preflight), at most max_body_bytes (413), read whole
                 within body_timeout_s (408: a Content-Length larger than what is sent cannot hold a
@@ -24,6 +25,9 @@ from .protocol import APIError
 
 MAX_BODY_BYTES = 1 << 20          # a 1 MiB prompt is far past any context this server runs
 BODY_TIMEOUT_S = 30.0             # a whole body, from its first byte's wait: 1 MiB at 35 KB/s
+# answered without the key: /health, and the page's shell (routes_page.py), which a browser's navigation
+# fetches without a bearer header and which shows nothing until the page has the key
+PUBLIC_PATHS = frozenset({"/health", "/", "/page/page.js", "/page/page.css"})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -41,7 +45,7 @@ class HTTPPolicy:
     allowed_hosts: frozenset[str] | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
-    public_paths: frozenset[str] = frozenset({"/health"})
+    public_paths: frozenset[str] = PUBLIC_PATHS
 
     @classmethod
     def for_bind(cls, host: str, api_key: str | None = None, extra_hosts: tuple[str, ...] = (),

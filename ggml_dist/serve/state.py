@@ -1,7 +1,7 @@
 """What every route of the app reads: one AppState (app.state.serving), and the helpers routes share.
 
     AppState        the engine, the model's name, the grammar checker, the admission (closed by a graceful
-                    shutdown), the guard's policy, and the request counts by endpoint
+                    shutdown), the guard's policy, the request counts by endpoint, and the live view
     state_of(http)  the AppState of the app a request came to
     read_json(http) the body as a JSON object (protocol.parse_body), off the loop when it is large
 """
@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from .engine import NotReady, ServingEngine
 from .grammar import Checker
 from .guard import Admission, HTTPPolicy
+from .live import Live
 from .protocol import APIError, context_exceeded, parse_body
 
 _BIG_BODY = 64 << 10              # bodies past this are parsed in a worker thread, not on the loop
@@ -36,6 +37,10 @@ class AppState:
     endpoints: dict[str, str] = field(default_factory=lambda: {
         "/v1/completions": "completions", "/v1/chat/completions": "chat",
         "/completions": "completions", "/chat/completions": "chat"})
+    live: Live = field(init=False)         # the page's and scripts' samples (live.py)
+
+    def __post_init__(self) -> None:
+        self.live = Live(self.engine, self.model_name)
 
     def count(self, path: str, status: int) -> None:
         """A refused or failed request of a counted endpoint, by its status."""

@@ -45,8 +45,8 @@ class StageActor:
     def finish_weights(self) -> int:
         return self.worker.finish_weights()
 
-    def stats(self) -> StageStats:
-        return self.worker.get_stats()
+    def stats(self, since: float = 0.0) -> StageStats:
+        return self.worker.get_stats(since)
 
     def ping(self) -> int:
         return self.worker.ping()

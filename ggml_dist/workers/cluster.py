@@ -342,6 +342,21 @@ class Pipeline:
         import ray
         return ray.get([a.stats.remote() for a in self.actors], timeout=30)
 
+    def poll_stats(self, since: float, timeout_s: float) -> list[StageStats | None]:
+        """Each stage's stats with its timeline since `since` (wall clock), None for a stage that did not
+        answer within timeout_s (lost, restarting, or its calls queued past it): the server's live view,
+        which must show a lost stage as lost rather than wait for it."""
+        import ray
+        refs = [a.stats.remote(since) for a in self.actors]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+        out: list[StageStats | None] = []
+        for r in refs:
+            try:
+                out.append(ray.get(r) if r in ready else None)
+            except ray.exceptions.RayError:
+                out.append(None)
+        return out
+
     def write_trace(self, path: str) -> None:
         """Chrome/Perfetto trace of the stages' calls so far: a track per stage, one per hop between
         stages (queueing and transfer), flow arrows per micro-batch (workers/timeline.py)."""

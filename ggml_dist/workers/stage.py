@@ -15,6 +15,7 @@ producing stages' return values; Ray resolves those ObjectRefs before the call r
 """
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -141,6 +142,8 @@ class StageStats:
     bytes_in_host: int = 0       # of which from the driver (tokens, positions, masks, KV slots)
     bytes_out: int = 0
     cpu_s: float = 0.0           # the process's CPU seconds, every thread (in a snapshot)
+    rss_bytes: int = 0           # the process's resident memory (in a snapshot; 0 where /proc has none)
+    incarnation: str = ""        # the process's life (in a snapshot): a restarted stage's stats have another
     timeline: list[CallSpan] = field(default_factory=list)
 
 
@@ -246,8 +249,13 @@ class StageWorker:
     def compute_bytes(self) -> int:
         return self.arena.buffer.size if self.plans and self.arena.buffer is not None else 0
 
-    def get_stats(self) -> StageStats:
-        return replace(self.stats, cpu_s=time.process_time(), timeline=list(self.stats.timeline))
+    def get_stats(self, since: float = 0.0) -> StageStats:
+        """A snapshot, with the timeline's calls that ended at or after `since` (wall clock) only: the
+        server's live view asks for its last second every second, not for the 10000 calls kept."""
+        tl = self.stats.timeline
+        i = bisect.bisect_left(tl, since, key=lambda e: e[3]) if since > 0 else 0   # ends grow: appended in order
+        return replace(self.stats, cpu_s=time.process_time(), rss_bytes=_rss_bytes(), incarnation=self.incarnation,
+                       timeline=tl[i:])
 
     def ping(self) -> int:
         return os.getpid()
@@ -382,6 +390,16 @@ class StageWorker:
         if len(s.timeline) > 10000:
             del s.timeline[:5000]
         return out
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now (Linux's /proc; 0 elsewhere): what a stage uses, beside what
+    placement planned for it."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _sample_rows(logits: np.ndarray, rows: Any) -> np.ndarray:

@@ -172,3 +172,16 @@ def test_replicas_exit_with_their_front(serve_model):
     while any(running(p) for p in pids):
         assert time.monotonic() - t0 < 60, "a replica outlived its front"
         time.sleep(0.1)
+
+
+# the live view of replicas (serve/live.py): a lane per replica, each one's busy share from what it
+# reports; after a request, a reading counts its tokens
+def test_live_view_has_a_lane_per_replica(replicated):
+    snap = httpx.get(replicated.url + "/live", timeout=60).json()["latest"]
+    assert snap["mode"] == "replicas" and [ln["name"] for ln in snap["lanes"]] == ["replica 0", "replica 1"]
+    r = httpx.post(replicated.url + "/v1/completions", json={"prompt": "one two", "max_tokens": 6, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200
+    after = httpx.get(replicated.url + "/live", timeout=60).json()["latest"]
+    assert after["generated"] - snap["generated"] == r.json()["usage"]["completion_tokens"]
+    assert all(ln["busy"] is not None for ln in after["lanes"])
