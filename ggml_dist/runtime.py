@@ -30,7 +30,7 @@ from .workers.cluster import Pipeline
 from .workers.driver import default_copies  # noqa: F401 - the face
 from .workers.local_ray import connect, exit_on_signal, local_ray_cpu_s, shutdown_local  # noqa: F401 - the face
 from .workers.placement import Placement
-from .workers.stage import StageInfo, StageStats
+from .workers.stage_data import StageInfo, StageStats
 
 
 def runs_on_ray(n_stages: int | None, address: str | None) -> bool:

@@ -13,7 +13,8 @@ import numpy as np
 from ..backends.base import StageLostError
 from .health import HealthServer, StageWatch
 from .proxy import Call
-from .stage import PlanMissingError, StageInfo, StageSpec, StageStats, StageWorker
+from .stage import PlanMissingError, StageWorker
+from .stage_data import StageInfo, StageSpec, StageStats
 from .stage_loop import StageLoop
 from .wire import Message, ray_payload
 

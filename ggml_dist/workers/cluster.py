@@ -35,7 +35,7 @@ from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError
 from .proxy import Call, StageDevice, StageProxy
 from .resources import cluster_nodes, stage_options
 from .shipping import WeightManifest, manifest, ship
-from .stage import StageInfo, StageSpec, StageStats, recurrent_fields
+from .stage_data import StageInfo, StageSpec, StageStats, recurrent_fields
 from .timeline import trace_events
 
 

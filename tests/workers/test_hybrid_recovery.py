@@ -24,7 +24,8 @@ from ggml_dist.model.synthetic_hybrid import QWEN35_SPECS
 from ggml_dist.workers.driver import driver_context
 from ggml_dist.workers.placement import place
 from ggml_dist.workers.proxy import Call, StageDevice, StageProxy
-from ggml_dist.workers.stage import StageSpec, StageWorker, recurrent_fields
+from ggml_dist.workers.stage import StageWorker
+from ggml_dist.workers.stage_data import StageSpec, recurrent_fields
 
 REFS = np.load(Path(__file__).resolve().parents[1] / "data" / "qwen35_refs.npz")
 PROMPT = REFS["meta/tokens"].tolist()[:7]

@@ -9,7 +9,8 @@ from ggml_dist.model.context import ContextParams
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
 from ggml_dist.workers.placement import place
-from ggml_dist.workers.stage import StageSpec, StageWorker
+from ggml_dist.workers.stage import StageWorker
+from ggml_dist.workers.stage_data import StageSpec
 
 SPECS = {
     "untied": SyntheticSpec(n_layer=4, tied=False, seed=3),

@@ -13,7 +13,8 @@ from ggml_dist.workers import stage as stage_mod
 from ggml_dist.workers.driver import driver_context
 from ggml_dist.workers.placement import place
 from ggml_dist.workers.proxy import Call, StageDevice, StageProxy
-from ggml_dist.workers.stage import StageSpec, StageWorker, recurrent_fields
+from ggml_dist.workers.stage import StageWorker
+from ggml_dist.workers.stage_data import StageSpec, recurrent_fields
 from tests.model.refs import LONG_SPECS, LONG_TOKENS
 
 
