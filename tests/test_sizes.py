@@ -43,7 +43,7 @@ OVERSIZED = {
     "ggml_dist/scheduler/sched.py": 442,
     "ggml_dist/serve/answer.py": 414,
     "ggml_dist/serve/answer.py:generate": 91,
-    "ggml_dist/serve/engine.py": 467,
+    "ggml_dist/serve/engine.py": 470,
     "ggml_dist/serve/grammar.py": 414,
     "ggml_dist/serve/replicas.py": 596,
     "ggml_dist/testbed/cluster.py": 591,

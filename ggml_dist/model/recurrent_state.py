@@ -25,6 +25,7 @@ without waiting for the calls in flight.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +49,18 @@ StateOpHook = Callable[[BufferType, RowOp], None]
 
 class StateTrimError(ValueError):
     """An operation would need a recurrent state cut back to a prefix, which no state can give."""
+
+
+@dataclass(frozen=True, eq=False)
+class StateSnapshot:
+    """One sequence's state rows (every recurrent layer's r and s row, in tensors() order) after its
+    first n_past tokens: what a checkpoint keeps, and what restore() writes back."""
+    n_past: int
+    rows: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
 
 
 def recurrent_state(hp: LlamaHParams, n_seq_max: int, buft: Callable[[], BufferType],
@@ -213,6 +226,30 @@ class RecurrentState:
     def clear(self) -> None:
         self._rows(("clear",))
         self.pos[:], self.half[:], self.prev[:] = -1, 0, -2
+
+    # -- checkpoints: the only way back to a prefix is a copy taken there -------------------------------
+    @property
+    def local(self) -> bool:
+        """Whether every row is in this process's memory (not on a pipeline's stages)."""
+        return all(buf.base is not None for _, buf, _ in self.groups)
+
+    def snapshot(self, seq_id: int) -> StateSnapshot:
+        """A copy of the sequence's state row as it is (after positions 0..pos[seq_id]); rows in this
+        process only."""
+        if not self.local:
+            raise ValueError("a snapshot of a recurrent state held by pipeline stages is not built yet")
+        r = self.row(seq_id)
+        return StateSnapshot(int(self.pos[seq_id]) + 1, tuple(tensor_array(t)[0, 0, r].copy() for t in self.tensors()))
+
+    def restore(self, seq_id: int, snap: StateSnapshot) -> None:
+        """The sequence's state becomes the snapshot's: after its first snap.n_past tokens (nothing kept from
+        before a last ubatch)."""
+        if not self.local:
+            raise ValueError("a recurrent state held by pipeline stages cannot be restored from a snapshot yet")
+        r = self.row(seq_id)
+        for t, row in zip(self.tensors(), snap.rows, strict=True):
+            tensor_array(t)[0, 0, r] = row
+        self.pos[seq_id], self.prev[seq_id] = snap.n_past - 1, -2
 
     # -- graph pieces (build_rs and the copies back into the cache) -------------------------------------
     def get_r(self, ctx: Context, il: int, s_copy: Tensor) -> Tensor:

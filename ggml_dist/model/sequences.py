@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..scheduler.sched import Sched
 from .kv_cache import KVCache
 from .recovery import Recovery
-from .recurrent_state import RecurrentState
+from .recurrent_state import RecurrentState, StateSnapshot, StateTrimError
 
 
 class SequenceOps:
@@ -56,6 +56,37 @@ class SequenceOps:
         self.kv.swap_streams(sa, sb, max(cells.used_max_p1_in(sa), cells.used_max_p1_in(sb)))
         if self.rs is not None:
             self.rs.seq_swap(a, b)
+
+    @property
+    def trims_to_prefix(self) -> bool:
+        """Whether seq_rm can cut a sequence back to any prefix: not with a recurrent state, which goes
+        back only to a snapshot taken there (state_snapshot, seq_restore)."""
+        return self.rs is None
+
+    @property
+    def keeps_checkpoints(self) -> bool:
+        """Whether state_snapshot and seq_restore work here: a recurrent state in this process (a
+        pipeline's stages hold theirs, and copying them out is not built yet)."""
+        return self.rs is not None and self.rs.local
+
+    def state_snapshot(self, seq_id: int) -> StateSnapshot:
+        """The sequence's recurrent state now, once the work in flight has written it."""
+        assert self.rs is not None, "a model without recurrent layers has no state to snapshot"
+        self.sched.synchronize()
+        return self.rs.snapshot(seq_id)
+
+    def seq_restore(self, seq_id: int, snap: StateSnapshot) -> None:
+        """The sequence cut back to the snapshot's prefix: its KV cells from snap.n_past go and its
+        recurrent state becomes the snapshot's. The caller vouches that the snapshot was taken on this
+        sequence's tokens (the serve's checkpoints key it by the slot's cached tokens)."""
+        assert self.rs is not None, "a model without recurrent layers trims with seq_rm"
+        if snap.n_past > self.seq_pos_max(seq_id) + 1:
+            raise StateTrimError(f"sequence {seq_id} holds {self.seq_pos_max(seq_id) + 1} positions, fewer than "
+                                 f"the snapshot's {snap.n_past}")
+        self.sched.synchronize()
+        self.kv.cells.seq_rm(seq_id, snap.n_past, -1)
+        self.recovery.prune(self.kv.cells)
+        self.rs.restore(seq_id, snap)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.kv.cells.seq_pos_max(seq_id)

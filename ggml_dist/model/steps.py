@@ -50,6 +50,7 @@ class Seq:
     n_gen: int = 0
     n_flight: int = 0
     done: bool = False                      # finished: rows of it still in flight are ignored
+    checkpoints_at: tuple[int, ...] = ()    # n_past values no prompt chunk passes (a state copy is taken there)
     tokens: list[int] = field(default_factory=list)   # (run) the tokens chosen, an end excluded
 
     @property
@@ -143,7 +144,8 @@ class Steps:
                 chunk = [s.history[-1]]
             else:
                 left = len(s.prompt) - s.n_past
-                chunk = s.prompt[s.n_past:s.n_past + min(budget, short if left <= TRICKLE else left)]
+                end = next((p for p in s.checkpoints_at if p > s.n_past), len(s.prompt))
+                chunk = s.prompt[s.n_past:min(end, s.n_past + min(budget, short if left <= TRICKLE else left))]
             chosen.append((s, chunk))
             n_tokens += len(chunk)
         return chosen

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import routes_llama as llama
 from . import routes_openai as openai
 from . import routes_page as page
+from .checkpoints import HELP as CHECKPOINT_HELP
 from .engine import ServingEngine
 from .grammar import Checker
 from .guard import MAX_BODY_BYTES, Admission, Guard, HTTPPolicy
@@ -66,6 +67,7 @@ def prometheus(http: HTTPRequest) -> PlainTextResponse:          # sync: stage s
         "steps_fed_total": ("decode steps queued before their tokens were back (token feedback)",
                             float(st["fed_steps"])),
     }
+    gauges.update({k: (help_, st[k]) for k, help_ in CHECKPOINT_HELP.items() if k in st})
     busy = engine.stage_busy() if engine.ready.is_set() and not engine.load_error else []
     return PlainTextResponse(engine.metrics.render(gauges, busy), media_type="text/plain; version=0.0.4; charset=utf-8")
 

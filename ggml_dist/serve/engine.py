@@ -103,7 +103,7 @@ class Engine:
         self.ctx: LlamaContext | None = None
         self.runtime: Runtime | None = None     # this process, or a Ray pipeline (runtime.open_runtime)
         self.steps: Steps | None = None         # the micro-batches in flight, once loaded
-        self.slots = Slots(cfg.n_parallel, cfg.cache_prompt)
+        self.slots = Slots(cfg.n_parallel, cfg.cache_prompt, cfg.checkpoint_mib << 20, cfg.checkpoint_every)
         self.ready = threading.Event()
         self.load_error: str | None = None
         self._queue: collections.deque[Request] = collections.deque()
@@ -185,7 +185,7 @@ class Engine:
                 "kv_cells_cached": self.slots.cached_cells(),
                 "kv_cells_total": ctx.kv.kv_size * ctx.kv.n_stream if ctx else 0,
                 "replayed_tokens": ctx.recovery.n_replayed_tokens if ctx else 0,
-                "fed_steps": self.steps.n_fed if self.steps else 0}
+                "fed_steps": self.steps.n_fed if self.steps else 0, **self.slots.checkpoints.figures()}
 
     def stage_busy(self) -> list[float]:
         """Compute seconds per stage (the engine's own in one process); the last known figures while a
@@ -305,6 +305,7 @@ class Engine:
                 continue
             slot, n_keep = self.slots.take(req.prompt, reuse=req.prompt_logprobs is None and req.cache_prompt)
             first = self.slots.seqs[slot] = Sequence.start(req, slot, 0, constraints[0], n_keep, self.model.tokenizer)
+            first.checkpoints_at = self.slots.due(req.prompt, n_keep)
             first.n_cached = n_keep
             self.metrics.add_prompt(len(req.prompt), n_keep)
             for i in range(1, req.n):           # the other choices take the prompt's cells from choice 0
@@ -319,7 +320,9 @@ class Engine:
         if mb.scored:
             assert logits is not None
             logits = score_chunk(*mb.parts[0], logits)
-        for s, chosen, row in Steps.rows(mb, toks, logits):
+        rows = Steps.rows(mb, toks, logits)
+        self.slots.checkpoint(mb.parts)
+        for s, chosen, row in rows:
             assert isinstance(s, Sequence)
             if s.req.cancelled:
                 if not s.in_flight:                      # else once its last step is back (_reap)

@@ -24,6 +24,8 @@ class EngineConfig:
                                             # (None: per slot in one process, shared on a pipeline)
     cache_prompt: bool = True               # a finished request's tokens stay in its slot's stream, and
                                             # a prompt starting with them reuses them (KV stream per slot)
+    checkpoint_every: int = 512             # a recurrent model's slots copy their state every this many
+    checkpoint_mib: int = 256               # prompt tokens, within this budget (serve/checkpoints.py)
     n_replicas: int = 1                     # engine processes sharing the slots (serve.replicas)
     pooling: str | None = None              # /v1/embeddings: "mean", "last" or "cls" (llama-server's
                                             # --pooling; the files we load carry pooling type none);
@@ -48,6 +50,9 @@ class EngineConfig:
         if self.n_replicas > 1 and run.distributed:
             raise ValueError("--replicas runs engines side by side in one machine; it does not combine "
                              "with a pipeline (--stages > 1 or --address)")
+        if self.checkpoint_every < 1 or self.checkpoint_mib < 0:
+            raise ValueError(f"state checkpoints every {self.checkpoint_every} tokens within "
+                             f"{self.checkpoint_mib} MiB: the interval must be >= 1 and the budget >= 0")
         if self.max_queue < 0:
             raise ValueError(f"the queue bound must be >= 0, got {self.max_queue}")
         if run.n_stages is None and run.address is None:

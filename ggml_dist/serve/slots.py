@@ -4,7 +4,11 @@ request's tokens (cache_prompt), which a prompt that starts with them takes and 
 
 With a KV stream per slot (one process) the busy slots are kept at the bottom (compact): a ubatch spans
 consecutive streams, so a gap costs a graph run. Over a pipeline the stages hold the cache and its slots
-share one stream by default: sequences are not moved there."""
+share one stream by default: sequences are not moved there.
+
+A model with recurrent layers (ctx.trims_to_prefix false) cannot cut a slot's cache back to any prefix:
+its slots keep copies of their state at agreed points (serve/checkpoints.py), and a prompt that shares
+only part of a slot's cache goes back to the latest copy within that part, or to position 0."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..model.generate import TextStream
+from ..model.recurrent_state import StateTrimError
 from ..model.sampling import Sampler
 from ..model.steps import Seq
+from .checkpoints import BUDGET_BYTES, EVERY, Checkpoints
 from .requests import Request, token_logprob
 from .stop import StopMatcher
 
@@ -75,12 +81,14 @@ class Slots:
     """seqs[k]: the sequence slot k runs, or None; cached[k]: a free slot's KV tokens (its cells).
     ctx is set once the model has loaded; movable: sequences may move between slots (compact)."""
 
-    def __init__(self, n_parallel: int, cache_prompt: bool) -> None:
+    def __init__(self, n_parallel: int, cache_prompt: bool, checkpoint_bytes: int = BUDGET_BYTES,
+                 checkpoint_every: int = EVERY) -> None:
         self.cache_prompt = cache_prompt
         self.seqs: list[Sequence | None] = [None] * n_parallel
         self.cached: list[list[int]] = [[] for _ in range(n_parallel)]
         self.ctx: LlamaContext | None = None
         self.movable = False
+        self.checkpoints = Checkpoints(n_parallel, checkpoint_bytes, checkpoint_every)
 
     def n_free(self) -> int:
         return sum(s is None for s in self.seqs)
@@ -109,10 +117,42 @@ class Slots:
                     slot, n_keep = k, n
             n_keep = min(n_keep, len(prompt) - 1)
         if self.cached[slot]:                           # a slot without a cache holds no cells
-            self.ctx.seq_rm(slot, n_keep, -1)
+            n_keep = self._cut(slot, n_keep)
         self.cached[slot] = []
         assert self.ctx.seq_pos_max(slot) == n_keep - 1, f"slot {slot} holds more than its kept prefix"
         return slot, n_keep
+
+    def _cut(self, slot: int, n_keep: int) -> int:
+        """The slot's cells cut back to its first n_keep tokens, or, where its recurrent state cannot be
+        cut there (more than its last ubatch), to its latest checkpoint within them or to nothing: how
+        many it keeps."""
+        assert self.ctx is not None
+        try:
+            self.ctx.seq_rm(slot, n_keep, -1)           # a refused cut changes nothing
+        except StateTrimError:
+            c = self.checkpoints.best(slot, n_keep) if self.ctx.keeps_checkpoints else None
+            if c is None:
+                self.ctx.seq_rm(slot)
+                n_keep = 0
+            else:
+                self.ctx.seq_restore(slot, c.snap)
+                n_keep = c.n_past
+        self.checkpoints.cut(slot, n_keep)
+        return n_keep
+
+    def due(self, prompt: list[int], n_keep: int) -> tuple[int, ...]:
+        """Where this prompt's evaluation stops for a state checkpoint: nowhere without a recurrent state
+        in this process."""
+        assert self.ctx is not None
+        return self.checkpoints.due(len(prompt), n_keep) if self.ctx.keeps_checkpoints else ()
+
+    def checkpoint(self, parts: list) -> None:
+        """After a step (its parts: (sequence, tokens, output)): a copy of each sequence's state that
+        reached one of its checkpoints_at with nothing of it in flight."""
+        assert self.ctx is not None
+        for s, _, _ in parts:
+            if s.n_past in s.checkpoints_at and not s.n_flight and not s.done:
+                self.checkpoints.save(s.slot, self.ctx.state_snapshot(s.slot))
 
     def take_blank(self) -> int:
         """The lowest free slot, its cached tokens dropped: for a choice > 0 (which copies its prompt's
@@ -122,6 +162,7 @@ class Slots:
         if self.cached[slot]:
             self.ctx.seq_rm(slot)
             self.cached[slot] = []
+        self.checkpoints.cut(slot, 0)
         return slot
 
     def release(self, s: Sequence, keep: bool) -> None:
@@ -136,14 +177,18 @@ class Slots:
         if keep and self.cache_prompt:
             self.cached[s.slot] = s.history[:s.n_past]
             if s.n_flight:
-                self.ctx.seq_rm(s.slot, s.n_past, -1)
+                self.cached[s.slot] = s.history[:self._cut(s.slot, s.n_past)]
+            elif self.ctx.keeps_checkpoints and s.n_past:           # the end of the answer
+                self.checkpoints.save(s.slot, self.ctx.state_snapshot(s.slot))
         else:
             self.ctx.seq_rm(s.slot)
+            self.checkpoints.cut(s.slot, 0)
         self.seqs[s.slot] = None
 
     def forget(self) -> None:
-        """Every cached prompt goes (the cache itself is cleared by the caller)."""
+        """Every cached prompt goes (the cache itself is cleared by the caller), and every checkpoint."""
         self.cached = [[] for _ in self.seqs]
+        self.checkpoints.forget()
 
     def compact(self) -> None:
         """Keep the busy slots at the bottom: the sequence in the highest busy slot moves into the
@@ -173,6 +218,7 @@ class Slots:
             else:
                 self.ctx.seq_cp(src, dst)
                 self.ctx.seq_rm(src)
+            self.checkpoints.move(src, dst)
             self.cached[src], self.cached[dst] = self.cached[dst], []
             s.slot, self.seqs[dst], self.seqs[src] = dst, s, None
 
