@@ -88,6 +88,17 @@ def gated_delta_net(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, 
     return out, m
 
 
+def _rkernels(opts: Any) -> Any:
+    """rkernels (numba) when opts.numba and numba imports, else None: the numpy kernels here."""
+    if not opts.numba:
+        return None
+    try:
+        from . import rkernels
+    except ImportError:
+        return None
+    return rkernels
+
+
 def _heads(x: np.ndarray, n_s: int, H: int) -> np.ndarray:
     """q or k [ns, n_t, H_k, S] read for every value head and sequence, as ggml indexes them: key head
     h mod H_k, sequence s // (n_s / ns)."""
@@ -95,9 +106,19 @@ def _heads(x: np.ndarray, n_s: int, H: int) -> np.ndarray:
 
 
 def _gated_delta_net(t: Tensor, dst: np.ndarray, srcs: list, opts: Any) -> None:
-    """GATED_DELTA_NET: the output [S, H, n_t, n_s], then the final state [S, S, H, n_s], packed in dst."""
+    """GATED_DELTA_NET: the output [S, H, n_t, n_s], then the final state [S, S, H, n_s], packed in dst;
+    by rkernels' compiled twin where numba is on (the same bits)."""
     q, k, v, g, beta, state = srcs
-    n_s, H = v.shape[0], v.shape[2]
+    n_s, n_t, H, S = v.shape
+    rk = _rkernels(opts)
+    if rk is not None and dst.flags.c_contiguous and all(a.dtype == F32 for a in srcs):
+        flat = dst.reshape(-1)
+        n_out = n_s * n_t * H * S
+        eg = np.exp(g.astype(F64)).astype(F32)              # gated_delta_net's expf, in numpy as there
+        rk.gated_delta_net(q, k, v, eg, beta, state, flat[:n_out].reshape(n_s, n_t, H, S),
+                           flat[n_out: n_out + n_s * H * S * S].reshape(n_s, H, S, S),
+                           F32(1) / np.sqrt(F32(S)))
+        return
     out, m = gated_delta_net(_heads(q, n_s, H), _heads(k, n_s, H), v, g, beta, state)
     flat = dst.reshape(-1)
     flat[: out.size] = out.reshape(-1)
