@@ -45,6 +45,10 @@ def _ssm_conv(t: Tensor, dst: np.ndarray, srcs: list, opts: Any) -> None:
     from 0, each product rounded before it is added (llama.cpp's build does not contract it: checked
     bit for bit against its ggml)."""
     sx, c = srcs[0][0], srcs[1][0, 0]              # [n_s, d_inner, d_conv - 1 + n_t], [d_inner, d_conv]
+    rk = _rkernels(opts)
+    if rk is not None and sx.dtype == c.dtype == dst.dtype == F32:
+        rk.ssm_conv(sx, c, dst[0])                  # the compiled twin: the same bits
+        return
     d_conv = c.shape[-1]
     n_t = dst.shape[2]
     out = np.zeros((sx.shape[0], n_t, sx.shape[1]), F32)
@@ -58,6 +62,10 @@ def _l2_norm(t: Tensor, dst: np.ndarray, srcs: list, opts: Any) -> None:
     """L2_NORM per row: sum += double(f32(x*x)) in order, scale = 1/max(sqrtf(f32(sum)), eps) in f32,
     y = f32(x*scale)."""
     x = srcs[0].astype(F32, copy=False)
+    rk = _rkernels(opts)
+    if rk is not None and dst.dtype == F32 and x.shape == dst.shape:
+        rk.l2_norm(x, F32(t.op_param(0)), dst)      # the compiled twin: the same bits
+        return
     sq = (x * x).astype(F32).astype(F64)
     total = np.add.accumulate(sq, axis=-1)[..., -1:] if x.shape[-1] else np.zeros((*x.shape[:-1], 1))
     norm = np.sqrt(total.astype(F32)).astype(F32)

@@ -1,7 +1,7 @@
-"""The compiled recurrent kernels (backends/cpu/rkernels.py) against recurrent.py's numpy reference, bit for
-bit, through the op's node as a graph runs it (numba on and off), over random shapes: per-key and scalar
-gates, several sequences, shared key heads and sequences, head sizes off the 32-element step, one thread
-and several."""
+"""The compiled recurrent kernels (backends/cpu/rkernels.py: GATED_DELTA_NET, SSM_CONV, L2_NORM) against
+recurrent.py's numpy reference, bit for bit, through the op's node as a graph runs it (numba on and off),
+over random shapes: per-key and scalar gates, several sequences, shared key heads and sequences, head
+sizes off the 32-element step, one thread and several."""
 from __future__ import annotations
 
 import numpy as np
@@ -79,3 +79,29 @@ def test_gated_delta_net_compiled_keeps_inf_and_nan_where_numpy_does():
     ref, fast = both(oh.gated_delta_net(ctx, *ts), dict(zip(ts, arrays, strict=True)))
     assert np.isnan(ref).any() and not np.isnan(ref).all()
     assert np.array_equal(ref, fast, equal_nan=True)
+
+
+@pytest.mark.parametrize("n_s,d_inner,d_conv,n_t", [(1, 48, 4, 1), (2, 40, 4, 9), (3, 16, 2, 5)])
+def test_ssm_conv_compiled_equals_numpy(n_s, d_inner, d_conv, n_t):
+    r = np.random.default_rng(n_s * 10 + n_t)
+    sx = (r.standard_normal((n_s, d_inner, d_conv - 1 + n_t)) * r.choice([0.01, 1, 1e4], 1)).astype(F32)
+    c = r.standard_normal((d_inner, d_conv)).astype(F32)
+    sx[0, 0, 0] = -0.0                                      # -0 * c, added to 0: +0 on both paths
+    ctx = Context(1 << 22)
+    tsx, tc = _leaves(ctx, (sx, c))
+    ref, fast = both(oh.ssm_conv(ctx, tsx, tc), {tsx: sx, tc: c})
+    assert np.array_equal(ref.view(np.uint32), fast.view(np.uint32))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7, 128), (1, 1, 4, 33), (2, 1, 3, 1)])
+def test_l2_norm_compiled_equals_numpy(shape):
+    r = np.random.default_rng(sum(shape))
+    x = (r.standard_normal(shape) * r.choice([1e-5, 1, 1e3], shape)).astype(F32)
+    x.reshape(-1, shape[-1])[0] = 0                         # a zero row: 0 / eps
+    if shape[0] > 1:
+        x.reshape(-1, shape[-1])[1, 0] = np.nan             # a nan row stays nan
+    ctx = Context(1 << 22)
+    (tx,) = _leaves(ctx, (x,))
+    ref, fast = both(oh.l2_norm(ctx, tx, 1e-6), {tx: x})
+    assert np.array_equal(ref, fast, equal_nan=True)
+    assert np.array_equal(ref.view(np.uint32)[~np.isnan(ref)], fast.view(np.uint32)[~np.isnan(ref)])
