@@ -53,6 +53,7 @@ CASES = [  # n_s, n_t, Hk, H, S, per_key, ns_qk (None: n_s)
     (3, 4, 1, 3, 40, True, None),       # per-key gate, a tail past the 32-element step
     (2, 3, 2, 2, 20, True, 1),          # shorter than one step; q and k shared by the sequences
     (1, 7, 4, 8, 128, False, None),     # Qwen3.5's head size
+    (2, 3, 1, 2, 66, True, None),       # rows past the last whole block of _R, a tail past the 32-step
 ]
 
 
@@ -105,3 +106,18 @@ def test_l2_norm_compiled_equals_numpy(shape):
     ref, fast = both(oh.l2_norm(ctx, tx, 1e-6), {tx: x})
     assert np.array_equal(ref, fast, equal_nan=True)
     assert np.array_equal(ref.view(np.uint32)[~np.isnan(ref)], fast.view(np.uint32)[~np.isnan(ref)])
+
+
+def test_imrope_with_the_compiled_cache_equals_numpy_and_repeats():
+    """IMRoPE's multi-section cos/sin (rope.mrope_cache): by fkernels' rope_cache with numba on, by numpy
+    without, the same bits; memoized for the next layer's Q and K (the same result again)."""
+    ctx = Context(1 << 22)
+    hd, n_head, n_tok, n_rot = 64, 3, 5, 32
+    x = np.random.default_rng(8).standard_normal((n_tok, n_head, hd)).astype(F32)
+    pos = np.random.default_rng(9).integers(0, 3000, 4 * n_tok).astype(np.int32)
+    ta = ctx.new_tensor(GGMLType.F32, (hd, n_head, n_tok))
+    tp = ctx.new_tensor(GGMLType.I32, (4 * n_tok,))
+    out = oh.rope_multi(ctx, ta, tp, n_rot, (6, 5, 5, 0), oh.ROPE_TYPE_IMROPE, 4096, 1e7)
+    ref, fast = both(out, {ta: x, tp: pos})
+    assert np.array_equal(ref.view(np.uint32), fast.view(np.uint32))
+    assert np.array_equal(run(out, {ta: x, tp: pos}, NUMBA).view(np.uint32), fast.view(np.uint32))
