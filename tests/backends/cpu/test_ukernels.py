@@ -63,3 +63,20 @@ def test_silu_kernel_in_place_and_on_a_strided_view():
 def test_silu_rows_off_the_8_step_take_the_numpy_path():
     ref, fast = _silu_node(_values(5, (3, 13)))             # numerics' expf tail: no compiled twin
     assert np.array_equal(ref.view(np.uint32), fast.view(np.uint32))
+
+
+def test_softplus_compiled_equals_numpy():
+    """Normal values, the x > 20 switch, exp's overflow and underflow, and random bit patterns (nan,
+    inf, subnormals among them): numerics.softplus's bits (the C library's expf and logf on both paths)."""
+    r = np.random.default_rng(11)
+    x = np.concatenate([_values(6, (3999,)), np.array([19.999998, 20, 20.000002, 88.7, 89, -104, -200], F32),
+                        r.integers(0, 2**32, 4000, dtype=np.uint64).astype(np.uint32).view(F32)]).reshape(2, -1)
+    ctx = Context(1 << 22)
+    a = ctx.new_tensor(GGMLType.F32, tuple(reversed(x.shape)))
+    out = ops.unary(ctx, a, UnaryOp.SOFTPLUS)
+    g = Graph()
+    g.build_forward_expand(out)
+    ref, fast = [ReferenceExecutor(o).compute(g, {a: x})[out] for o in (ComputeOptions(numba=False),
+                                                                         ComputeOptions(numba=True))]
+    same = (ref.view(np.uint32) == fast.view(np.uint32)) | (np.isnan(ref) & np.isnan(fast))
+    assert same.all()
