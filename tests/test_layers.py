@@ -99,7 +99,7 @@ def test_imports_only_go_down():
 # path imports no numba; the compiled twins do.
 BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.host", "backends.accel", "backends.devices")
 REFERENCE = ("base", "cpu/quants", "cpu/blocks", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
-             "cpu/numerics", "cpu/fusion", "cpu/recurrent", "host")
+             "cpu/numerics", "cpu/fusion", "cpu/recurrent", "cpu/unary", "host")
 
 
 def _numba_imports(path: Path) -> list[int]:

@@ -1,7 +1,7 @@
 """CPU speed next to llama.cpp on the same file, in the same run: prompt and decode tok/s, their ratios,
 peak RSS, the decode bandwidth achieved (model.bytes_read_per_token() x tok/s) and a numpy copy bandwidth.
 
-    ggml-dist bench decode [--model smollm2-135m] [--tinyllama] [--threads 2] [--prompt-len 128]
+    ggml-dist bench decode [--model smollm2-135m | a synthetic shape] [--tinyllama] [--threads 2] [--prompt-len 128]
                            [--gen 64] [--llamacpp-flash-attn {default,on,off}] [--rounds 1] [--paired] --json
 
 Each measurement runs in its own subprocess, so peak RSS is the engine's own; llama.cpp is measured
@@ -442,9 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             res = measure_llamacpp(a.model, a.prompt_len, a.gen, a.threads, a.llamacpp_flash_attn)
         print(json.dumps(res))
         return 0
-    from ..model.pull import resolve_model
+    from ..model.synthetic import model_path
     copy = copy_gb_s()
-    models = [(a.model, str(resolve_model(a.model)))]
+    models = [(a.model, str(model_path(a.model)))]
     if a.tinyllama:
         from ..model.synthetic import TINYLLAMA_Q4_0, cached_synthetic
         models.append(("tinyllama-1.1b-q4_0-synthetic", str(cached_synthetic(TINYLLAMA_Q4_0))))

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gquants
 
 from ..core.types import GGMLType
-from .synthetic_hybrid import SyntheticHybridSpec, write_hybrid
+from .synthetic_hybrid import HYBRID_SHAPES, SyntheticHybridSpec, write_hybrid
 from .synthetic_moe import MOE_SHAPES, SyntheticMoESpec, write_moe
 from .synthetic_parts import random_kquant, spm_vocab
 
@@ -195,9 +195,10 @@ TINYLLAMA_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=2048, n_layer=22, n_head=32
 # LLaMA-2-7B's dimensions (no GQA), Q4_0 throughout: ~3.6 GiB, a model bigger than one testbed host
 LLAMA2_7B_Q4_0 = SyntheticSpec(n_vocab=32000, n_embd=4096, n_layer=32, n_head=32, n_head_kv=32, n_ff=11008,
                                n_ctx_train=4096, wtype="Q4_0", embd_type="Q4_0", tied=False, seed=7)
-# and the mixtures of experts' (synthetic_moe.MOE_SHAPES): Qwen3-30B-A3B and gpt-oss-20b with few layers
-SHAPES: dict[str, SyntheticSpec | SyntheticMoESpec] = {"tinyllama": TINYLLAMA_Q4_0, "llama2-7b": LLAMA2_7B_Q4_0,
-                                                      **MOE_SHAPES}
+# and the mixtures of experts' (synthetic_moe.MOE_SHAPES): Qwen3-30B-A3B and gpt-oss-20b with few layers; the
+# hybrid models' (synthetic_hybrid.HYBRID_SHAPES): Qwen3.5-0.8B with few layers
+SHAPES: dict[str, SyntheticSpec | SyntheticMoESpec | SyntheticHybridSpec] = {
+    "tinyllama": TINYLLAMA_Q4_0, "llama2-7b": LLAMA2_7B_Q4_0, **MOE_SHAPES, **HYBRID_SHAPES}
 
 
 def cached_synthetic(spec: SyntheticSpec | SyntheticMoESpec | SyntheticHybridSpec, force: bool = False) -> Path:
@@ -210,3 +211,10 @@ def cached_synthetic(spec: SyntheticSpec | SyntheticMoESpec | SyntheticHybridSpe
         write_synthetic(tmp, spec)
         tmp.replace(path)
     return path
+
+
+def model_path(name: str) -> Path:
+    """A synthetic shape's file (SHAPES, written once into the cache), else model.pull.resolve_model's
+    path: what a benchmark's --model names."""
+    from .pull import resolve_model
+    return cached_synthetic(SHAPES[name]) if name in SHAPES else resolve_model(name)

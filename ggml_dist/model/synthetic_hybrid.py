@@ -186,3 +186,20 @@ QWEN35_SPECS = (
     SyntheticHybridSpec(arch="qwen35moe", n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64,
                         router_std=1.0, tied=False, seed=2),
 )
+
+
+def qwen35_0_8b(n_layer: int = 8, n_vocab: int = 32000) -> SyntheticHybridSpec:
+    """Qwen3.5-0.8B's layers, the smallest real Qwen3.5 (its config.json's text_config: hidden 1024, FFN
+    3584; Gated DeltaNet with 16 key and 16 value heads of 128, conv kernel 4; every 4th layer gated
+    attention with 8 query / 2 KV heads of 256, rope over 64 dims in IMRoPE sections 11/11/10, base 1e7;
+    tied embeddings), Q8_0, with n_layer of its 24 layers (8: two of its [3 DeltaNet, 1 attention]
+    groups). The vocabulary is 32000, not 248320: with few layers the 248320-row output matmul (254M MACs
+    a token) would outweigh the layers (~21M each)."""
+    return SyntheticHybridSpec(n_vocab=n_vocab, n_embd=1024, n_layer=n_layer, full_attention_interval=4,
+                               n_head=8, n_head_kv=2, head_dim=256, n_rot=64, sections=(11, 11, 10, 0),
+                               n_ff=3584, d_conv=4, d_state=128, n_group=16, dt_rank=16, wtype="Q8_0",
+                               embd_type="Q8_0", tied=True, rope_freq_base=10000000.0, seed=35)
+
+
+# registered in synthetic.SHAPES (bench decode / batched / cluster model names)
+HYBRID_SHAPES: dict[str, SyntheticHybridSpec] = {"qwen3.5-0.8b": qwen35_0_8b(8)}

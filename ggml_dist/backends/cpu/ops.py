@@ -28,7 +28,7 @@ from ...core.tensor import GLUOp, Op, SortOrder, Tensor, TensorFlag, UnaryOp
 from ...core.types import GGMLType, is_quantized
 from ..base import BufferUsage
 from . import numerics as nm
-from . import quants, recurrent
+from . import quants, recurrent, unary
 from .blocks import KPACK_TYPES, QPACK_TYPES, ggml_repacks
 from .rope import bind_rope, rope_forward
 
@@ -266,8 +266,8 @@ def _norm(t, dst, srcs, opts):
 
 def _unary(t, dst, srcs, opts):
     x = _src(t, srcs, 0)
-    f = nm.UNARY[UnaryOp(t.op_param(0))]
-    store(dst, t.type, f(x))
+    if not unary.compiled(t, x, dst, opts):                 # ukernels' twin, else numerics' (the reference)
+        store(dst, t.type, nm.UNARY[UnaryOp(t.op_param(0))](x))
 
 
 def _glu(t, dst, srcs, opts):

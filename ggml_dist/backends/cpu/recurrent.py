@@ -45,6 +45,10 @@ def _ssm_conv(t: Tensor, dst: np.ndarray, srcs: list, opts: Any) -> None:
     from 0, each product rounded before it is added (llama.cpp's build does not contract it: checked
     bit for bit against its ggml)."""
     sx, c = srcs[0][0], srcs[1][0, 0]              # [n_s, d_inner, d_conv - 1 + n_t], [d_inner, d_conv]
+    rk = _rkernels(opts)
+    if rk is not None and sx.dtype == c.dtype == dst.dtype == F32:
+        rk.ssm_conv(sx, c, dst[0])                  # the compiled twin: the same bits
+        return
     d_conv = c.shape[-1]
     n_t = dst.shape[2]
     out = np.zeros((sx.shape[0], n_t, sx.shape[1]), F32)
@@ -58,6 +62,10 @@ def _l2_norm(t: Tensor, dst: np.ndarray, srcs: list, opts: Any) -> None:
     """L2_NORM per row: sum += double(f32(x*x)) in order, scale = 1/max(sqrtf(f32(sum)), eps) in f32,
     y = f32(x*scale)."""
     x = srcs[0].astype(F32, copy=False)
+    rk = _rkernels(opts)
+    if rk is not None and dst.dtype == F32 and x.shape == dst.shape:
+        rk.l2_norm(x, F32(t.op_param(0)), dst)      # the compiled twin: the same bits
+        return
     sq = (x * x).astype(F32).astype(F64)
     total = np.add.accumulate(sq, axis=-1)[..., -1:] if x.shape[-1] else np.zeros((*x.shape[:-1], 1))
     norm = np.sqrt(total.astype(F32)).astype(F32)
@@ -88,6 +96,17 @@ def gated_delta_net(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, 
     return out, m
 
 
+def _rkernels(opts: Any) -> Any:
+    """rkernels (numba) when opts.numba and numba imports, else None: the numpy kernels here."""
+    if not opts.numba:
+        return None
+    try:
+        from . import rkernels
+    except ImportError:
+        return None
+    return rkernels
+
+
 def _heads(x: np.ndarray, n_s: int, H: int) -> np.ndarray:
     """q or k [ns, n_t, H_k, S] read for every value head and sequence, as ggml indexes them: key head
     h mod H_k, sequence s // (n_s / ns)."""
@@ -95,9 +114,19 @@ def _heads(x: np.ndarray, n_s: int, H: int) -> np.ndarray:
 
 
 def _gated_delta_net(t: Tensor, dst: np.ndarray, srcs: list, opts: Any) -> None:
-    """GATED_DELTA_NET: the output [S, H, n_t, n_s], then the final state [S, S, H, n_s], packed in dst."""
+    """GATED_DELTA_NET: the output [S, H, n_t, n_s], then the final state [S, S, H, n_s], packed in dst;
+    by rkernels' compiled twin where numba is on (the same bits)."""
     q, k, v, g, beta, state = srcs
-    n_s, H = v.shape[0], v.shape[2]
+    n_s, n_t, H, S = v.shape
+    rk = _rkernels(opts)
+    if rk is not None and dst.flags.c_contiguous and all(a.dtype == F32 for a in srcs):
+        flat = dst.reshape(-1)
+        n_out = n_s * n_t * H * S
+        eg = np.exp(g.astype(F64)).astype(F32)              # gated_delta_net's expf, in numpy as there
+        rk.gated_delta_net(q, k, v, eg, beta, state, flat[:n_out].reshape(n_s, n_t, H, S),
+                           flat[n_out: n_out + n_s * H * S * S].reshape(n_s, H, S, S),
+                           F32(1) / np.sqrt(F32(S)))
+        return
     out, m = gated_delta_net(_heads(q, n_s, H), _heads(k, n_s, H), v, g, beta, state)
     flat = dst.reshape(-1)
     flat[: out.size] = out.reshape(-1)

@@ -134,9 +134,15 @@ def _rope_cache_cached(pos: np.ndarray, n_dims: int, freq_base: float, freq_scal
     """rope_cache, memoized on the values of its arguments (results are read-only)."""
     key = (pos.dtype.str, pos.tobytes(), n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr_dims,
            None if freq_factors is None else (freq_factors.dtype.str, freq_factors.tobytes()))
+    return _memoized(key, lambda: rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor,
+                                             corr_dims, freq_factors))
+
+
+def _memoized(key: tuple, make: Callable[[], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """_CACHE's (cos, sin) for key, made (read-only) by make() where absent."""
     hit = _CACHE.get(key)
     if hit is None:
-        cos, sin = rope_cache(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr_dims, freq_factors)
+        cos, sin = make()
         cos.flags.writeable = False
         sin.flags.writeable = False
         if len(_CACHE) >= _CACHE_MAX:
@@ -161,15 +167,16 @@ def _rope_params(op_params: tuple) -> tuple:
 
 def mrope_cache(pos: np.ndarray, sections: tuple, mode: int, n_dims: int, freq_base: float, freq_scale: float,
                 ext_factor: float, attn_factor: float, corr_dims: tuple[float, float],
-                freq_factors: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+                freq_factors: np.ndarray | None, fk: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [n_tok, n_dims/2] of ggml_mrope_cache_init: pos holds four streams of n_tok positions (time,
     height, width, extra); pair i takes its angle from one stream, by its sector i mod sum(sections). Each
     stream's angles are the plain cache's (the same iterated f32 product from its position), so the
     column of a pair is that stream's column. IMROPE interleaves the sections (sector % 3 picks t, h, w
-    while within 3 * their size, the rest the extra stream); MROPE puts them one after the other."""
+    while within 3 * their size, the rest the extra stream); MROPE puts them one after the other. fk:
+    rope_cache's (the same bits)."""
     n = len(pos) // 4
     streams = [rope_cache(pos[s * n:(s + 1) * n], n_dims, freq_base, freq_scale, ext_factor, attn_factor,
-                          corr_dims, freq_factors) for s in range(4)]
+                          corr_dims, freq_factors, fk) for s in range(4)]
     s0, s1, s2, _ = (int(v) for v in sections)
     sect_dims = sum(int(v) for v in sections)
     cos, sin = np.empty_like(streams[0][0]), np.empty_like(streams[0][1])
@@ -190,9 +197,12 @@ def rope_forward(t: Tensor, dst: np.ndarray, srcs: list, fk=None) -> None:
     n_dims, mode, freq_base, freq_scale, ext_factor, attn_factor, corr = _rope_params(tuple(t.op_params))
     pos = srcs[1].reshape(-1)
     ff = srcs[2].reshape(-1) if len(srcs) > 2 and srcs[2] is not None else None
-    if mode & ROPE_TYPE_MROPE:
-        cos, sin = mrope_cache(pos, tuple(t.op_params[11:15]), mode, n_dims, freq_base, freq_scale, ext_factor,
-                               attn_factor, corr, ff)
+    if mode & ROPE_TYPE_MROPE:                      # memoized: every attention layer ropes Q and K alike
+        sections = tuple(t.op_params[11:15])
+        key = ("mrope", pos.dtype.str, pos.tobytes(), sections, mode, n_dims, freq_base, freq_scale, ext_factor,
+               attn_factor, corr, None if ff is None else (ff.dtype.str, ff.tobytes()))
+        cos, sin = _memoized(key, lambda: mrope_cache(pos, sections, mode, n_dims, freq_base, freq_scale,
+                                                      ext_factor, attn_factor, corr, ff, fk))
         mode |= ROPE_TYPE_NEOX                      # the multi-section ropes rotate NEOX's pairs (i, i + n_dims/2)
     else:
         cos, sin = _rope_cache_cached(pos, n_dims, freq_base, freq_scale, ext_factor, attn_factor, corr, ff)
