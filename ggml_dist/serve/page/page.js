@@ -221,6 +221,14 @@ async function send(text) {
   chatAbort = new AbortController();
   const t0 = performance.now();
   let tFirst = null, usage = null, timings = null, finish = null, answer = "";
+  // the text goes to the page at most every 50 ms, appended: a fast model's thousands of pieces, each
+  // re-setting the whole answer and scrolling, kept the page's thread so busy that Stop was not heard
+  let shown = 0, timer = null;
+  const flush = () => {
+    timer = null;
+    if (answer.length > shown) { body.append(answer.slice(shown)); shown = answer.length; }
+    $("chat").scrollTop = $("chat").scrollHeight;
+  };
   try {
     await showTemplate();
     const req = { messages: conversation(), stream: true, stream_options: { include_usage: true }, ...settings() };
@@ -235,16 +243,18 @@ async function send(text) {
       if (d.usage) { usage = d.usage; timings = d.timings || null; }
       for (const c of d.choices || []) {
         const piece = (c.delta && c.delta.content) || "";
-        if (piece) { if (tFirst === null) tFirst = performance.now(); answer += piece; body.textContent = answer; }
+        if (piece) { if (tFirst === null) tFirst = performance.now(); answer += piece; }
         if (c.finish_reason) finish = c.finish_reason;
       }
-      $("chat").scrollTop = $("chat").scrollHeight;
+      if (timer === null) timer = setTimeout(flush, 50);
     });
   } catch (e) {
     if (e.name === "AbortError") finish = "stopped";
-    else if (e instanceof KeyNeeded) { el.classList.add("error"); body.textContent = "the server needs its API key"; askKey(); }
-    else { el.classList.add("error"); body.textContent = answer + (answer ? "\n" : "") + "error: " + e.message; }
+    else if (e instanceof KeyNeeded) { el.classList.add("error"); body.textContent = "the server needs its API key"; shown = answer.length; askKey(); }
+    else { el.classList.add("error"); body.textContent = answer + (answer ? "\n" : "") + "error: " + e.message; shown = answer.length; }
   } finally {
+    if (timer !== null) clearTimeout(timer);
+    flush();
     messages.push({ role: "assistant", content: answer });
     const t1 = performance.now();
     const n = usage ? usage.completion_tokens : null;
