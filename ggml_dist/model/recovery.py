@@ -143,6 +143,19 @@ class Recovery:
             assert isinstance(es[-1], UbatchRecord), "a copy's state has no step to take back"
             es.pop()
 
+    def cut_lineage(self, seq: int, n_past: int) -> None:
+        """seq's state went back to a copy after its first n_past positions (a checkpoint): its lineage
+        ends with the ubatch that reached them, and a replay makes the state the copy holds."""
+        es = self.lineage.get(seq)
+        if not es:
+            return
+        k = next((i for i, e in enumerate(es) if isinstance(e, UbatchRecord) and int(e.ub.pos[0]) >= n_past),
+                 len(es))
+        last = es[k - 1] if k else None
+        assert not isinstance(last, UbatchRecord) or int(last.ub.pos[-1]) == n_past - 1, \
+            f"sequence {seq}: a checkpoint at {n_past} inside a ubatch"
+        del es[k:]
+
     def clear(self) -> None:
         self.log.clear()
         self.lineage.clear()
@@ -175,6 +188,7 @@ class Recovery:
                     reset()
                     self.prune(cells)
                     if rs is not None:
+                        rs.lost()                            # the checkpoints' copies went with the stage
                         rs.pos[:] = -1                       # every live sequence again from position 0
                     owners = self._owners()
                     for rec in self.log:
