@@ -133,8 +133,10 @@ class ModelSizes:
     first: int                     # the token embeddings
     last: int                      # output norm + head (+ the embeddings again when the head is tied)
     tied: bool
-    kv_per_layer: int              # KV cache bytes of one layer at the planned context
+    kv_per_layer: int              # KV cache bytes of one attention layer at the planned context
     every: int = 0                 # what each stage maps whatever its layers (layout.EVERY_STAGE)
+    recurrent: frozenset[int] = frozenset()    # a hybrid model's recurrent layers: state rows, no KV
+    state_per_layer: int = 0       # their rows' bytes (two per sequence: model/recurrent_state.py)
 
     def __post_init__(self) -> None:
         acc = [0]
@@ -146,10 +148,17 @@ class ModelSizes:
         return self._prefix[hi] - self._prefix[lo]   # type: ignore[attr-defined]
 
     @classmethod
-    def of(cls, f: GGUFFile, hp: LlamaHParams, n_ctx: int, kv_type_size: int = 2) -> ModelSizes:
+    def of(cls, f: GGUFFile, hp: LlamaHParams, n_ctx: int, kv_type_size: int = 2, n_seq: int = 1) -> ModelSizes:
         per, first, last, every = layer_weight_bytes(f, hp.n_layer)
+        recurrent = frozenset(il for il in range(hp.n_layer) if hp.is_recurrent(il))
+        state = (hp.n_embd_r + hp.n_embd_s) * 4 * 2 * n_seq if recurrent else 0
         return cls(per, first, last, hp.tie_word_embeddings,
-                   (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size, every)
+                   (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size, every, recurrent, state)
+
+    def cache_bytes(self, lo: int, hi: int) -> int:
+        """The KV cache of layers lo..hi-1, and the state rows of the recurrent ones among them."""
+        n_rec = sum(lo <= il < hi for il in self.recurrent)
+        return (hi - lo - n_rec) * self.kv_per_layer + n_rec * self.state_per_layer
 
     @property
     def n_layer(self) -> int:
@@ -190,7 +199,7 @@ def layer_weight_bytes(f: GGUFFile, n_layer: int) -> tuple[list[int], int, int, 
 
 def _stage(m: ModelSizes, k: int, n: int, rng: tuple[int, int], compute: int, overhead: int,
            budget: int | None = None, node: NodeInfo | None = None) -> StagePlan:
-    return StagePlan(k, rng, m.weights(*rng, k == 0, k == n - 1), m.kv_per_layer * (rng[1] - rng[0]),
+    return StagePlan(k, rng, m.weights(*rng, k == 0, k == n - 1), m.cache_bytes(*rng),
                      compute, budget, overhead, node.ip if node else "", node.node_id if node else "",
                      node.memory_bytes if node else None)
 
@@ -203,16 +212,17 @@ def _need_text(s: StagePlan) -> str:
 
 def place(f: GGUFFile, hp: LlamaHParams, n_stages: int, n_ctx: int, kv_type_size: int = 2,
           compute_bytes: int | Sequence[int] = 0, n_copies: int = 1, budgets: list[int] | None = None,
-          layers: list[tuple[int, int]] | None = None, overhead_bytes: int = 0) -> Placement:
+          layers: list[tuple[int, int]] | None = None, overhead_bytes: int = 0, n_seq: int = 1) -> Placement:
     """Split hp.n_layer layers over n_stages (or take explicit `layers`) and check the budgets.
-    compute_bytes: one figure for every stage (times n_copies), or the planned one per stage."""
+    compute_bytes: one figure for every stage (times n_copies), or the planned one per stage; n_seq:
+    the sequences a hybrid model's recurrent layers keep rows for."""
     if n_stages < 1:
         raise PlacementError(f"need at least one stage, got {n_stages}")
     if n_stages > hp.n_layer:
         raise PlacementError(f"{n_stages} stages for {hp.n_layer} layers: every stage needs a layer")
     if budgets is not None and len(budgets) not in (1, n_stages):
         raise PlacementError(f"give one budget or one per stage ({n_stages}), got {len(budgets)}")
-    m = ModelSizes.of(f, hp, n_ctx, kv_type_size)
+    m = ModelSizes.of(f, hp, n_ctx, kv_type_size, n_seq)
     compute = _per_stage(compute_bytes, n_stages, n_copies)
     ranges = layers if layers is not None else _balance(m, n_stages)
     _check_ranges(ranges, hp.n_layer, n_stages)
@@ -333,7 +343,7 @@ def _fit_ranges(m: ModelSizes, caps: list[int]) -> list[tuple[int, int]] | None:
 
 
 def _fits(m: ModelSizes, lo: int, hi: int, i: int, k: int, cap: int, bound: int | None) -> bool:
-    if m.weights(lo, hi, i == 0, i == k - 1) + m.kv_per_layer * (hi - lo) > cap:
+    if m.weights(lo, hi, i == 0, i == k - 1) + m.cache_bytes(lo, hi) > cap:
         return False
     return bound is None or m.read_per_token(lo, hi, i == k - 1) <= bound
 
