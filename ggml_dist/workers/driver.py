@@ -44,7 +44,8 @@ from ..model.kv_cache import kv_cells
 from ..model.model import LlamaModel
 from ..model.sampling import RowSampling
 from ..scheduler.sched import Sched
-from .placement import STAGE_OVERHEAD_BYTES, ModelSizes, NodeInfo, Placement, PlacementError, place, place_on_nodes
+from .model_sizes import ModelSizes
+from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError, place, place_on_nodes
 from .proxy import Call, Exports, Fetch, RemoteBuffer, RemoteBufferType, StageDevice, StageProxy
 
 
