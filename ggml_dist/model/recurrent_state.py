@@ -14,7 +14,7 @@ continued (the next ubatch starts at the position after the last one), restarted
 begins from zeros), copied or removed whole, or its last ubatch taken back, but never cut back further:
 seq_rm of a longer tail, or a ubatch that does not continue the sequence, raises StateTrimError instead of
 running on a wrong state.
-A ubatch holds one sequence (the graph's state rows are one row per ubatch).
+A ubatch holds n_seqs sequences of as many tokens each (split_equal), a state row read and one written each.
 
 On a pipeline each stage owns the rows of its own recurrent layers (workers/stage.py allocates them in its
 device's buffer type, as its KV layers); the driver keeps the positions. A row operation (zero a row, copy
@@ -168,31 +168,33 @@ class RecurrentState:
 
     # -- a ubatch ------------------------------------------------------------------------------------
     def begin(self, ub: Ubatch) -> tuple[np.ndarray, np.ndarray]:
-        """The state rows a ubatch reads (s_copy, I32 [1]) and writes (s_dst), once it is checked to continue
-        its sequence: it starts at position 0 (the row read is zeroed first) or right after the state's last
-        one. The row read keeps the state from before the ubatch (seq_rm can take the ubatch back)."""
-        seqs = frozenset().union(*ub.seq_ids)
-        if len(seqs) != 1 or any(len(s) != 1 for s in ub.seq_ids):
-            raise ValueError(f"a ubatch of sequences {sorted(seqs)}: a model with recurrent layers evaluates "
-                             f"one sequence per ubatch for now")
-        (seq,) = seqs
-        if not 0 <= seq < self.n_seq_max:
-            raise ValueError(f"sequence {seq} is outside the recurrent state's {self.n_seq_max} rows")
-        p0, p1 = int(ub.pos[0]), int(ub.pos[-1])
-        if np.any(np.diff(ub.pos) != 1):
-            raise StateTrimError(f"sequence {seq}: a ubatch's positions must follow one another for the "
-                                 f"recurrent state (got {ub.pos.tolist()})")
-        read = self.row(seq)
-        if p0 == 0:
-            self._rows(("zero", read))
-            self._forget(seq)
-        elif p0 != self.pos[seq] + 1:
-            raise StateTrimError(f"sequence {seq}: its recurrent state is at position {self.pos[seq]}, and a "
-                                 f"ubatch at position {p0} cannot continue it; a recurrent state cannot be cut "
-                                 f"back to a prefix (evaluate the sequence again from position 0)")
-        self.prev[seq], self.pos[seq] = self.pos[seq], p1
-        self.half[seq] ^= 1
-        return np.array([read], np.int32), np.array([self.row(seq)], np.int32)
+        """The state rows a ubatch's sequences read (s_copy, I32 [n_seqs]) and write (s_dst), once each is
+        checked to continue its sequence: it starts at position 0 (the row read is zeroed first) or right
+        after the state's last one. The rows read keep the states from before the ubatch (seq_rm can take
+        it back). Every check passes before anything changes."""
+        seqs = ubatch_seqs(ub)
+        n_st = ub.n_seq_tokens
+        for k, seq in enumerate(seqs):
+            if not 0 <= seq < self.n_seq_max:
+                raise ValueError(f"sequence {seq} is outside the recurrent state's {self.n_seq_max} rows")
+            pos = ub.pos[k * n_st:(k + 1) * n_st]
+            if np.any(np.diff(pos) != 1):
+                raise StateTrimError(f"sequence {seq}: a ubatch's positions must follow one another for the "
+                                     f"recurrent state (got {pos.tolist()})")
+            if pos[0] != 0 and pos[0] != self.pos[seq] + 1:
+                raise StateTrimError(f"sequence {seq}: its recurrent state is at position {self.pos[seq]}, and "
+                                     f"a ubatch at position {pos[0]} cannot continue it; a recurrent state cannot "
+                                     f"be cut back to a prefix (evaluate the sequence again from position 0)")
+        read, write = [], []
+        for k, seq in enumerate(seqs):
+            read.append(self.row(seq))
+            if ub.pos[k * n_st] == 0:
+                self._rows(("zero", read[-1]))
+                self._forget(seq)
+            self.prev[seq], self.pos[seq] = self.pos[seq], int(ub.pos[(k + 1) * n_st - 1])
+            self.half[seq] ^= 1
+            write.append(self.row(seq))
+        return np.array(read, np.int32), np.array(write, np.int32)
 
     # -- sequences (llama_memory_recurrent's seq_* on rows) ---------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> list[int]:
@@ -290,6 +292,19 @@ class RecurrentState:
 
     def cpy_s(self, ctx: Context, il: int, rows: Tensor, s_dst: Tensor) -> Tensor:
         return ops.set_rows(ctx, self.s_l[il], rows, s_dst)
+
+
+def ubatch_seqs(ub: Ubatch) -> list[int]:
+    """The ubatch's sequences in token order, each with n_seq_tokens consecutive tokens (split_equal or
+    split_seq); a token of several sequences is refused (a state row holds one sequence's past)."""
+    n_st, n_seqs = ub.n_seq_tokens, max(ub.n_seqs, 1)
+    if any(len(s) != 1 for s in ub.seq_ids) or n_st * n_seqs != ub.n_tokens:
+        raise ValueError(f"a ubatch of sequence sets {sorted(set(ub.seq_ids), key=min)}: a model with recurrent "
+                         f"layers evaluates tokens of one sequence each, in equal groups per sequence")
+    seqs = [min(ub.seq_ids[k * n_st]) for k in range(n_seqs)]
+    if any(ub.seq_ids[i] != {seqs[i // n_st]} for i in range(ub.n_tokens)) or len(set(seqs)) != len(seqs):
+        raise ValueError(f"a ubatch whose sequences are not in equal groups: {[min(s) for s in ub.seq_ids]}")
+    return seqs
 
 
 def apply_row_op(tensors: list[Tensor], op: RowOp, kept: dict[int, tuple[np.ndarray, ...]]) -> None:

@@ -93,7 +93,7 @@ def test_checkpoints_on_two_stages(local_ray, hybrid_path, fresh):
 
 
 def test_two_slots_at_once(hybrid_path):
-    """Two requests decode side by side (one sequence per ubatch for a recurrent state), each as alone."""
+    """Two requests decode side by side (both in one ubatch, a state row each), each as alone."""
     srv = _server(hybrid_path)
     try:
         alone = [_complete(srv, [1, 5, 6, 7, 8], seed=1)[0], _complete(srv, [1, 9, 10, 11, 12, 13], seed=2)[0]]
