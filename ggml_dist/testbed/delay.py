@@ -3,6 +3,7 @@
     line = DelayLine(ns, host_ip, peer_ips, delay_ms)    # Network.set_delay(i, ms) makes and ends these
     line.start(); line.stop()
     tcp_rtt_ms(ns_a, ns_b, ip_b)                         # the ping-pong check: a TCP round trip's median
+    delay_every_host(net, ms, plain_rtt_ms)              # bench cluster's sweep point, with its check
 
 How: a TUN device (`gdl0`) in the host's namespace and a relay process that owns it. A policy rule sends
 every packet the host itself originates (`iif lo`) to another testbed host through table 100, whose
@@ -36,6 +37,7 @@ import struct
 import subprocess
 import sys
 import time
+from typing import Any
 
 DEV = "gdl0"
 TABLE = "100"
@@ -175,6 +177,20 @@ def tcp_rtt_ms(ns_a: str, ns_b: str, ip_b: str, n: int = 300) -> float:
         echo.wait(10)
         if echo.stdout is not None:
             echo.stdout.close()
+
+
+def delay_every_host(net: Any, delay_ms: float, plain_rtt_ms: float) -> dict[str, Any]:
+    """Every host of the testbed Network `net` delays its packets to the other hosts by delay_ms (0: no
+    relay), checked with tcp_rtt_ms between two hosts against the plain link's round trip: what bench
+    cluster reports per delay."""
+    i, j = (1, 2) if len(net.ips) > 2 else (0, 1)
+    done = [net.set_delay(h, delay_ms) for h in range(len(net.ips))]
+    by = done[0]["delay_by"]
+    rtt = tcp_rtt_ms(net.namespaces[i], net.namespaces[j], net.ips[j]) if delay_ms else plain_rtt_ms
+    return {"delay_ms": delay_ms, "delay_by": by, "ping_pong_hosts": [i, j], "rtt_ms": round(rtt, 3),
+            "added_rtt_ms": round(rtt - plain_rtt_ms, 3),
+            "covers": "every packet between two hosts, each way (Ray's own traffic, the stages' direct links, "
+                      "the collective's mesh); not a host's traffic to itself" if delay_ms else None}
 
 
 def main(argv: list[str] | None = None) -> int:
