@@ -170,6 +170,82 @@ def _bench_k(ray, size: int, tokens: list[int], width: int, iters: int, warmup: 
     return res
 
 
+# -- across testbed hosts: one plain process per namespace host, at each link delay, no Ray -----------------
+_PORT_MESH, _PORT_GLOO = 29400, 29401
+
+
+def _timed(fn, iters: int, warmup: int) -> dict:
+    ts = []
+    for _ in range(warmup + iters):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return _summary(ts[warmup:])
+
+
+def _rank_process(spec: dict) -> None:
+    """One rank on its host: the mesh on a fixed port of its own IP, then gloo (torch.distributed, as
+    ray.util.collective's group runs it) where torch imports; rank 0 prints its times."""
+    from ggml_dist.workers.collective import MeshListener, mesh_connect
+    rank, size, ips, w = spec["rank"], spec["size"], spec["ips"], spec["width"]
+    coll = mesh_connect(rank, [f"{ip}:{_PORT_MESH}" for ip in ips], bytes.fromhex(spec["secret"]),
+                        MeshListener(ips[rank], _PORT_MESH), timeout_s=60)
+    out: dict = {}
+    for n in spec["tokens"]:
+        part = np.full((n, w), rank, np.float32)
+        out[f"tokens_{n}"] = {"mesh": _timed(lambda p=part: coll.all_gather(p), spec["iters"], spec["warmup"])}
+    coll.close()
+    if spec["gloo"]:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+        dist.init_process_group("gloo", init_method=f"tcp://{ips[0]}:{_PORT_GLOO}", rank=rank, world_size=size,
+                                timeout=timedelta(seconds=60))
+        for n in spec["tokens"]:
+            t = torch.full((n, w), float(rank))
+            got = [torch.empty_like(t) for _ in range(size)]
+            out[f"tokens_{n}"]["gloo"] = _timed(lambda t=t, g=got: dist.all_gather(g, t), spec["iters"], spec["warmup"])
+        dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+
+
+def _bench_testbed(ks: list[int], tokens: list[int], a: argparse.Namespace, gloo: bool) -> dict:
+    """K ranks on K namespace hosts (ggml_dist/testbed/netns.py), every link delayed by each of
+    --link-delay-ms one way (testbed/delay.py): the mesh's one step pays the delay once, a ring K-1 times."""
+    import subprocess
+    from pathlib import Path
+
+    from ggml_dist.testbed.delay import delay_every_host, tcp_rtt_ms
+    from ggml_dist.testbed.netns import Network
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    net = Network(f"gdc{os.getpid() % 0xfff:x}", max(ks))
+    out: dict = {}
+    try:
+        net.setup()
+        plain = tcp_rtt_ms(net.namespaces[0], net.namespaces[1], net.ips[1])
+        for d in [float(x) for x in a.link_delay_ms.split(",")]:
+            row: dict = {"link": delay_every_host(net, d, plain)}
+            for k in ks:
+                spec = {"size": k, "ips": net.ips[:k], "width": a.width, "tokens": tokens, "iters": a.iters,
+                        "warmup": a.warmup, "secret": os.urandom(16).hex(), "gloo": gloo}
+                procs = [subprocess.Popen(["ip", "netns", "exec", net.namespaces[r], sys.executable, __file__,
+                                           "--rank-process", json.dumps({**spec, "rank": r})],
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         for r in range(k)]
+                res = [p.communicate(timeout=600) for p in procs]
+                if any(p.returncode for p in procs):
+                    raise RuntimeError(f"K={k}, delay {d} ms: a rank failed: {[e[-800:] for _, e in res]}")
+                row[f"K{k}"] = json.loads(res[0][0].strip().splitlines()[-1])
+            out[f"delay_{d}_ms"] = row
+    finally:
+        net.teardown()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4", help="K values, comma-separated")
@@ -177,25 +253,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=2048, help="floats per token per rank (n_embd)")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--where", choices=["ray", "testbed"], default="ray", help="ray: K actors of a local Ray "
+                    "(mesh, ray_call, gloo); testbed: K plain processes on K namespace hosts (root), mesh and "
+                    "gloo, at each --link-delay-ms")
+    ap.add_argument("--link-delay-ms", default="0,0.1,0.5", help="testbed: one-way delays added to every link")
+    ap.add_argument("--rank-process", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    import ray
-
-    from ggml_dist.workers.local_ray import connect, shutdown_local
+    if a.rank_process:
+        _rank_process(json.loads(a.rank_process))
+        return 0
     ks, tokens = [int(x) for x in a.ranks.split(",")], [int(x) for x in a.tokens.split(",")]
-    connect(num_cpus=max(ks) + 1)
     try:
+        import torch
+        torch_version: str | None = torch.__version__
+    except ImportError as e:
         torch_version = None
+        why = f"not importable ({e}): gloo is not measured"
+    head = {"bench": "collective_latency", "where": a.where, "width": a.width, "iters": a.iters,
+            "python": platform.python_version(), "torch": torch_version or why, "cpus": os.cpu_count()}
+    if a.where == "testbed":
+        results = _bench_testbed(ks, tokens, a, torch_version is not None)
+    else:
+        import ray
+
+        from ggml_dist.workers.local_ray import connect, shutdown_local
+        connect(num_cpus=max(ks) + 1)
         try:
-            import torch
-            torch_version = torch.__version__
-        except ImportError as e:
-            torch_version = f"not importable ({e}): gloo is not measured"
-        results = {f"K{k}": _bench_k(ray, k, tokens, a.width, a.iters, a.warmup) for k in ks}
-    finally:
-        shutdown_local()
-    print(json.dumps({"bench": "collective_latency", "width": a.width, "iters": a.iters,
-                      "python": platform.python_version(), "ray": ray.__version__, "torch": torch_version,
-                      "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0], "results": results}))
+            results = {f"K{k}": _bench_k(ray, k, tokens, a.width, a.iters, a.warmup) for k in ks}
+        finally:
+            shutdown_local()
+        head["ray"] = ray.__version__
+    print(json.dumps({**head, "loadavg_1m": os.getloadavg()[0], "results": results}))
     return 0
 
 

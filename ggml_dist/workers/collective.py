@@ -33,7 +33,9 @@ import numpy as np
 from .links import Link, LinkClosed
 
 INLINE_MAX = 256 << 10          # bytes of a part sent from the caller's thread
-SNDBUF = 1 << 20                # asked per socket (Linux doubles it): two rounds of INLINE_MAX fit
+SOCKBUF = 1 << 20               # send and receive buffer asked per socket (Linux doubles it): two rounds of
+                                # INLINE_MAX fit the send buffer, and a part is not held up by a receive
+                                # window still growing (K=4, 32 tokens across hosts: 5.4 -> 3.1 ms)
 
 
 class Collective(Protocol):
@@ -140,7 +142,8 @@ class MeshListener:
 
 
 def _tune(link: Link, exchange_timeout_s: float | None) -> Link:
-    link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+    link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKBUF)
+    link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
     link.sock.settimeout(exchange_timeout_s)
     return link
 
@@ -157,12 +160,9 @@ def mesh_connect(rank: int, addresses: list[str], secret: bytes, listener: MeshL
         raise ValueError(f"rank {rank} of {size} addresses")
     links: list[Link | None] = [None] * size
     try:
+        deadline = time.monotonic() + timeout_s
         for j in range(rank):
-            try:
-                lk = Link.connect(addresses[j], secret, who=rank, timeout=timeout_s)
-            except OSError as e:
-                raise CollectiveError(f"rank {rank}: cannot reach rank {j} at {addresses[j]}: {e}") from e
-            links[j] = _tune(lk, exchange_timeout_s)
+            links[j] = _tune(_connect(rank, j, addresses[j], secret, deadline), exchange_timeout_s)
         _accept_higher(rank, links, secret, listener, timeout_s, exchange_timeout_s)
     except BaseException:
         for opened in links:
@@ -172,6 +172,21 @@ def mesh_connect(rank: int, addresses: list[str], secret: bytes, listener: MeshL
     finally:
         listener.close()
     return MeshCollective(rank, links)
+
+
+def _connect(rank: int, j: int, address: str, secret: bytes, deadline: float) -> Link:
+    """Rank j's link; a refused connection is tried again until the deadline (addresses known in
+    advance, a fixed port on each host, may be dialled before rank j listens)."""
+    while True:
+        try:
+            return Link.connect(address, secret, who=rank, timeout=max(0.1, deadline - time.monotonic()))
+        except ConnectionRefusedError as e:
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"rank {rank}: rank {j} at {address} refused the connection until "
+                                      "the timeout") from e
+            time.sleep(0.05)
+        except OSError as e:
+            raise CollectiveError(f"rank {rank}: cannot reach rank {j} at {address}: {e}") from e
 
 
 def _accept_higher(rank: int, links: list[Link | None], secret: bytes, listener: MeshListener,

@@ -167,3 +167,20 @@ def test_a_stranger_is_dropped_and_the_mesh_still_forms():
     assert np.array_equal(res[1][0], a) and np.array_equal(res[1][1], b)
     for c in out.values():
         c.close()
+
+
+def test_a_rank_dialled_before_it_listens_is_tried_again():
+    # addresses known in advance (a fixed port per host): rank 1 dials rank 0 before rank 0 listens
+    probe = MeshListener()
+    port = int(probe.address.rpartition(":")[2])
+    probe.close()
+    l1, out = MeshListener(), {}
+    addrs = [f"127.0.0.1:{port}", l1.address]
+    t1 = _connect_in_thread(1, addrs, SECRET, l1, out, timeout_s=10)
+    time.sleep(0.3)
+    t0 = _connect_in_thread(0, addrs, SECRET, MeshListener("127.0.0.1", port), out, timeout_s=10)
+    t0.join(15)
+    t1.join(15)
+    assert all(not isinstance(out[r], Exception) for r in (0, 1)), out
+    for c in out.values():
+        c.close()
