@@ -17,28 +17,55 @@ their median and p90 in ms.
 
     python -m venv --system-site-packages /root/.cache/ggml_dist-bench-venv
     /root/.cache/ggml_dist-bench-venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
+        (here download.pytorch.org does not resolve; pip took torch 2.13.0+cpu from the machine's local
+        wheel index, its configured find-links)
     PYTHONPATH=$PWD /root/.cache/ggml_dist-bench-venv/bin/python benchmarks/collective_latency.py
+    PYTHONPATH=$PWD /root/.cache/ggml_dist-bench-venv/bin/python benchmarks/collective_latency.py \
+        --where testbed --iters 200 --warmup 20 --link-delay-ms 0,0.1,0.5             # root: namespaces
 
-Measured 2026-12-07 on this 2-core machine shared with other sessions (load average 4.3 during the run,
-so K=4 runs four ranks on two busy cores), torch 2.13.0+cpu, Ray 2.60.0, width 2048, 300 exchanges
-after 30 of warm-up; per-exchange median / p90 in ms:
+Measured 2026-12-07 on this 2-core machine shared with other sessions (so K=4 runs four ranks on two
+busy cores), torch 2.13.0+cpu, Ray 2.60.0, width 2048, 300 exchanges after 30 of warm-up (200 after 20
+on the testbed); per-exchange median / p90 in ms.
 
-    K  tokens   mesh           ray_call        gloo
-    2     1     0.105 / 0.149   1.667 / 2.640   0.387 / 2.515
-    2    32     0.244 / 0.331   3.839 / 5.904   0.533 / 2.044
-    4     1     0.494 / 0.739   6.076 / 8.503   2.893 / 6.102
-    4    32     1.078 / 1.801  24.149 / 32.250  4.421 / 8.118
+--where ray (K actors of a local Ray, loopback; load average 4.5; the first run of the day, at load 4.3,
+gave the same within 10% save ray_call's 32-token rows, 3.8 and 24.1 ms):
 
-The mesh is the better one, and by a margin that grows with K: 3.7x under gloo and 16x under a Ray call
-at K=2, 1 token; 5.9x and 12x at K=4. Why: an exchange on the mesh is K-1 framed writes and K-1 reads on
-sockets that are already open, in the caller's thread. gloo's all_gather (through torch.distributed and
-ray.util.collective's numpy/torch checks) passes the parts around a ring (gloo's AllgatherRing and
-its successor in gloo/allgather.cc): K-1 dependent steps, each a send and
-a receive handed to gloo's own threads, so at K=4 its three steps cost several times the one step of
-the mesh, and its p90 shows the thread hand-offs on a loaded machine. A Ray call per exchange pays an
-actor task each way (submission, the raylet's and the core worker's queues, serialization) for every
-peer. The mesh keeps ggml_dist free of torch (gloo needs torch.distributed) and lets ranks differ in
-part shape, which gloo's all_gather does not.
+    K  tokens   mesh            ray_call        gloo
+    2     1     0.101 / 0.139    1.703 / 2.294   0.379 / 2.109
+    2    32     0.250 / 0.304    5.202 / 6.984   0.517 / 1.395
+    4     1     0.514 / 0.763    6.523 / 9.163   3.236 / 6.639
+    4    32     1.142 / 1.726   26.820 / 35.134  4.982 / 8.927
+
+--where testbed (K plain processes on K namespace hosts, every link delayed one way by the testbed's
+delay line, whose ping-pong added 0.28 and 1.05 ms a round trip for 0.1 and 0.5 ms; load average 2.1):
+
+    delay  K  tokens   mesh            gloo
+    0      2     1     0.107 / 0.146   0.321 / 2.805
+    0      2    32     0.404 / 0.564   0.546 / 3.241
+    0      4     1     0.509 / 0.781   3.893 / 7.693
+    0      4    32     3.138 / 5.252   3.251 / 7.501
+    0.1    2     1     0.236 / 0.414   0.658 / 0.845
+    0.1    2    32     0.928 / 1.100   0.972 / 1.206
+    0.1    4     1     0.663 / 0.915   4.494 / 8.056
+    0.1    4    32     3.668 / 5.427   8.005 / 12.200
+    0.5    2     1     0.723 / 1.256   1.467 / 1.595
+    0.5    2    32     2.905 / 3.374   1.856 / 2.019
+    0.5    4     1     1.022 / 1.399   5.003 / 6.066
+    0.5    4    32     4.058 / 5.288   8.383 / 11.097
+
+The mesh is the better one, and the one ggml_dist uses. A decode step's exchange (1 token) is 3.7-3.8x
+under gloo and 17x under a Ray call at K=2, 6.3x and 13x at K=4 (local Ray); across hosts it pays a
+link's delay about once (0.72 ms at 0.5 ms one way, K=2; 1.02 ms at K=4) where gloo pays it K-1 times
+and more (1.47 and 5.0 ms). Why: an exchange on the mesh is K-1 framed writes and K-1 reads on sockets
+that are already open, in the caller's thread: one step. gloo's all_gather passes the parts around a
+ring (gloo's AllgatherRing and its successor in gloo/allgather.cc): K-1 dependent steps, each a send
+and a receive handed to gloo's own threads, behind torch.distributed's and ray.util.collective's
+checks. A Ray call per exchange pays an actor task each way (submission, the raylet's and the core
+worker's queues, serialization) for every peer. The one row where gloo wins, K=2 with 32 tokens
+(256 KiB a part) at 0.5 ms, is TCP's window at work on the delayed link: the mesh's median there
+varied between 1.4 and 3.0 ms from run to run (1.37, 1.45, 1.62, 3.05 in four more runs), gloo's 1.9.
+The mesh also keeps ggml_dist free of torch (gloo needs torch.distributed) and lets ranks' parts
+differ in shape, which gloo's all_gather does not.
 """
 from __future__ import annotations
 
