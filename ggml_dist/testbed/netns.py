@@ -214,12 +214,15 @@ class Network:
         old = self.delay_lines.pop(i, None)
         if old is not None:
             old.stop()
+        for key in ("delay_ms", "delay_by"):
+            self.shaping[i].pop(key, None)
         if delay_ms <= 0:
             return {"delay_ms": 0.0, "delay_by": None}
         peers = [a for j, a in enumerate(self.ips) if j != i]
         line = DelayLine(self.namespaces[i], self.ips[i], peers, delay_ms, env_tag=f"{self.tag}:{i}")
         line.start()
         self.delay_lines[i] = line
+        self.shaping[i].update(delay_ms=delay_ms, delay_by=DELAY_BY)
         return {"delay_ms": delay_ms, "delay_by": DELAY_BY}
 
     def link_down(self, i: int) -> None:
