@@ -67,6 +67,7 @@ class MeshCollective:
         self._closed = False
 
     def all_gather(self, part: np.ndarray) -> list[np.ndarray]:
+        """Every rank's part in rank order: the own entry is `part` itself, the others fresh arrays."""
         if self._closed:
             raise CollectiveError(f"rank {self.rank}: the collective is closed")
         if part.dtype != np.float32 or not part.flags.c_contiguous:
