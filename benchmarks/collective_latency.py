@@ -62,8 +62,11 @@ ring (gloo's AllgatherRing and its successor in gloo/allgather.cc): K-1 dependen
 and a receive handed to gloo's own threads, behind torch.distributed's and ray.util.collective's
 checks. A Ray call per exchange pays an actor task each way (submission, the raylet's and the core
 worker's queues, serialization) for every peer. The one row where gloo wins, K=2 with 32 tokens
-(256 KiB a part) at 0.5 ms, is TCP's window at work on the delayed link: the mesh's median there
-varied between 1.4 and 3.0 ms from run to run (1.37, 1.45, 1.62, 3.05 in four more runs), gloo's 1.9.
+(256 KiB a part) at 0.5 ms, is not understood yet: the mesh's median there ranged from 1.4 to 3.2 ms
+between runs (1.37, 1.45, 1.62, 3.05, then 2.99, 3.20, 3.03, 3.13 at load ~4.5), gloo's 1.9. It is not
+loss (2-7 retransmitted segments in 220 rounds, nstat in the hosts' namespaces); a candidate is the
+delay line's own throughput on a loaded machine (~190 MB/s, so 256 KiB takes ~1.35 ms through it),
+though gloo's parts cross the same relays. A decode step's exchange (1 token) is unaffected.
 The mesh also keeps ggml_dist free of torch (gloo needs torch.distributed) and lets ranks' parts
 differ in shape, which gloo's all_gather does not.
 """
