@@ -152,7 +152,7 @@ def relay(dev: str, delay_s: float) -> None:
                 except BlockingIOError:
                     break
         elif queue:
-            late += 0.1 * (min(t - target, delay_s / 2) - late)
+            late += 0.1 * (min(t - target, delay_s / 4) - late)      # bounded: never a quarter early
         while queue and queue[0][0] - late <= t:
             try:
                 write(fd, queue.popleft()[1])
