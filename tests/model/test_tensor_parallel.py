@@ -1,0 +1,162 @@
+"""model/tensor_parallel.py and model/tp_local.py: K ranks (threads) give one process's logits, bit for bit.
+
+The files are small synthetic dense models with TinyLlama-1.1B's grouped-query heads (32 query heads, 4
+kv heads), in the weight types whose products take different kernel paths (Q8_0; Q4_0 repacked; F16
+by tinyBLAS for several rows; Q4_K), tied and untied heads, and Qwen2's Q/K/V biases.
+"""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf import quants as gquants
+
+from ggml_dist.backends.base import tensor_get
+from ggml_dist.backends.cpu.ops import ComputeOptions, weights_mul_mat
+from ggml_dist.core.types import GGMLType
+from ggml_dist.model.context import ContextParams, LlamaContext
+from ggml_dist.model.model import LlamaModel
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+from ggml_dist.model.tensor_parallel import Split, TensorParallelError, check_split, rank_weights, split_of
+from ggml_dist.model.tp_local import ThreadedTensorParallel
+from ggml_dist.model.ubatch import Batch
+
+GQA = {"n_vocab": 512, "n_embd": 256, "n_layer": 2, "n_head": 32, "n_head_kv": 4, "n_ff": 512}
+SPECS = {
+    "q8_0-tied": SyntheticSpec(**GQA, seed=5),
+    "q4_0-untied": SyntheticSpec(**GQA, wtype="Q4_0", embd_type="Q4_0", tied=False, seed=6),
+    "f16-tied": SyntheticSpec(**GQA, wtype="F16", embd_type="F16", seed=7),
+    "q4_k-tied": SyntheticSpec(**GQA, wtype="Q4_K", seed=8),
+    "qwen2-q8_0": SyntheticSpec(arch="qwen2", **GQA, tied=False, seed=9),
+}
+PROMPT = [1, 5, 9, 33, 70, 100, 7, 300, 12]
+N_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp")
+    return {name: write_synthetic(d / f"{name}.gguf", spec) for name, spec in SPECS.items()}
+
+
+def _greedy(decode, n_steps: int = N_STEPS) -> tuple[list[np.ndarray], list[int]]:
+    """The prompt's logits (every row), then n_steps greedy tokens one at a time: (logits, tokens)."""
+    logits = [decode(Batch.from_tokens(PROMPT, all_outputs=True))]
+    tokens = []
+    for i in range(n_steps):
+        tokens.append(int(np.argmax(logits[-1][-1])))
+        logits.append(decode(Batch.from_tokens([tokens[-1]], pos0=len(PROMPT) + i)))
+    return logits, tokens
+
+
+# K = 2 and 4 ranks give one process's logits bit for bit (whole prompt, then one token at a time) and
+# its greedy tokens; every rank ends with the same logits; a rank's KV cache holds its kv heads only
+@pytest.mark.parametrize("name", list(SPECS))
+def test_ranks_equal_one_process(files, name):
+    model = LlamaModel.load(files[name])
+    params = ContextParams(n_ctx=256)
+    ref_logits, ref_tokens = _greedy(LlamaContext(model, params).decode)
+    for size in (2, 4):
+        tp = ThreadedTensorParallel(model, size, params)
+        try:
+            logits, tokens = _greedy(tp.decode)
+            assert tokens == ref_tokens, f"K={size}"
+            for step, (a, b) in enumerate(zip(ref_logits, logits)):
+                assert np.array_equal(a, b), f"K={size} step {step}: {np.count_nonzero(a != b)} logits differ"
+            every = tp.decode_all(Batch.from_tokens([3], pos0=len(PROMPT) + N_STEPS))
+            assert all(np.array_equal(every[0], x) for x in every[1:])
+            assert all(r.kv.n_embd_k_gqa == model.hp.n_embd_k_gqa // size for r in tp.ranks)
+        finally:
+            tp.close()
+
+
+# two sequences in one batch, then a step of each: the same logits as one process's
+def test_two_sequences(files):
+    model = LlamaModel.load(files["q8_0-tied"])
+    params = ContextParams(n_ctx=256, n_seq_max=2)
+    a, b = [1, 20, 30, 40], [1, 50, 60]
+    batch = Batch(np.array(a + b, np.int32), np.array([0, 1, 2, 3, 0, 1, 2], np.int32),
+                  [frozenset({0})] * 4 + [frozenset({1})] * 3, np.array([0, 0, 0, 1, 0, 0, 1], bool))
+    step = Batch(np.array([7, 8], np.int32), np.array([4, 3], np.int32), [frozenset({0}), frozenset({1})],
+                 np.ones(2, bool))
+    ref = LlamaContext(model, params)
+    want = [ref.decode(batch), ref.decode(step)]
+    tp = ThreadedTensorParallel(model, 4, params)
+    try:
+        got = [tp.decode(batch), tp.decode(step)]
+    finally:
+        tp.close()
+    assert all(np.array_equal(w, g) for w, g in zip(want, got))
+
+
+# the table: Q/K/V by heads, Wo/Wdown/gate/up/head by rows, the rest whole on every rank
+def test_split_table():
+    assert split_of("blk.3.attn_q.weight") == split_of("blk.3.attn_q.bias") == Split.Q_HEADS
+    assert split_of("blk.0.attn_k.weight") == split_of("blk.0.attn_v.bias") == Split.KV_HEADS
+    for name in ("blk.1.attn_output.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_up.weight",
+                 "blk.1.ffn_down.weight", "output.weight"):
+        assert split_of(name) == Split.ROWS, name
+    for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight", "blk.0.ffn_norm.weight",
+                 "rope_freqs.weight"):
+        assert split_of(name) == Split.MIRRORED, name
+
+
+# a rank's slices are the whole tensor's rows (bias elements), in rank order; mirrored tensors are whole;
+# a tied head is token_embd's vocabulary rows under output.weight
+def test_rank_weights_are_the_rows(files):
+    model = LlamaModel.load(files["qwen2-q8_0"])
+    tied = LlamaModel.load(files["q8_0-tied"])
+    for m in (model, tied):
+        ranks = [rank_weights(m.weights, m.hp, r, 4) for r in range(4)]
+        for name, w in m.weights.items():
+            whole = tensor_get(w)
+            parts = [tensor_get(rw[name]) for rw in ranks]
+            if split_of(name) == Split.MIRRORED:
+                assert all(np.array_equal(p, whole) for p in parts), name
+            else:
+                axis = 2 if w.n_dims >= 2 else 3                 # numpy order: rows, or a bias's elements
+                assert parts[0].shape[axis] == whole.shape[axis] // 4, name
+                assert np.array_equal(np.concatenate(parts, axis=axis), whole), name
+    head = [tensor_get(rank_weights(tied.weights, tied.hp, r, 2)["output.weight"]) for r in range(2)]
+    assert np.array_equal(np.concatenate(head, axis=2), tensor_get(tied.weights["token_embd.weight"]))
+    q = rank_weights(model.weights, model.hp, 1, 4)["blk.0.attn_q.weight"]
+    assert q.ne[1] == model.hp.n_head // 4 * model.hp.n_embd_head_k        # rank 1's 8 query heads
+
+
+# what cannot be split exactly is refused with the numbers
+def test_refused_splits(files):
+    hp = LlamaModel.load(files["q8_0-tied"]).hp
+    with pytest.raises(TensorParallelError, match="head_count_kv 4 does not divide into 8 ranks"):
+        check_split(hp, 8)
+    with pytest.raises(TensorParallelError, match="head_count 32 does not divide into 3 ranks"):
+        check_split(hp, 3)
+    with pytest.raises(TensorParallelError, match="covers llama, qwen2, not 'qwen3'"):
+        check_split(replace(hp, arch="qwen3"), 2)
+    with pytest.raises(TensorParallelError, match="mixture of experts"):
+        check_split(replace(hp, n_expert=8, n_expert_used=2), 2)
+
+
+# a slice whose row count would take another kernel path than the whole matrix is refused: a Q4_0 head
+# of 520 rows is repacked (520 % 8 == 0), halves of 260 rows would not be
+def test_refused_path_change(tmp_path):
+    spec = SyntheticSpec(n_vocab=520, n_embd=128, n_layer=1, n_head=16, n_head_kv=4, n_ff=256, wtype="Q4_0",
+                         embd_type="Q8_0", tied=False, seed=2)
+    model = LlamaModel.load(write_synthetic(tmp_path / "m.gguf", spec))
+    with pytest.raises(TensorParallelError, match="520 rows have 260 rows each, not a multiple of 8"):
+        rank_weights(model.weights, model.hp, 0, 2)
+
+
+# why: the rows of a product depend on the matrix's row count where it picks the path (repacked Q4_0 from
+# M % 8 == 0; F16 tinyBLAS from M % 4 == 0 for several activation rows); a slice of a multiple of 8
+# rows keeps the whole's path and bits, a slice of 4 (Q4_0) or 2 (F16) rows does not
+@pytest.mark.parametrize("wtype,bad_rows", [("Q4_0", 4), ("F16", 2)])
+def test_path_rule_is_real(wtype, bad_rows):
+    rng = np.random.default_rng(0)
+    K, M, N = 64, 16, 3
+    w = rng.standard_normal((M, K)).astype(np.float32)
+    raw = w.astype(np.float16).view(np.uint8) if wtype == "F16" else gquants.quantize(w, GGMLQuantizationType.Q4_0)
+    x = rng.standard_normal((N, K)).astype(np.float32)
+    opts = ComputeOptions()
+    whole = weights_mul_mat(GGMLType[wtype], raw, x, opts)
+    assert np.array_equal(weights_mul_mat(GGMLType[wtype], raw[8:], x, opts), whole[:, 8:])
+    assert not np.array_equal(weights_mul_mat(GGMLType[wtype], raw[:bad_rows], x, opts), whole[:, :bad_rows])
