@@ -1,26 +1,39 @@
 """A tensor-parallel group of K ranks as threads of one process (issue 54): each rank a model context of
-its own (LlamaContext with its slice of the weights, its heads' KV cache, its CPU backend and graph
-allocator) whose ALL_GATHER nodes exchange through an in-process collective (backends/collective.py).
+its own (RankContext: LlamaContext with its slice of the weights, its heads' KV cache, its CPU backend
+and graph allocator) whose ALL_GATHER nodes exchange through an in-process collective
+(backends/collective.py).
 
-Every rank decodes the same batch, in its own thread, and every rank ends with the whole logits (the
-head's last exchange gathers them): the group's result is rank 0's. This is the shape a rank takes
-anywhere: in another process its collective is workers/collective.py's socket mesh, and nothing else
-changes.
+    TensorParallelContext(model, K, params)     rank 0, the context the caller uses (a LlamaContext:
+                                                generate, the decode loop and the server take it as it
+                                                is), with ranks 1..K-1 following it on their own threads
+
+Every call that changes the KV cells (submit, seq_rm, seq_cp, seq_swap, clear) runs on every rank, the
+same call with the same batch, so their cells stay the same cell for cell; every rank ends a ubatch
+with the whole logits (the head's last exchange gathers them) and the caller reads rank 0's. In another
+process a rank's collective is workers/collective.py's socket mesh, and nothing else changes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import numpy as np
 
 from ..backends import host
 from ..backends.collective import Collective, ThreadGroup
-from .context import ContextParams, LlamaContext
+from .context import ContextParams, LlamaContext, PendingLogits
+from .kv_cache import ContextFullError
 from .model import LlamaModel
+from .sampling import RowSampling
 from .tensor_parallel import TensorParallelBuilder, check_split, rank_hparams, rank_weights
-from .ubatch import Batch
+from .ubatch import Batch, BatchError
+
+# refusals: raised by checks of a call against the KV cells, which are the same on every rank, so every
+# rank refuses the same call at the same point and the group stays usable
+REFUSALS = (BatchError, ContextFullError)
 
 
 @dataclass
@@ -40,6 +53,7 @@ class RankContext(LlamaContext):
         size = collective.size
         check_split(model.hp, size)
         self.rank = collective.rank
+        self.collective = collective
         self.builder_type = partial(TensorParallelBuilder, size=size)
         rank_model = replace(model, hp=rank_hparams(model.hp, size),
                              weights=rank_weights(model.weights, model.hp, collective.rank, size))
@@ -47,47 +61,92 @@ class RankContext(LlamaContext):
         super().__init__(rank_model, RankParams(**fields, collective=collective))
 
 
-class ThreadedTensorParallel:
-    """K ranks in K threads of this process; decode(batch) runs the batch on them all and returns the
-    logits (rank 0's; every rank has the same). A rank that fails closes the group, so the others fail
-    at their next exchange instead of waiting; the group is not usable after."""
+class _Follower:
+    """Rank r > 0 and its thread (for good: a rank's bound graphs replay fastest on the thread that
+    bound them)."""
+
+    def __init__(self, model: LlamaModel, params: ContextParams, collective: Collective) -> None:
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"tp-rank{collective.rank}")
+        self.collective = collective
+        self.ctx: Future[RankContext] = self.thread.submit(RankContext, model, params, collective)
+
+    def call(self, fn: Callable[[RankContext], Any]) -> Future:
+        return self.thread.submit(self._guarded, fn)
+
+    def _guarded(self, fn: Callable[[RankContext], Any]) -> Any:
+        try:
+            return fn(self.ctx.result())
+        except REFUSALS:
+            raise
+        except BaseException:
+            self.collective.close()         # the other ranks fail at their next exchange, not wait on
+            raise
+
+
+class TensorParallelContext(RankContext):
+    """Rank 0 of K in this process, the others following it on their threads (module docstring).
+    A call every rank refuses (REFUSALS) is refused; a rank that fails otherwise closes the group, so
+    the others fail at their next exchange instead of waiting, and the group is not usable after."""
 
     def __init__(self, model: LlamaModel, size: int, params: ContextParams | None = None,
                  timeout: float = 120.0) -> None:
         check_split(model.hp, size)
-        self.collectives = ThreadGroup(size, timeout).ranks()
-        # one thread per rank, for good: a rank's bound graphs replay fastest on the thread that bound them
-        self.threads = [ThreadPoolExecutor(1, thread_name_prefix=f"tp-rank{r}") for r in range(size)]
         params = params or ContextParams()
-        self.ranks: list[RankContext] = self._on_all(lambda r: RankContext(model, params, self.collectives[r]))
+        if params.background_compile:       # every rank would start its own; the compiled kernels serve all
+            params = replace(params, background_compile=False)
+        collectives = ThreadGroup(size, timeout).ranks()
+        self.followers = [_Follower(model, params, c) for c in collectives[1:]]
+        super().__init__(model, params, collectives[0])
+        for f in self.followers:
+            f.ctx.result()
 
     @property
     def size(self) -> int:
-        return len(self.ranks)
+        return self.collective.size
 
-    def decode(self, batch: Batch) -> np.ndarray:
-        return self.decode_all(batch)[0]
+    def _with_followers(self, own: Callable[[], Any], theirs: Callable[[RankContext], Any]) -> Any:
+        """own() on this thread while every follower runs theirs(its context); own's result."""
+        futures = [f.call(theirs) for f in self.followers]
+        try:
+            out = own()
+        except REFUSALS:
+            for fut in futures:
+                fut.exception()             # each refused the same call
+            raise
+        except BaseException:
+            self.collective.close()
+            raise
+        for fut in futures:
+            fut.result()
+        return out
 
-    def decode_all(self, batch: Batch) -> list[np.ndarray]:
-        """Every rank's logits of the batch (equal, bit for bit: a test's view of the exchange)."""
-        return self._on_all(lambda r: self.ranks[r].decode(batch))
+    def submit(self, batch: Batch, sampling: list[RowSampling] | None = None, keep_logits: bool = True,
+               embeddings: bool = False, tokens_from: PendingLogits | None = None) -> PendingLogits:
+        """LlamaContext.submit on every rank; rank 0 samples. A follower takes tokens_from's tokens as
+        the batch's (they are chosen: a context in this process computes as it submits)."""
+        theirs = batch
+        if tokens_from is not None:
+            theirs = replace(batch, tokens=np.asarray(tokens_from.tokens(), np.int32))
+        return self._with_followers(
+            lambda: super(TensorParallelContext, self).submit(batch, sampling, keep_logits, embeddings, tokens_from),
+            lambda r: r.submit(theirs, embeddings=embeddings))
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self._with_followers(lambda: super(TensorParallelContext, self).seq_rm(seq_id, p0, p1),
+                             lambda r: r.seq_rm(seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        self._with_followers(lambda: super(TensorParallelContext, self).seq_cp(src, dst, p0, p1),
+                             lambda r: r.seq_cp(src, dst, p0, p1))
+
+    def seq_swap(self, a: int, b: int) -> None:
+        self._with_followers(lambda: super(TensorParallelContext, self).seq_swap(a, b), lambda r: r.seq_swap(a, b))
 
     def clear(self) -> None:
-        self._on_all(lambda r: self.ranks[r].clear())
-
-    def _on_all(self, fn):
-        futures: list[Future] = [pool.submit(self._guarded, fn, r) for r, pool in enumerate(self.threads)]
-        return [f.result() for f in futures]
-
-    def _guarded(self, fn, r: int):
-        try:
-            return fn(r)
-        except BaseException:
-            self.collectives[r].close()
-            raise
+        self._with_followers(lambda: super(TensorParallelContext, self).clear(), lambda r: r.clear())
 
     def close(self) -> None:
-        for c in self.collectives:
-            c.close()
-        for pool in self.threads:
-            pool.shutdown(wait=True)
+        """Leave the group and end the followers' threads."""
+        self.collective.close()
+        for f in self.followers:
+            f.thread.shutdown(wait=True)

@@ -4,6 +4,7 @@ The files are small synthetic dense models with TinyLlama-1.1B's grouped-query h
 kv heads), in the weight types whose products take different kernel paths (Q8_0; Q4_0 repacked; F16
 by tinyBLAS for several rows; Q4_K), tied and untied heads, and Qwen2's Q/K/V biases.
 """
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -12,14 +13,17 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gquants
 
 from ggml_dist.backends.base import tensor_get
+from ggml_dist.backends.collective import CollectiveError
 from ggml_dist.backends.cpu.ops import ComputeOptions, weights_mul_mat
 from ggml_dist.core.types import GGMLType
 from ggml_dist.model.context import ContextParams, LlamaContext
+from ggml_dist.model.generate import generate
+from ggml_dist.model.kv_cache import ContextFullError
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
 from ggml_dist.model.tensor_parallel import Split, TensorParallelError, check_split, rank_weights, split_of
-from ggml_dist.model.tp_local import ThreadedTensorParallel
-from ggml_dist.model.ubatch import Batch
+from ggml_dist.model.tp_local import TensorParallelContext
+from ggml_dist.model.ubatch import Batch, BatchError
 
 GQA = {"n_vocab": 512, "n_embd": 256, "n_layer": 2, "n_head": 32, "n_head_kv": 4, "n_ff": 512}
 SPECS = {
@@ -50,22 +54,21 @@ def _greedy(decode, n_steps: int = N_STEPS) -> tuple[list[np.ndarray], list[int]
 
 
 # K = 2 and 4 ranks give one process's logits bit for bit (whole prompt, then one token at a time) and
-# its greedy tokens; every rank ends with the same logits; a rank's KV cache holds its kv heads only
+# its greedy tokens; a rank's KV cache holds its kv heads only
 @pytest.mark.parametrize("name", list(SPECS))
 def test_ranks_equal_one_process(files, name):
     model = LlamaModel.load(files[name])
     params = ContextParams(n_ctx=256)
     ref_logits, ref_tokens = _greedy(LlamaContext(model, params).decode)
     for size in (2, 4):
-        tp = ThreadedTensorParallel(model, size, params)
+        tp = TensorParallelContext(model, size, params)
         try:
             logits, tokens = _greedy(tp.decode)
             assert tokens == ref_tokens, f"K={size}"
             for step, (a, b) in enumerate(zip(ref_logits, logits)):
                 assert np.array_equal(a, b), f"K={size} step {step}: {np.count_nonzero(a != b)} logits differ"
-            every = tp.decode_all(Batch.from_tokens([3], pos0=len(PROMPT) + N_STEPS))
-            assert all(np.array_equal(every[0], x) for x in every[1:])
-            assert all(r.kv.n_embd_k_gqa == model.hp.n_embd_k_gqa // size for r in tp.ranks)
+            ranks = [tp, *(f.ctx.result() for f in tp.followers)]
+            assert [r.kv.n_embd_k_gqa for r in ranks] == [model.hp.n_embd_k_gqa // size] * size
         finally:
             tp.close()
 
@@ -81,12 +84,66 @@ def test_two_sequences(files):
                  np.ones(2, bool))
     ref = LlamaContext(model, params)
     want = [ref.decode(batch), ref.decode(step)]
-    tp = ThreadedTensorParallel(model, 4, params)
+    tp = TensorParallelContext(model, 4, params)
     try:
         got = [tp.decode(batch), tp.decode(step)]
     finally:
         tp.close()
     assert all(np.array_equal(w, g) for w, g in zip(want, got))
+
+
+# the decode loop takes the group as its context: generate()'s greedy tokens are one process's, with
+# one step in flight and with two (the next step's token taken from the previous one: tokens_from)
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_generate(files, lookahead):
+    model = LlamaModel.load(files["q4_0-untied"])
+    params = ContextParams(n_ctx=256)
+    want = generate(LlamaContext(model, params), model.tokenizer, PROMPT, 12, stop_at_eog=False).tokens
+    tp = TensorParallelContext(model, 2, params)
+    try:
+        got = generate(tp, model.tokenizer, PROMPT, 12, stop_at_eog=False, lookahead=lookahead).tokens
+    finally:
+        tp.close()
+    assert got == want and len(got) == 12
+
+
+# a call every rank refuses (a token outside the vocabulary, a full context) leaves the group usable;
+# the group's sequence operations reach every rank (after seq_rm the same continuation gives the same logits)
+def test_refusals_and_sequence_ops(files):
+    model = LlamaModel.load(files["q8_0-tied"])
+    tp = TensorParallelContext(model, 2, ContextParams(n_ctx=256))
+    try:
+        first = tp.decode(Batch.from_tokens(PROMPT))
+        with pytest.raises(BatchError, match="vocabulary"):
+            tp.decode(Batch.from_tokens([1, 10**6], pos0=len(PROMPT)))
+        with pytest.raises(ContextFullError):
+            tp.decode(Batch.from_tokens([5] * 250, pos0=len(PROMPT)))
+        step = tp.decode(Batch.from_tokens([9], pos0=len(PROMPT)))
+        tp.seq_rm(0, len(PROMPT))
+        assert np.array_equal(tp.decode(Batch.from_tokens([9], pos0=len(PROMPT))), step)
+        tp.clear()
+        assert np.array_equal(tp.decode(Batch.from_tokens(PROMPT)), first)
+    finally:
+        tp.close()
+
+
+# a rank that fails closes the group: the others stop at their exchange with the reason, within seconds,
+# instead of waiting for the group's timeout
+def test_failing_rank_closes_the_group(files):
+    model = LlamaModel.load(files["q8_0-tied"])
+    tp = TensorParallelContext(model, 2, ContextParams(n_ctx=256), timeout=600)
+    follower = tp.followers[0].ctx.result()
+
+    def fail(*args, **kw):
+        raise MemoryError("rank 1 ran out")
+    follower.submit = fail                          # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(CollectiveError, match="group broke"):
+            tp.decode(Batch.from_tokens(PROMPT))
+        assert time.perf_counter() - t0 < 60
+    finally:
+        tp.close()
 
 
 # the table: Q/K/V by heads, Wo/Wdown/gate/up/head by rows, the rest whole on every rank
