@@ -92,6 +92,30 @@ def test_two_sequences(files):
     assert all(np.array_equal(w, g) for w, g in zip(want, got))
 
 
+# ubatches without outputs (a prompt in ubatches of 4: the head's gather has no columns), a KV stream per
+# sequence, and batch-invariant numerics (--deterministic): still one process's logits
+@pytest.mark.parametrize("params", [ContextParams(n_ctx=256, n_ubatch=4),
+                                    ContextParams(n_ctx=256, n_seq_max=2, kv_unified=False),
+                                    ContextParams(n_ctx=256, batch_invariant=True)], ids=["ubatch4", "streams", "det"])
+def test_context_params(files, params):
+    model = LlamaModel.load(files["q4_k-tied"])
+    two = Batch(np.array(PROMPT + PROMPT[:5], np.int32), np.array(list(range(9)) + list(range(5)), np.int32),
+                [frozenset({0})] * 9 + [frozenset({1})] * 5, np.ones(14, bool))
+    # in ubatches of 4 only the last of the prompt's 3 ubatches outputs (its last token)
+    batches = [Batch.from_tokens(PROMPT, all_outputs=params.n_ubatch != 4), Batch.from_tokens([3], pos0=len(PROMPT))]
+    if params.n_seq_max == 2:
+        batches = [two, Batch(np.array([3, 4], np.int32), np.array([9, 5], np.int32),
+                              [frozenset({0}), frozenset({1})], np.ones(2, bool))]
+    ref = LlamaContext(model, params)
+    want = [ref.decode(b) for b in batches]
+    tp = TensorParallelContext(model, 4, params)
+    try:
+        got = [tp.decode(b) for b in batches]
+    finally:
+        tp.close()
+    assert all(np.array_equal(w, g) for w, g in zip(want, got))
+
+
 # the decode loop takes the group as its context: generate()'s greedy tokens are one process's, with
 # one step in flight and with two (the next step's token taken from the previous one: tokens_from)
 @pytest.mark.parametrize("lookahead", [1, 2])
