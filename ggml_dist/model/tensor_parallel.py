@@ -82,9 +82,10 @@ def check_split(hp: LlamaHParams, size: int) -> None:
 
 def _rows(hp: LlamaHParams, split: Split, n_rows: int, size: int) -> int:
     """The rows of a rank's slice; refuses a slice whose row count would change the product's kernel."""
-    part = {Split.Q_HEADS: hp.n_head // size * hp.n_embd_head_k,
-            Split.KV_HEADS: hp.n_head_kv // size * hp.n_embd_head_k}.get(split, n_rows // size)
-    assert part * size == n_rows, f"{split.name} slices of {part} rows do not make {n_rows} rows"
+    # check_split made K divide every count: a slice of Q/K/V rows is whole heads (rows = heads * head size)
+    part = n_rows // size
+    heads = {Split.Q_HEADS: hp.n_head, Split.KV_HEADS: hp.n_head_kv}.get(split, size)
+    assert part * size == n_rows and n_rows % heads == 0, f"{split.name}: {n_rows} rows in {size} slices"
     # ggml picks a product's path by the weight's row count: repacked Q4_0/Q4_K/MXFP4 from M % 8 == 0,
     # tinyBLAS for F16/F32 from M % 4 == 0 (blocks.ggml_repacks, ops._mul_mat_float): each output row's
     # bits are the path's, so a slice must take the path the whole matrix takes

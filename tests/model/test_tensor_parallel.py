@@ -2,7 +2,7 @@
 
 The files are small synthetic dense models with TinyLlama-1.1B's grouped-query heads (32 query heads, 4
 kv heads), in the weight types whose products take different kernel paths (Q8_0; Q4_0 repacked; F16
-by tinyBLAS for several rows; Q4_K), tied and untied heads, and Qwen2's Q/K/V biases.
+by tinyBLAS for several rows; Q4_K), tied and untied heads, Qwen2's Q/K/V biases and Llama 3's rope factors.
 """
 import time
 from dataclasses import replace
@@ -32,6 +32,7 @@ SPECS = {
     "f16-tied": SyntheticSpec(**GQA, wtype="F16", embd_type="F16", seed=7),
     "q4_k-tied": SyntheticSpec(**GQA, wtype="Q4_K", seed=8),
     "qwen2-q8_0": SyntheticSpec(arch="qwen2", **GQA, tied=False, seed=9),
+    "llama3-rope": SyntheticSpec(**GQA, rope_scaling="llama3", seed=10),    # rope_freqs.weight, mirrored
 }
 PROMPT = [1, 5, 9, 33, 70, 100, 7, 300, 12]
 N_STEPS = 4
