@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from typing import Any
 
@@ -57,8 +57,8 @@ class RankContext(LlamaContext):
         self.builder_type = partial(TensorParallelBuilder, size=size)
         rank_model = replace(model, hp=rank_hparams(model.hp, size),
                              weights=rank_weights(model.weights, model.hp, collective.rank, size))
-        fields = {f: getattr(params, f) for f in params.__dataclass_fields__}
-        super().__init__(rank_model, RankParams(**fields, collective=collective))
+        own = {f.name: getattr(params, f.name) for f in fields(ContextParams)}
+        super().__init__(rank_model, RankParams(**own, collective=collective))
 
 
 class _Follower:
