@@ -75,6 +75,9 @@ def add_run_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument("--stages", type=stages_arg, default=None,
                    help="pipeline stages (Ray actors), or auto: the fewest that fit the cluster's nodes, "
                    "one per node; 1 without --address runs in this process")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="K",
+                   help="split every matrix of a dense model over K ranks (threads of this process, one "
+                   "stage): each output row computed whole on one rank, so the tokens are one rank's")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a "
                    "local Ray, or join the cluster of a `ray job submit` job)")
     p.add_argument("--layers", default=None, help="explicit layer ranges per stage, first:end with the end "
@@ -114,8 +117,8 @@ def on_cluster(args: argparse.Namespace) -> bool:
 
 CONFIG_KEYS = {"model", "ctx", "batch", "ubatch", "cache_type", "exact", "stages", "address", "layers",
                 "n_copies", "threads", "trace", "prompt", "n_predict", "temp", "seed", "chat", "budget_gib",
-                "device"}
-DEFAULTS = {"stages": 1, "threads": 1, "n_predict": 64, "temp": 0.0}
+                "device", "tensor_parallel"}
+DEFAULTS = {"stages": 1, "threads": 1, "n_predict": 64, "temp": 0.0, "tensor_parallel": 1}
 
 
 def apply_config(args: argparse.Namespace) -> None:
@@ -175,4 +178,4 @@ def run_config(args: argparse.Namespace, serving: bool = False) -> RunConfig:
     return RunConfig(path, context_params(args), None if args.stages == "auto" else args.stages, args.address,
                      parse_layers(args.layers), args.threads, args.threads_given and not serving, args.n_copies,
                      args.stage_calls, devices=devices_of(args), verbose=args.verbose or None,
-                     label="ggml-dist serve" if serving else "ggml-dist")
+                     label="ggml-dist serve" if serving else "ggml-dist", tensor_parallel=args.tensor_parallel)

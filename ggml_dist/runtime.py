@@ -26,6 +26,7 @@ from pathlib import Path
 from .backends.devices import DeviceKind
 from .model.context import ContextParams, LlamaContext
 from .model.model import LlamaModel
+from .model.tp_local import TensorParallelContext
 from .workers.cluster import Pipeline
 from .workers.driver import default_copies  # noqa: F401 - the face
 from .workers.local_ray import connect, exit_on_signal, local_ray_cpu_s, shutdown_local  # noqa: F401 - the face
@@ -60,6 +61,7 @@ class RunConfig:
     show_plan: bool = True                       # print the placement's table before the stages start
     devices: tuple[DeviceKind, ...] = ()         # each stage's device kind (one for all, or one per stage)
     verbose: bool | None = None                  # Ray's own notices (None: $GGML_DIST_VERBOSE)
+    tensor_parallel: int = 1                     # ranks splitting every matrix (model/tp_local.py: threads here)
 
     @property
     def distributed(self) -> bool:
@@ -142,6 +144,8 @@ class Runtime:
     def shutdown(self) -> None:
         if self._pipeline is not None:
             self._pipeline.shutdown()
+        if isinstance(self.ctx, TensorParallelContext):
+            self.ctx.close()
 
 
 def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = None) -> Runtime:
@@ -153,7 +157,12 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
             from .backends.host import kernel_threads
             kernel_threads.set_threads(cfg.threads)
         model = LlamaModel.load(cfg.model_path)
+        if cfg.tensor_parallel != 1:
+            return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params))
         return Runtime(model, LlamaContext(model, cfg.params))
+    if cfg.tensor_parallel > 1:
+        raise ValueError(f"--tensor-parallel {cfg.tensor_parallel} runs in one process, as one stage: drop "
+                         f"--stages/--address (ranks on Ray are not built yet)")
     n = cfg.n_stages or 1
     joined = connect(cfg.address, num_cpus=max(2, n * cfg.threads), verbose=cfg.verbose)
     if joined != "already connected":

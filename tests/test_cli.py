@@ -93,6 +93,23 @@ def test_errors(capsys, model, argv, msg):
     assert rc == 1 and msg in err
 
 
+# run --tensor-parallel 2: the model split over two ranks (threads) gives the tokens of one process; what
+# cannot be split, or would need ranks on Ray, is refused with the reason
+def test_run_tensor_parallel(capsys, tmp_path):
+    spec = SyntheticSpec(n_vocab=512, n_embd=256, n_layer=2, n_head=32, n_head_kv=4, n_ff=512, wtype="Q4_0",
+                         embd_type="Q4_0", tied=False, seed=6)     # TinyLlama's heads; greedy tokens that vary
+    argv = ["run", "--model", str(write_synthetic(tmp_path / "gqa.gguf", spec)), "--prompt", "abc", "-n", "8",
+            "--json", "--ctx", "256"]
+    rc1, out1, _ = _run(capsys, *argv)
+    rc2, out2, _ = _run(capsys, *argv, "--tensor-parallel", "2")
+    assert rc1 == rc2 == 0 and json.loads(out2)["tokens"] == json.loads(out1)["tokens"]
+    assert len(set(json.loads(out1)["tokens"])) > 2
+    rc, _, err = _run(capsys, *argv, "--tensor-parallel", "3")
+    assert rc == 1 and "head_count 32 does not divide into 3 ranks" in err
+    rc, _, err = _run(capsys, *argv, "--tensor-parallel", "2", "--stages", "2")
+    assert rc == 1 and "runs in one process" in err
+
+
 # a corrupt file is refused by the loader with its clear error, not a traceback
 def test_bad_gguf(capsys, tmp_path):
     f = tmp_path / "bad.gguf"

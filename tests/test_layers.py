@@ -94,12 +94,13 @@ def test_imports_only_go_down():
     assert not upward, "\n".join(upward)
 
 
-# backends/: base.py (the device protocol) below cpu/ (the CPU backend) below accel.py (a fake GPU made of
-# the CPU's kernels) below devices.py (the device kinds, which open each). Inside cpu/, the numpy reference
-# path imports no numba; the compiled twins do.
-BACKENDS_ORDER = ("backends.base", "backends.cpu", "backends.host", "backends.accel", "backends.devices")
+# backends/: base.py (the device protocol) and collective.py (what ALL_GATHER exchanges through) below cpu/
+# (the CPU backend) below accel.py (a fake GPU made of the CPU's kernels) below devices.py (the device kinds,
+# which open each). Inside cpu/, the numpy reference path imports no numba; the compiled twins do.
+BACKENDS_ORDER = ("backends.base", "backends.collective", "backends.cpu", "backends.host", "backends.accel",
+                  "backends.devices")
 REFERENCE = ("base", "cpu/quants", "cpu/blocks", "cpu/ops", "cpu/reference", "cpu/backend", "cpu/rope",
-             "cpu/numerics", "cpu/fusion", "cpu/recurrent", "cpu/unary", "host")
+             "cpu/numerics", "cpu/fusion", "cpu/recurrent", "cpu/unary", "host", "collective", "cpu/gather")
 
 
 def _numba_imports(path: Path) -> list[int]:

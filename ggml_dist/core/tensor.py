@@ -52,6 +52,7 @@ class Op(enum.IntEnum):
     L2_NORM = enum.auto()
     SSM_CONV = enum.auto()
     GATED_DELTA_NET = enum.auto()
+    ALL_GATHER = enum.auto()     # not a ggml op: tensor parallelism's exchange (core/ops_collective.py)
 
 
 class UnaryOp(enum.IntEnum):

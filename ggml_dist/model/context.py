@@ -153,6 +153,7 @@ class LlamaContext(SequenceOps):
     when asked for. Its log and replay after a lost stage are model/recovery.py's, the graph inputs'
     writing model/graph_inputs.py's; what is left (~330 lines) is llama_context's decode: split, find
     cells, pick or build the graph, run it, and fetch or sample its rows, one path for every backend."""
+    builder_type: Callable[..., LlamaGraphBuilder] = LlamaGraphBuilder   # a tensor-parallel rank's: its own
 
     def __init__(self, model: LlamaModel, params: ContextParams | None = None,
                  pipeline: PipelineHooks | None = None) -> None:
@@ -178,7 +179,7 @@ class LlamaContext(SequenceOps):
                           params.type_k, params.type_v, params.n_seq_max, params.kv_unified)
         self.kv.allocate(backends[-1].device.get_buffer_type(), None if pipeline is None else pipeline.layer_buft)
         self.rs = recurrent_state(hp, params.n_seq_max, backends[-1].device.get_buffer_type, pipeline)
-        self.builder = LlamaGraphBuilder(hp, model.weights if pipeline is None else pipeline.weights, self.kv,
+        self.builder = self.builder_type(hp, model.weights if pipeline is None else pipeline.weights, self.kv,
                                          self.rs)
         self.n_copies = 1 if pipeline is None else pipeline.n_copies
         self.sched = Sched(backends, graph_size=self.builder.max_nodes, n_copies=self.n_copies)
@@ -194,9 +195,7 @@ class LlamaContext(SequenceOps):
         # a few) reuses its graph instead of building one, and its scheduler plan (splits, addresses)
         # while the compute buffer has not grown since, instead of splitting and planning again
         self._graphs: OrderedDict[tuple[GraphKey, int], GraphResult] = OrderedDict()   # (key, copy slot)
-        self.n_reused = 0
-        self.n_rebuilt = 0
-        self.n_recalled = 0
+        self.n_reused = self.n_rebuilt = self.n_recalled = 0
         self.n_plans_restored = 0           # recalled graphs whose scheduler plan came back unchanged
         self._reserve()
 

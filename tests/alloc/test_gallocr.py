@@ -12,6 +12,7 @@ from ggml_dist.alloc.tallocr import INVALID_ADDR
 from ggml_dist.core import ops
 from ggml_dist.core.context import Context, HostMemory
 from ggml_dist.core.graph import Graph
+from ggml_dist.core.ops_collective import all_gather
 from ggml_dist.core.tensor import Op, Tensor
 from ggml_dist.core.types import GGMLType
 
@@ -86,6 +87,19 @@ def _e3(ctx: Context):
     b = ops.scale(ctx, v, 2.0)
     c = ops.cont(ctx, b).set_output()
     return x, a, v, b, c
+
+
+# ALL_GATHER (tensor parallelism's exchange) is never in place, even on a dying parent of its size: each
+# rank reads its part while the gathered parts are written
+def test_all_gather_never_in_place():
+    ctx = new_ctx()
+    x = inp(ctx, 16)
+    a = ops.cont(ctx, x)
+    b = all_gather(ctx, a, [16])                # a group of one: the result is exactly a's size
+    c = ops.cont(ctx, b).set_output()
+    assert Op.ALL_GATHER not in INPLACE_OPS
+    plan(graph_of(c))
+    assert b.data != a.data and b.view_src is None
 
 
 # E3 as ggml: no in-place through a view parent (b gets x's freed range)

@@ -27,8 +27,8 @@ import numpy as np
 from ...core.tensor import GLUOp, Op, SortOrder, Tensor, TensorFlag, UnaryOp
 from ...core.types import GGMLType, is_quantized
 from ..base import BufferUsage
+from . import gather, quants, recurrent, unary
 from . import numerics as nm
-from . import quants, recurrent, unary
 from .blocks import KPACK_TYPES, QPACK_TYPES, ggml_repacks
 from .rope import bind_rope, rope_forward
 
@@ -62,6 +62,7 @@ class ComputeOptions:
     order: str = "ggml"
     kernels: str | None = None
     batch_invariant: bool = False
+    collective: Any = None     # the group its ALL_GATHER nodes exchange through (backends/collective.py)
 
     def __post_init__(self) -> None:
         if self.batch_invariant and self.exact:
@@ -737,8 +738,7 @@ def _concat(t, dst, srcs, opts):
     dst[...] = np.concatenate([a, b], axis=3 - dim)
 
 
-def _nop(t, dst, srcs, opts):
-    pass
+def _nop(t, dst, srcs, opts): ...        # views and leafs: nothing to compute
 
 
 def _rope(t, dst, srcs, opts):
@@ -962,7 +962,7 @@ KERNELS: dict[Op, Kernel] = {
     Op.UNARY: _unary, Op.GLU: _glu, Op.MUL_MAT: _mul_mat, Op.GET_ROWS: _get_rows,
     Op.SET_ROWS: _set_rows, Op.ARGMAX: _argmax, Op.SOFT_MAX: _soft_max,
     Op.FLASH_ATTN_EXT: _flash_attn_ext, Op.CPY: _cpy, Op.CONT: _cpy, Op.DUP: _cpy,
-    Op.CONCAT: _concat, Op.ROPE: _rope, **recurrent.KERNELS,
+    Op.CONCAT: _concat, Op.ROPE: _rope, **recurrent.KERNELS, **gather.KERNELS,
 }
 
 # ops whose kernels accept quantized operands (any position)

@@ -4,6 +4,7 @@
                       actor's n_threads, a serving replica's share of the cores
     get_threads()     the count; kernels split their work into chunks by it
     launch()          `with launch(): kernel(...)`: around every parallel launch
+    released()        `with released(): wait(...)`: the launch lock let go around a wait on other threads
 
 numba's thread count is per calling thread, so `launch` applies it to the thread that launches (skipped
 when that thread already has it: the call costs ~3 us and a decode step makes ~150 launches), and holds
@@ -77,3 +78,21 @@ _LAUNCH = _Launch()
 
 def launch() -> _Launch:
     return _LAUNCH
+
+
+class _Released:
+    """The launch lock let go by this thread (however deep it holds it) for the block, then taken back as
+    it was. Around a wait on threads that launch kernels themselves: a tensor-parallel rank's ALL_GATHER
+    waits, inside its flat replay, for ranks that are threads of this process. The RLock's own
+    _release_save / _acquire_restore do it, as threading.Condition.wait does (CPython's _thread.RLock)."""
+
+    def __enter__(self) -> None:
+        self._state = _lock._release_save() if _lock._is_owned() else None     # type: ignore[attr-defined]
+
+    def __exit__(self, *exc: object) -> None:
+        if self._state is not None:
+            _lock._acquire_restore(self._state)                                # type: ignore[attr-defined]
+
+
+def released() -> _Released:
+    return _Released()

@@ -1,0 +1,152 @@
+"""A tensor-parallel group of K ranks as threads of one process (issue 54): each rank a model context of
+its own (RankContext: LlamaContext with its slice of the weights, its heads' KV cache, its CPU backend
+and graph allocator) whose ALL_GATHER nodes exchange through an in-process collective
+(backends/collective.py).
+
+    TensorParallelContext(model, K, params)     rank 0, the context the caller uses (a LlamaContext:
+                                                generate, the decode loop and the server take it as it
+                                                is), with ranks 1..K-1 following it on their own threads
+
+Every call that changes the KV cells (submit, seq_rm, seq_cp, seq_swap, clear) runs on every rank, the
+same call with the same batch, so their cells stay the same cell for cell; every rank ends a ubatch
+with the whole logits (the head's last exchange gathers them) and the caller reads rank 0's. In another
+process a rank's collective is workers/collective.py's socket mesh, and nothing else changes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from ..backends import host
+from ..backends.collective import Collective, ThreadGroup
+from .context import ContextParams, LlamaContext, PendingLogits
+from .kv_cache import ContextFullError
+from .model import LlamaModel
+from .sampling import RowSampling
+from .tensor_parallel import TensorParallelBuilder, check_split, rank_hparams, rank_weights
+from .ubatch import Batch, BatchError
+
+# refusals: raised by checks of a call against the KV cells, which are the same on every rank, so every
+# rank refuses the same call at the same point and the group stays usable
+REFUSALS = (BatchError, ContextFullError)
+
+
+@dataclass
+class RankParams(ContextParams):
+    """A rank's context parameters: the context's, and the collective its backend's ALL_GATHER uses."""
+    collective: Collective | None = None
+
+    def compute_options(self) -> host.HostOptions:
+        return replace(super().compute_options(), collective=self.collective)
+
+
+class RankContext(LlamaContext):
+    """One rank's model context: the model's file and tokenizer, its own hparams (heads), weights (rows),
+    KV cache (its kv heads) and graphs (TensorParallelBuilder)."""
+
+    def __init__(self, model: LlamaModel, params: ContextParams, collective: Collective) -> None:
+        size = collective.size
+        check_split(model.hp, size)
+        self.rank = collective.rank
+        self.collective = collective
+        self.builder_type = partial(TensorParallelBuilder, size=size)
+        rank_model = replace(model, hp=rank_hparams(model.hp, size),
+                             weights=rank_weights(model.weights, model.hp, collective.rank, size))
+        own = {f.name: getattr(params, f.name) for f in fields(ContextParams)}
+        super().__init__(rank_model, RankParams(**own, collective=collective))
+
+
+class _Follower:
+    """Rank r > 0 and its thread (for good: a rank's bound graphs replay fastest on the thread that
+    bound them)."""
+
+    def __init__(self, model: LlamaModel, params: ContextParams, collective: Collective) -> None:
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"tp-rank{collective.rank}")
+        self.collective = collective
+        self.ctx: Future[RankContext] = self.thread.submit(RankContext, model, params, collective)
+
+    def call(self, fn: Callable[[RankContext], Any]) -> Future:
+        return self.thread.submit(self._guarded, fn)
+
+    def _guarded(self, fn: Callable[[RankContext], Any]) -> Any:
+        try:
+            return fn(self.ctx.result())
+        except REFUSALS:
+            raise
+        except BaseException:
+            self.collective.close()         # the other ranks fail at their next exchange, not wait on
+            raise
+
+
+class TensorParallelContext(RankContext):
+    """Rank 0 of K in this process, the others following it on their threads (module docstring).
+    A call every rank refuses (REFUSALS) is refused; a rank that fails otherwise closes the group, so
+    the others fail at their next exchange instead of waiting, and the group is not usable after."""
+
+    def __init__(self, model: LlamaModel, size: int, params: ContextParams | None = None,
+                 timeout: float = 120.0) -> None:
+        check_split(model.hp, size)
+        params = params or ContextParams()
+        if params.background_compile:       # every rank would start its own; the compiled kernels serve all
+            params = replace(params, background_compile=False)
+        collectives = ThreadGroup(size, timeout).ranks()
+        self.followers = [_Follower(model, params, c) for c in collectives[1:]]
+        super().__init__(model, params, collectives[0])
+        for f in self.followers:
+            f.ctx.result()
+
+    @property
+    def size(self) -> int:
+        return self.collective.size
+
+    def _with_followers(self, own: Callable[[], Any], theirs: Callable[[RankContext], Any]) -> Any:
+        """own() on this thread while every follower runs theirs(its context); own's result."""
+        futures = [f.call(theirs) for f in self.followers]
+        try:
+            out = own()
+        except REFUSALS:
+            for fut in futures:
+                fut.exception()             # each refused the same call
+            raise
+        except BaseException:
+            self.collective.close()
+            raise
+        for fut in futures:
+            fut.result()
+        return out
+
+    def submit(self, batch: Batch, sampling: list[RowSampling] | None = None, keep_logits: bool = True,
+               embeddings: bool = False, tokens_from: PendingLogits | None = None) -> PendingLogits:
+        """LlamaContext.submit on every rank; rank 0 samples. A follower takes tokens_from's tokens as
+        the batch's (they are chosen: a context in this process computes as it submits)."""
+        theirs = batch
+        if tokens_from is not None:
+            theirs = replace(batch, tokens=np.asarray(tokens_from.tokens(), np.int32))
+        return self._with_followers(
+            lambda: super(TensorParallelContext, self).submit(batch, sampling, keep_logits, embeddings, tokens_from),
+            lambda r: r.submit(theirs, embeddings=embeddings))
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
+        self._with_followers(lambda: super(TensorParallelContext, self).seq_rm(seq_id, p0, p1),
+                             lambda r: r.seq_rm(seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        self._with_followers(lambda: super(TensorParallelContext, self).seq_cp(src, dst, p0, p1),
+                             lambda r: r.seq_cp(src, dst, p0, p1))
+
+    def seq_swap(self, a: int, b: int) -> None:
+        self._with_followers(lambda: super(TensorParallelContext, self).seq_swap(a, b), lambda r: r.seq_swap(a, b))
+
+    def clear(self) -> None:
+        self._with_followers(lambda: super(TensorParallelContext, self).clear(), lambda r: r.clear())
+
+    def close(self) -> None:
+        """Leave the group and end the followers' threads."""
+        self.collective.close()
+        for f in self.followers:
+            f.thread.shutdown(wait=True)
