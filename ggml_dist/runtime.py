@@ -32,6 +32,7 @@ from .workers.driver import default_copies  # noqa: F401 - the face
 from .workers.local_ray import connect, exit_on_signal, local_ray_cpu_s, shutdown_local  # noqa: F401 - the face
 from .workers.placement import Placement
 from .workers.stage_data import StageInfo, StageStats
+from .workers.tp_ranks import ray_ranks
 
 
 def runs_on_ray(n_stages: int | None, address: str | None) -> bool:
@@ -160,13 +161,17 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
         if cfg.tensor_parallel != 1:
             return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params))
         return Runtime(model, LlamaContext(model, cfg.params))
-    if cfg.tensor_parallel > 1:
-        raise ValueError(f"--tensor-parallel {cfg.tensor_parallel} runs in one process, as one stage: drop "
-                         f"--stages/--address (ranks on Ray are not built yet)")
+    if cfg.tensor_parallel > 1 and cfg.n_stages not in (None, 1):
+        raise ValueError(f"--tensor-parallel {cfg.tensor_parallel} with --stages {cfg.n_stages}: ranks beside a "
+                         f"pipeline are not built yet (one group: drop --stages)")
     n = cfg.n_stages or 1
-    joined = connect(cfg.address, num_cpus=max(2, n * cfg.threads), verbose=cfg.verbose)
+    joined = connect(cfg.address, num_cpus=max(2, n * cfg.threads, cfg.tensor_parallel), verbose=cfg.verbose)
     if joined != "already connected":
         print(f"{cfg.label}: {joined}", file=sys.stderr)
+    if cfg.tensor_parallel > 1:                  # rank 0 here, the others Ray actors (workers/tp_ranks.py)
+        model = LlamaModel.load(cfg.model_path)
+        ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, num_cpus=cfg.threads)
+        return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params, ranks=ranks))
     if on_plan is None and cfg.show_plan:
         def on_plan(p: Placement) -> None:
             print(p.table(), file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -61,6 +61,26 @@ class RankContext(LlamaContext):
         super().__init__(rank_model, RankParams(**own, collective=collective))
 
 
+class Follower(Protocol):
+    """A rank r > 0 that follows rank 0 (a thread here, or a process: workers/tp_ranks.py)."""
+
+    def call(self, fn: Callable[[RankContext], Any]) -> Future: ...   # fn(its context), in call order
+    def ready(self) -> None: ...                                      # its context is built
+    def close(self) -> None: ...
+
+
+# a group's ranks: rank 0's collective (its context is the caller's) and the followers (which build theirs)
+RankGroup = Callable[[LlamaModel, ContextParams], "tuple[Collective, list[Follower]]"]
+
+
+def thread_ranks(size: int, timeout: float = 120.0) -> RankGroup:
+    """Ranks 1..size-1 on threads of this process, exchanging through a ThreadGroup."""
+    def make(model: LlamaModel, params: ContextParams) -> tuple[Collective, list[Follower]]:
+        collectives = ThreadGroup(size, timeout).ranks()
+        return collectives[0], [_Follower(model, params, c) for c in collectives[1:]]
+    return make
+
+
 class _Follower:
     """Rank r > 0 and its thread (for good: a rank's bound graphs replay fastest on the thread that
     bound them)."""
@@ -72,6 +92,12 @@ class _Follower:
 
     def call(self, fn: Callable[[RankContext], Any]) -> Future:
         return self.thread.submit(self._guarded, fn)
+
+    def ready(self) -> None:
+        self.ctx.result()
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True)
 
     def _guarded(self, fn: Callable[[RankContext], Any]) -> Any:
         try:
@@ -89,16 +115,18 @@ class TensorParallelContext(RankContext):
     the others fail at their next exchange instead of waiting, and the group is not usable after."""
 
     def __init__(self, model: LlamaModel, size: int, params: ContextParams | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, ranks: RankGroup | None = None) -> None:
+        """ranks: where ranks 1..size-1 run (default: threads of this process)."""
         check_split(model.hp, size)
         params = params or ContextParams()
         if params.background_compile:       # every rank would start its own; the compiled kernels serve all
             params = replace(params, background_compile=False)
-        collectives = ThreadGroup(size, timeout).ranks()
-        self.followers = [_Follower(model, params, c) for c in collectives[1:]]
-        super().__init__(model, params, collectives[0])
+        own, self.followers = (ranks or thread_ranks(size, timeout))(model, params)
+        if own.size != size:
+            raise ValueError(f"a group of {own.size} ranks for --tensor-parallel {size}")
+        super().__init__(model, params, own)
         for f in self.followers:
-            f.ctx.result()
+            f.ready()
 
     @property
     def size(self) -> int:
@@ -149,4 +177,4 @@ class TensorParallelContext(RankContext):
         """Leave the group and end the followers' threads."""
         self.collective.close()
         for f in self.followers:
-            f.thread.shutdown(wait=True)
+            f.close()

@@ -1,0 +1,97 @@
+"""Tensor-parallel ranks 1..K-1 as Ray actors (issue 54), rank 0 the driver's own context
+(model/tp_local.py's TensorParallelContext, with ray_ranks as its RankGroup).
+
+    ctx = TensorParallelContext(model, K, params, ranks=ray_ranks(model_path, K))
+
+Each rank actor maps the model file, listens for the group's mesh (workers/collective.py), and once
+every rank's address is known connects and builds its RankContext (its rows of every matrix, its heads'
+KV cache). The exchanges inside a ubatch go over the mesh's persistent links, rank to rank; Ray carries
+only the context calls (one per submit, seq_rm, ...: what every rank must do the same), each run on the
+actor's one thread in the order sent. A rank that fails otherwise than by refusing a call closes its
+mesh, so the other ranks fail at their next exchange instead of waiting.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from ..model.context import ContextParams
+from ..model.model import LlamaModel
+from ..model.tp_local import REFUSALS, Follower, RankContext, RankGroup
+from .collective import Collective, MeshCollective, MeshListener, mesh_connect
+
+
+class RankActor:
+    """One rank r > 0 of a group (made a Ray actor by ray_ranks)."""
+
+    def __init__(self, model_path: str, params: ContextParams, rank: int) -> None:
+        import ray
+        if not os.path.exists(model_path):
+            raise FileNotFoundError(f"tensor-parallel rank {rank} cannot read {model_path} on its node")
+        self.model_path, self.params, self.rank = model_path, params, rank
+        host = ray.util.get_node_ip_address()                  # where the other ranks reach this one
+        self.listener = MeshListener(host, advertise=host)
+        self.collective: MeshCollective | None = None
+        self.ctx: RankContext | None = None
+
+    def address(self) -> str:
+        return self.listener.address
+
+    def connect(self, addresses: list[str], secret: bytes, timeout_s: float) -> int:
+        """Join the mesh, then build this rank's context; its pid."""
+        self.collective = mesh_connect(self.rank, addresses, secret, self.listener, timeout_s)
+        self.ctx = RankContext(LlamaModel.load(self.model_path), self.params, self.collective)
+        return os.getpid()
+
+    def call(self, fn: Callable[[RankContext], Any]) -> None:
+        """fn(this rank's context); nothing comes back (rank 0's result is the group's)."""
+        assert self.ctx is not None and self.collective is not None, "connect() first"
+        try:
+            fn(self.ctx)
+        except REFUSALS:
+            raise
+        except BaseException:
+            self.collective.close()
+            raise
+
+
+class RayFollower:
+    """The driver's handle on a rank actor (the Follower protocol)."""
+
+    def __init__(self, actor: Any, connected: Any) -> None:
+        self.actor, self._connected = actor, connected
+
+    def call(self, fn: Callable[[RankContext], Any]) -> Future:
+        return self.actor.call.remote(fn).future()
+
+    def ready(self) -> None:
+        import ray
+        ray.get(self._connected)
+
+    def close(self) -> None:
+        import ray
+        ray.kill(self.actor)
+
+
+def ray_ranks(model_path: str, size: int, timeout_s: float = 300.0, num_cpus: float = 1.0) -> RankGroup:
+    """Ranks 1..size-1 as Ray actors (Ray connected already), rank 0 here: the RankGroup for
+    TensorParallelContext."""
+    def make(model: LlamaModel, params: ContextParams) -> tuple[Collective, list[Follower]]:
+        import ray
+        host = ray.util.get_node_ip_address()
+        actor_cls: Any = ray.remote(num_cpus=num_cpus)(RankActor)     # one thread: calls run in order
+        actors: list[Any] = [actor_cls.remote(os.path.abspath(model_path), params, r) for r in range(1, size)]
+        own = MeshListener(host, advertise=host)
+        addresses = [own.address, *ray.get([a.address.remote() for a in actors], timeout=timeout_s)]
+        secret = os.urandom(16)
+        connected = [a.connect.remote(addresses, secret, timeout_s) for a in actors]
+        try:
+            coll = mesh_connect(0, addresses, secret, own, timeout_s)
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            raise
+        return coll, [RayFollower(a, c) for a, c in zip(actors, connected, strict=True)]
+    return make

@@ -1,0 +1,70 @@
+"""Tensor-parallel ranks as Ray actors (workers/tp_ranks.py): rank 0 the driver's context, ranks 1..K-1
+actors whose ALL_GATHER goes over the socket mesh; logits and greedy tokens are one process's, bit for
+bit, and `run --tensor-parallel` on Ray gives one process's tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggml_dist.model.context import ContextParams, LlamaContext
+from ggml_dist.model.generate import generate
+from ggml_dist.model.model import LlamaModel
+from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+from ggml_dist.model.tp_local import TensorParallelContext
+from ggml_dist.model.ubatch import Batch
+
+pytest.importorskip("ray")
+
+PROMPT = [1, 5, 9, 33, 70, 100, 7, 300, 12]
+# grouped heads as the 1.1B's (32 query heads over 4 KV heads), small
+SPEC = SyntheticSpec(n_vocab=512, n_embd=256, n_layer=2, n_head=32, n_head_kv=4, n_ff=512, wtype="Q4_0",
+                     embd_type="Q4_0", tied=False, seed=6)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return str(write_synthetic(tmp_path_factory.mktemp("tp") / "m.gguf", SPEC))
+
+
+def _steps(ctx) -> list[np.ndarray]:
+    out = [ctx.decode(Batch.from_tokens(PROMPT, all_outputs=True))]
+    for i in range(4):
+        out.append(ctx.decode(Batch.from_tokens([int(out[-1][-1].argmax())], pos0=len(PROMPT) + i)))
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ray_ranks_equal_one_process(local_ray, path, size):
+    from ggml_dist.workers.tp_ranks import ray_ranks
+    model = LlamaModel.load(path)
+    want = _steps(LlamaContext(model, ContextParams(n_ctx=256)))
+    ctx = TensorParallelContext(model, size, ContextParams(n_ctx=256), ranks=ray_ranks(path, size, num_cpus=0.5))
+    try:
+        got = _steps(ctx)
+        assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
+        ctx.seq_rm(0, 5)                                  # every rank cuts its cells the same way
+        again = ctx.decode(Batch.from_tokens(PROMPT[5:], pos0=5, all_outputs=True))
+        assert np.array_equal(again, want[0][5:])
+    finally:
+        ctx.close()
+
+
+def test_runtime_ranks_on_ray(local_ray, path):
+    from ggml_dist.runtime import RunConfig, open_runtime
+    model = LlamaModel.load(path)
+    want = generate(LlamaContext(model, ContextParams(n_ctx=256)), model.tokenizer, PROMPT, 8,
+                    stop_at_eog=False).tokens
+    rt = open_runtime(RunConfig(path, ContextParams(n_ctx=256), 1, on_ray=True, tensor_parallel=2))
+    try:
+        from ggml_dist.workers.tp_ranks import RayFollower
+        assert isinstance(rt.ctx, TensorParallelContext) and all(isinstance(f, RayFollower) for f in rt.ctx.followers)
+        assert len(rt.ctx.followers) == 1
+        assert generate(rt.ctx, rt.model.tokenizer, PROMPT, 8, stop_at_eog=False).tokens == want
+    finally:
+        rt.shutdown()
+
+
+def test_ranks_beside_a_pipeline_are_refused(path):
+    from ggml_dist.runtime import RunConfig, open_runtime
+    with pytest.raises(ValueError, match="beside a pipeline"):
+        open_runtime(RunConfig(path, ContextParams(n_ctx=256), 2, tensor_parallel=2))
