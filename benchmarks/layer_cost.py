@@ -22,7 +22,7 @@ from ggml_dist.model.pull import resolve_model
 from ggml_dist.model.ubatch import Batch
 from ggml_dist.workers.cluster import Pipeline
 from ggml_dist.workers.local_ray import connect
-from ggml_dist.workers.placement import ModelSizes
+from ggml_dist.workers.model_sizes import ModelSizes
 
 
 def stage_ms(path: str, layers: list[tuple[int, int]], steps: int) -> list[float]:

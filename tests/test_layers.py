@@ -13,7 +13,7 @@ PACKAGE = Path(ggml_dist.__file__).parent
 # bottom to top; a module may import its own layer and those below. serve and bench are side by side:
 # neither imports the other. cli (with config, its run-config files) is the command on top of everything.
 LAYERS = [("core",), ("alloc",), ("backends",), ("scheduler",), ("model",), ("workers", "testbed"), ("runtime",),
-          ("serve", "bench"), ("config",), ("cli",)]
+          ("serve", "bench"), ("config",), ("serve_args",), ("cli",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

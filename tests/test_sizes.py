@@ -35,8 +35,7 @@ OVERSIZED = {
     "ggml_dist/bench/faults.py:_http_study": 88,
     "ggml_dist/bench/fuzz_gguf.py:run_fuzz": 99,
     "ggml_dist/bench/pipeline.py:run_one": 86,
-    "ggml_dist/cli.py": 499,
-    "ggml_dist/cli.py:_parser": 117,
+    "ggml_dist/cli.py": 429,
     "ggml_dist/model/context.py": 451,
     "ggml_dist/model/kv_cache.py": 433,
     "ggml_dist/model/tokenizer.py": 583,
@@ -47,7 +46,6 @@ OVERSIZED = {
     "ggml_dist/serve/grammar.py": 414,
     "ggml_dist/serve/replicas.py": 596,
     "ggml_dist/testbed/cluster.py": 591,
-    "ggml_dist/workers/placement.py": 404,
 }
 
 

@@ -1,8 +1,8 @@
 """The pipeline on separate hosts, next to llama.cpp's RPC on the same hosts: `ggml-dist bench cluster`.
 
     ggml-dist bench cluster [--model smollm2-135m,tinyllama] [--hosts 1,2,4] [--sequences 1,4,8]
-        [--prompt 128,512] [--gen 64] [--host-cpu 0.6] [--head-cpu 0.3] [--serve-clients 8] [--json]
-        [--plot cluster.png]
+        [--prompt 128,512] [--gen 64] [--host-cpu 0.6] [--head-cpu 0.3] [--link-delay-ms 0,0.1,0.5]
+        [--serve-clients 8] [--json] [--plot cluster.png]
 
 Every machine here has the same two cores, so the hosts are emulated (ggml_dist/testbed): a network
 namespace each, with its own IP, a CPU of its own (a CFS quota of --host-cpu cores with a 5 ms period,
@@ -16,6 +16,11 @@ llama.cpp: `llama-batched-bench` on host 1 alone (k = 1), and over k `rpc-server
 the head (`--rpc ... -ngl 99`), when benchmarks/build_llama_rpc.sh has built it; the same prompt length,
 sequences (a shared prompt, -pps) and generated tokens. With --serve-clients C: `ggml-dist serve` on one
 host and over --serve-hosts hosts, C streaming clients from the head for --serve-duration seconds.
+
+With --link-delay-ms 0,0.1,0.5 every multi-host point runs at each fixed delay added to every link,
+each way (the testbed's userspace delay line: this kernel has no netem); each point says its
+`link_delay_ms`, and `link_delays` gives each delay's ping-pong check (the round trip added, between
+two hosts) and what it covers: every packet between two hosts, Ray's own included.
 
 Per point: TTFT (the prompt), TPOT, the aggregate decode tok/s, each host's cores used and throttled
 share of periods (from its cgroup, over the decode), the stages' busy shares. The bounds, from ours on
@@ -237,6 +242,39 @@ def _serve(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace) -> di
     return {"impl": "ours", "hosts": k, **out, "host_usage": sampler.window(t0, t1)}
 
 
+# -- the points of one model, over host counts and link delays -------------------------------------------
+def _points(c: Any, sampler: Any, build: Any, path: str, ks: list[int], fits: bool, one_seqs: list[int],
+            seqs: list[int], a: argparse.Namespace, m: dict[str, Any]) -> None:
+    """Ours and llama.cpp at each host count; k > 1 at each link delay of --link-delay-ms (one host runs
+    one process, no link: once, at delay 0). Each point says its link_delay_ms; m["link_delays"] has each
+    delay's ping-pong check."""
+    from ..testbed.delay import delay_every_host, tcp_rtt_ms
+    delays = [float(x) for x in a.link_delay_ms.split(",") if x.strip()] or [0.0]
+    i, j = (1, 2) if len(c.ips) > 2 else (0, 1)
+    plain = tcp_rtt_ms(c.net.namespaces[i], c.net.namespaces[j], c.ips[j])
+    m["link_delays"] = []
+    for d in delays:
+        m["link_delays"].append(delay_every_host(c.net, d, plain))
+        for k in ks:
+            if k == 1 and d != delays[0]:
+                continue
+            tag = {"link_delay_ms": d if k > 1 else 0.0}
+            if "ours" not in a.skip:
+                print(f"ggml-dist bench cluster: {Path(path).name}, ours on {k} host(s), link delay {d} ms",
+                      file=sys.stderr, flush=True)
+                rows, plan = _ours(c, sampler, path, k, a, one_seqs if k == 1 else seqs,
+                                   "local" if k == 1 else "pipeline" if fits else "auto")
+                m["points"] += [{**r, **tag} for r in rows]
+                if plan is not None:
+                    m.setdefault("plans", {})[str(k)] = plan
+            if build is not None and "llamacpp" not in a.skip:
+                print(f"ggml-dist bench cluster: {Path(path).name}, llama.cpp on {k} host(s), link delay {d} ms",
+                      file=sys.stderr, flush=True)
+                m["points"] += [{**r, **tag} for r in _llamacpp(c, sampler, build, path, k, a)]
+    if delays[-1]:
+        delay_every_host(c.net, 0.0, plain)     # serving, after the points, on the plain link
+
+
 def bench(a: argparse.Namespace) -> dict[str, Any]:
     from ..testbed.cgroups import cgroups_available
     from ..testbed.cluster import HostSpec, NamespaceCluster
@@ -283,19 +321,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                 m["logits_check"] = _logits_check(c, path, a)
                 if name in SHAPES and "ours" not in a.skip:
                     m["slice_points"] = _slice_points(c, sampler, name, max(hosts_list), a)
-            for k in hosts_list if fits else [max(hosts_list)]:
-                if "ours" not in a.skip:
-                    print(f"ggml-dist bench cluster: {Path(path).name}, ours on {k} host(s)", file=sys.stderr,
-                          flush=True)
-                    rows, plan = _ours(c, sampler, path, k, a, one_seqs if k == 1 else seqs,
-                                       "local" if k == 1 else "pipeline" if fits else "auto")
-                    m["points"] += rows
-                    if plan is not None:
-                        m.setdefault("plans", {})[str(k)] = plan
-                if build is not None and "llamacpp" not in a.skip:
-                    print(f"ggml-dist bench cluster: {Path(path).name}, llama.cpp on {k} host(s)", file=sys.stderr,
-                          flush=True)
-                    m["points"] += _llamacpp(c, sampler, build, path, k, a)
+            _points(c, sampler, build, path, hosts_list if fits else [max(hosts_list)], fits, one_seqs, seqs, a, m)
             m["host_memory_peak_bytes"] = [u.get("memory_peak_bytes") for u in c.usage()]
             m["host_oom_kills"] = [u.get("oom_kills") for u in c.usage()]
             if a.serve_clients and fits:
@@ -333,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-memory-mib", type=int, default=3072, help="each host's Ray memory; its cgroup limit "
                     "is 512 MiB more (default 3072)")
     ap.add_argument("--link-rate", default="1gbit", help="each host's link rate, tc units (default 1gbit)")
+    ap.add_argument("--link-delay-ms", default="0", help="comma list of fixed delays added to every link, one "
+                    "way, in ms (e.g. 0,0.1,0.5): each multi-host point runs at each (netem, or the testbed's "
+                    "userspace delay line where the kernel lacks netem; default 0)")
     ap.add_argument("--llamacpp", choices=["auto", "off"], default="auto",
                     help="auto: measure llama.cpp's RPC too where benchmarks/build_llama_rpc.sh has built it")
     ap.add_argument("--serve-clients", type=int, default=0, help="also `serve` with this many clients (0: off)")

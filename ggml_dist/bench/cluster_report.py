@@ -77,7 +77,8 @@ def plot(models: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, m in zip(axes[0], models):
         for impl, style in (("ours", "-o"), ("llama.cpp", "--s")):
-            pts = [r for r in m["points"] if r["impl"] == impl and r["prompt"] == min(x["prompt"] for x in m["points"])]
+            pts = [r for r in m["points"] if r["impl"] == impl and r["prompt"] == min(x["prompt"] for x in m["points"])
+                   and not r.get("link_delay_ms")]                      # the plain link's points
             for n in sorted({r["sequences"] for r in pts}):
                 xs = sorted((r["hosts"], r["decode_tok_s"]) for r in pts if r["sequences"] == n)
                 ax.plot([x for x, _ in xs], [y for _, y in xs], style, label=f"{impl}, {n} seq")
@@ -90,11 +91,11 @@ def plot(models: list[dict], path: str) -> None:
 
 
 def summary(m: dict) -> list[dict]:
-    """Per (prompt, sequences, hosts): ours and llama.cpp side by side."""
+    """Per (prompt, sequences, hosts, link delay): ours and llama.cpp side by side."""
     rows: dict[tuple, dict] = {}
     for r in m["points"]:
-        key = (r["prompt"], r["sequences"], r["hosts"])
-        d = rows.setdefault(key, {"prompt": key[0], "sequences": key[1], "hosts": key[2]})
+        key = (r["prompt"], r["sequences"], r["hosts"], r.get("link_delay_ms", 0.0))
+        d = rows.setdefault(key, {"prompt": key[0], "sequences": key[1], "hosts": key[2], "link_delay_ms": key[3]})
         tag = "ours" if r["impl"] == "ours" else "llamacpp"
         d[f"{tag}_tok_s"] = r["decode_tok_s"]
         for f in ("x_one_host", "efficiency", "pipeline_bound"):

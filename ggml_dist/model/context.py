@@ -255,10 +255,7 @@ class LlamaContext(SequenceOps):
         splitter = BatchSplitter(batch)
         cells, ubatch_size = self.kv.cells, self.params.n_ubatch
         while True:
-            # a stream per sequence takes equal groups of consecutive sequences (llama.cpp's split_equal(
-            # sequential=true)); the unified cache the tokens in order; recurrent layers one sequence each
-            ub = (splitter.split_seq(ubatch_size) if self.rs is not None else splitter.split_simple(ubatch_size)
-                  if self.kv.unified else splitter.split_equal(ubatch_size, sequential=True))
+            ub = splitter.split_memory(ubatch_size, self.kv.unified, self.rs is not None)
             if ub is None:
                 break
             slot = cells.find_slot_ubatch(ub.seq_ids, ub.n_seqs)
@@ -348,7 +345,8 @@ class LlamaContext(SequenceOps):
         a pipeline); rec.fetch then reads its logits."""
         ub, slot = rec.ub, rec.slot
         streams = self._streams(ub)
-        key = GraphKey(ub.n_tokens, ub.n_outputs, rec.n_kv, len(streams), streams.start, rec.embd)
+        key = GraphKey(ub.n_tokens, ub.n_outputs, rec.n_kv, len(streams), streams.start, rec.embd,
+                       ub.n_seqs if self.rs is not None else 1)
         res = self.gf_res_prev
         if res is not None and res.key == key:
             if not self.pipelined:              # the previous compute may still read the inputs

@@ -36,6 +36,7 @@ class GraphKey:
     n_stream: int = 1
     s0: int = 0
     embd: bool = False         # the output is the final norm's rows (embeddings), not the head's logits
+    n_seqs: int = 1            # a hybrid model's ubatch: its sequences (split_equal), a state row each
 
 
 @dataclass
@@ -48,8 +49,8 @@ class GraphInputs:
     v_idxs: Tensor
     out_ids: Tensor | None = None
     kq_mask_swa: Tensor | None = None     # the sliding-window layers' mask (llm_graph_input_attn_kv_iswa)
-    s_copy: Tensor | None = None          # I32 [1]: the state row of the ubatch's sequence (llm_graph_input_rs)
-    s_dst: Tensor | None = None           # I32 [1]: the row its new state goes to (the other is kept)
+    s_copy: Tensor | None = None          # I32 [n_seqs]: the state row of each of the ubatch's sequences
+    s_dst: Tensor | None = None           # I32 [n_seqs]: the rows their new states go to (the others are kept)
 
 
 @dataclass
@@ -105,8 +106,8 @@ class GraphContext:
             mask_swa = ctx.new_tensor(GGMLType.F32, mask_ne).set_name("kq_mask_swa").set_input()
         s_copy = s_dst = None
         if self.rs is not None:
-            s_copy = ctx.new_tensor(GGMLType.I32, (1,)).set_name("inp_s_copy").set_input()
-            s_dst = ctx.new_tensor(GGMLType.I32, (1,)).set_name("inp_s_dst").set_input()
+            s_copy = ctx.new_tensor(GGMLType.I32, (key.n_seqs,)).set_name("inp_s_copy").set_input()
+            s_dst = ctx.new_tensor(GGMLType.I32, (key.n_seqs,)).set_name("inp_s_dst").set_input()
         return GraphInputs(tokens, pos, mask, k_idxs, v_idxs, out_ids, mask_swa, s_copy, s_dst)
 
     def build_inp_embd(self, ctx: Context, inp: GraphInputs) -> Tensor:

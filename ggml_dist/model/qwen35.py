@@ -11,7 +11,7 @@ gated_attn: Wq gives each head's query and, beside it, an output gate; q and k a
 and roped with IMRoPE over the first n_rot dims (text positions: four equal streams but the last);
 attention's output is multiplied by sigmoid(gate) before Wo.
 
-delta_net (one sequence of n tokens):
+delta_net (per sequence of the ubatch, its n_st tokens):
     qkv = Wqkv · x (conv channels: q heads, k heads, v heads), z = Wgate · x
     beta = sigmoid(Wbeta · x), g = softplus(Walpha · x + dt_bias) * ssm_a      (per value head)
     conv_in = [conv state | qkv^T]; the last d_conv - 1 columns are the next conv state
@@ -87,48 +87,51 @@ def _rope(g: GraphContext, ctx: Context, x: Tensor, pos: Tensor) -> Tensor:
 
 def build_delta_net_layer(g: GraphContext, ctx: Context, gf: Graph, x: Tensor, inp: GraphInputs,
                           il: int) -> Tensor:
-    """build_layer_attn_linear for a ubatch of one sequence (n tokens): ne = (n_embd, n_tokens)."""
+    """build_layer_attn_linear for a ubatch of n_seqs sequences of n_st tokens each (split_equal: each
+    sequence's tokens together, in the order of its state rows in s_copy): ne = (n_embd, n_tokens)."""
     hp, w, rs, s_copy, s_dst = g.hp, g.w, g.rs, inp.s_copy, inp.s_dst
     assert rs is not None and s_copy is not None and s_dst is not None, "a hybrid model's graph needs its state"
-    b, n = f"blk.{il}.", x.ne[1]
+    b, n, n_seqs = f"blk.{il}.", x.ne[1], s_copy.ne[0]
+    n_st = n // n_seqs
     S, H_k, H_v = hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank
     d_conv, channels = hp.ssm_d_conv, hp.ssm_d_inner + 2 * H_k * S
 
     qkv = ops.mul_mat(ctx, w[b + "attn_qkv.weight"], x).set_name(f"linear_attn_qkv_mixed-{il}")
-    qkv = ops.reshape(ctx, qkv, channels, n, 1)
+    qkv = ops.reshape(ctx, qkv, channels, n_st, n_seqs)
     z = ops.mul_mat(ctx, w[b + "attn_gate.weight"], x).set_name(f"z-{il}")
     beta = ops.mul_mat(ctx, w[b + "ssm_beta.weight"], x)
-    beta = ops.sigmoid(ctx, ops.reshape(ctx, beta, 1, H_v, n, 1)).set_name(f"beta_sigmoid-{il}")
-    alpha = ops.reshape(ctx, ops.mul_mat(ctx, w[b + "ssm_alpha.weight"], x), H_v, n, 1)
+    beta = ops.sigmoid(ctx, ops.reshape(ctx, beta, 1, H_v, n_st, n_seqs)).set_name(f"beta_sigmoid-{il}")
+    alpha = ops.reshape(ctx, ops.mul_mat(ctx, w[b + "ssm_alpha.weight"], x), H_v, n_st, n_seqs)
     alpha = oh.softplus(ctx, ops.add(ctx, alpha, w[b + "ssm_dt.bias"])).set_name(f"a_softplus-{il}")
     gate = ops.mul(ctx, alpha, w[b + "ssm_a"]).set_name(f"gate-{il}")           # -exp(A_log) * softplus
-    gate = ops.reshape(ctx, gate, 1, H_v, n, 1)
+    gate = ops.reshape(ctx, gate, 1, H_v, n_st, n_seqs)
 
-    # the conv state's columns, then the ubatch's; its last d_conv - 1 columns are the next state
-    conv_states = ops.reshape(ctx, rs.get_r(ctx, il, s_copy), d_conv - 1, channels, 1).set_name(f"conv_states-{il}")
+    # per sequence the conv state's columns, then its tokens'; the last d_conv - 1 columns are the next state
+    conv_states = ops.reshape(ctx, rs.get_r(ctx, il, s_copy), d_conv - 1, channels, n_seqs)
+    conv_states.set_name(f"conv_states-{il}")
     conv_input = ops.concat(ctx, conv_states, ops.transpose(ctx, qkv), 0).set_name(f"conv_input-{il}")
-    last = ops.view_3d(ctx, conv_input, d_conv - 1, channels, 1, conv_input.nb[1], conv_input.nb[2],
-                       row_size(conv_input.type, n))
-    last = ops.cont(ctx, last, (hp.n_embd_r, 1))
+    last = ops.view_3d(ctx, conv_input, d_conv - 1, channels, n_seqs, conv_input.nb[1], conv_input.nb[2],
+                       row_size(conv_input.type, n_st))
+    last = ops.cont(ctx, last, (hp.n_embd_r, n_seqs))
     gf.build_forward_expand(rs.cpy_r(ctx, il, last, s_dst))
 
-    state = ops.reshape(ctx, rs.get_s(ctx, il, s_copy), S, S, H_v, 1).set_name(f"state_predelta-{il}")
+    state = ops.reshape(ctx, rs.get_s(ctx, il, s_copy), S, S, H_v, n_seqs).set_name(f"state_predelta-{il}")
     conv = ops.silu(ctx, oh.ssm_conv(ctx, conv_input, w[b + "ssm_conv1d.weight"])).set_name(f"conv_output_silu-{il}")
     nb1 = row_size(conv.type, channels)
     es = row_size(conv.type, 1)
-    q = ops.view_4d(ctx, conv, S, H_k, n, 1, es * S, nb1, nb1 * n, 0)
-    k = ops.view_4d(ctx, conv, S, H_k, n, 1, es * S, nb1, nb1 * n, es * S * H_k)
-    v = ops.view_4d(ctx, conv, S, H_v, n, 1, es * S, nb1, nb1 * n, es * 2 * S * H_k)
+    q = ops.view_4d(ctx, conv, S, H_k, n_st, n_seqs, es * S, nb1, nb1 * n_st, 0)
+    k = ops.view_4d(ctx, conv, S, H_k, n_st, n_seqs, es * S, nb1, nb1 * n_st, es * S * H_k)
+    v = ops.view_4d(ctx, conv, S, H_v, n_st, n_seqs, es * S, nb1, nb1 * n_st, es * 2 * S * H_k)
     q = oh.l2_norm(ctx, q, hp.f_norm_rms_eps)
     k = oh.l2_norm(ctx, k, hp.f_norm_rms_eps)
 
     res = oh.gated_delta_net(ctx, q, k, v, gate, beta, state).set_name(f"gdn_out-{il}")
-    out = ops.view_4d(ctx, res, S, H_v, n, 1, es * S, es * S * H_v, es * S * H_v * n, 0)
-    new_state = ops.view_2d(ctx, res, hp.n_embd_s, 1, es * hp.n_embd_s, es * S * H_v * n)
+    out = ops.view_4d(ctx, res, S, H_v, n_st, n_seqs, es * S, es * S * H_v, es * S * H_v * n_st, 0)
+    new_state = ops.view_2d(ctx, res, hp.n_embd_s, n_seqs, es * hp.n_embd_s, es * S * H_v * n)
     gf.build_forward_expand(rs.cpy_s(ctx, il, new_state, s_dst))
 
     # the gated norm: n_ssm(o) * silu(z), per value head
-    z = ops.reshape(ctx, z, S, H_v, n, 1)
+    z = ops.reshape(ctx, z, S, H_v, n_st, n_seqs)
     out = ops.mul(ctx, g.build_norm(ctx, out, b + "ssm_norm.weight", f"ssm_normed-{il}"), ops.silu(ctx, z))
     out = ops.reshape(ctx, out, S * H_v, n)
     return ops.mul_mat(ctx, w[b + "ssm_out.weight"], out).set_name(f"linear_attn_out-{il}")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from ..backends.base import StageLostError
+from .recurrent_state import ubatch_seqs
 from .sampling import RowSampling, sample_row
 from .ubatch import Ubatch
 
@@ -122,12 +123,13 @@ class Recovery:
     def record(self, rec: UbatchRecord) -> None:
         if self.recoverable:
             self.log.append(rec)
-            if self.rs is not None:                      # one sequence per ubatch
-                seq = min(rec.ub.seq_ids[0])
-                if int(rec.ub.pos[0]) == 0:
-                    self.lineage[seq] = [rec]
-                else:
-                    self.lineage.setdefault(seq, []).append(rec)
+            if self.rs is not None:                      # each of its sequences' lineage
+                n_st = rec.ub.n_seq_tokens
+                for k, seq in enumerate(ubatch_seqs(rec.ub)):
+                    if int(rec.ub.pos[k * n_st]) == 0:
+                        self.lineage[seq] = [rec]
+                    else:
+                        self.lineage.setdefault(seq, []).append(rec)
 
     def record_copy(self, src: int, dst: int) -> None:
         """dst's recurrent state became a copy of src's (seq_cp)."""
@@ -142,6 +144,19 @@ class Recovery:
         if es:
             assert isinstance(es[-1], UbatchRecord), "a copy's state has no step to take back"
             es.pop()
+
+    def cut_lineage(self, seq: int, n_past: int) -> None:
+        """seq's state went back to a copy after its first n_past positions (a checkpoint): its lineage
+        ends with the ubatch that reached them, and a replay makes the state the copy holds."""
+        es = self.lineage.get(seq)
+        if not es:
+            return
+        k = next((i for i, e in enumerate(es) if isinstance(e, UbatchRecord) and int(e.ub.pos[0]) >= n_past),
+                 len(es))
+        last = es[k - 1] if k else None
+        assert not isinstance(last, UbatchRecord) or int(last.ub.pos[-1]) == n_past - 1, \
+            f"sequence {seq}: a checkpoint at {n_past} inside a ubatch"
+        del es[k:]
 
     def clear(self) -> None:
         self.log.clear()
@@ -175,6 +190,7 @@ class Recovery:
                     reset()
                     self.prune(cells)
                     if rs is not None:
+                        rs.lost()                            # the checkpoints' copies went with the stage
                         rs.pos[:] = -1                       # every live sequence again from position 0
                     owners = self._owners()
                     for rec in self.log:
@@ -195,27 +211,36 @@ class Recovery:
             if rs is not None and pos is not None:
                 rs.pos[:] = pos
 
-    def _owners(self) -> dict[int, set[int]]:
-        """Per logged ubatch (id), the live sequences whose lineage holds it (a recurrent state's)."""
-        owners: dict[int, set[int]] = {}
+    def _owners(self) -> dict[int, dict[int, set[int]]]:
+        """Per logged ubatch (id): for each sequence it ran, the live sequences whose state is made of that
+        sequence's part of it (the sequence itself while it lives, the copies made of it since)."""
+        owners: dict[int, dict[int, set[int]]] = {}
         for seq, es in self.lineage.items():
-            for e in es:
-                owners.setdefault(id(e), set()).add(seq)
+            who = seq                                   # backwards: a copy's entries before it are its source's
+            for e in reversed(es):
+                if isinstance(e, StateCopy):
+                    who = e.src
+                else:
+                    owners.setdefault(id(e), {}).setdefault(who, set()).add(seq)
         return owners
 
     def _replay(self, rec: UbatchRecord, run: Callable[[UbatchRecord], None], cells: KVCells,
-                owners: dict[int, set[int]]) -> None:
-        """run(rec); a ubatch kept only for the sequences copied from its own (removed since, or begun
-        again) attends as one of them: the cells its tokens saw then are theirs now (a whole copy of its
-        cells), and its own sequence's bits are elsewhere or gone; the mask would hide them all."""
-        seq = min(rec.ub.seq_ids[0])
-        heirs = owners.get(id(rec), set())
-        if self.rs is None or not heirs or seq in heirs:
+                owners: dict[int, dict[int, set[int]]]) -> None:
+        """run(rec); a sequence of it that is gone (removed since, or begun again) but was copied attends
+        as one of its copies: the cells its tokens saw then are theirs now (a whole copy of its cells),
+        and its own bits are elsewhere or gone, so the mask would hide them all. (A sequence gone without
+        copies computes rows nothing reads.)"""
+        heirs = owners.get(id(rec), {})
+        moved = {s: min(h) for s, h in heirs.items() if s not in h} if self.rs is not None else {}
+        if not moved:
             run(rec)
             return
-        own, heir = np.uint64(1 << seq), np.uint64(1 << min(heirs))
         saved = cells.seq.copy()
-        cells.seq[:] = (saved & ~own) | np.where((saved & heir) != 0, own, np.uint64(0))
+        gone = np.uint64(sum(1 << s for s in moved))
+        seq = saved & ~gone
+        for s, h in moved.items():
+            seq |= np.where((saved & np.uint64(1 << h)) != 0, np.uint64(1 << s), np.uint64(0))
+        cells.seq[:] = seq
         try:
             run(rec)                                # its graph inputs are written before it returns
         finally:

@@ -14,16 +14,25 @@ continued (the next ubatch starts at the position after the last one), restarted
 begins from zeros), copied or removed whole, or its last ubatch taken back, but never cut back further:
 seq_rm of a longer tail, or a ubatch that does not continue the sequence, raises StateTrimError instead of
 running on a wrong state.
-A ubatch holds one sequence (the graph's state rows are one row per ubatch).
+A ubatch holds n_seqs sequences of as many tokens each (split_equal), a state row read and one written each.
 
 On a pipeline each stage owns the rows of its own recurrent layers (workers/stage.py allocates them in its
 device's buffer type, as its KV layers); the driver keeps the positions. A row operation (zero a row, copy
 or swap rows, clear) on rows in another process is sent to their stage with its next call, which applies
 it before it computes (PipelineHooks.state_op): in the place of the sequence's timeline where it was asked,
 without waiting for the calls in flight.
+
+Checkpoints (the only way back to a prefix) are copies of a sequence's row kept where the rows are: in
+this process, or on each stage for its own layers. snapshot() asks for a copy ("save" under a new key),
+restore() writes one back ("load"), release() lets it go ("drop"); the driver holds only the key, the
+position and the size (StateSnapshot). On a pipeline these ride with the stages' next calls like every row
+operation, so a copy is taken exactly after the ubatches asked before it. A lost stage loses its copies:
+lost() drops every copy on every stage and makes the older snapshots stale (their epoch), so a restore
+from one is refused instead of loading nothing.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,7 +50,8 @@ from .ubatch import Ubatch
 if TYPE_CHECKING:
     from .hooks import PipelineHooks
 
-# a row operation: ("zero", row), ("cp", src, dst), ("swap", a, b), ("clear",)
+# a row operation: ("zero", row), ("cp", src, dst), ("swap", a, b), ("clear",); and on the copies kept
+# for checkpoints: ("save", row, key), ("load", key, row), ("drop", key) (key -1: every copy)
 RowOp = tuple
 # where rows live in another process: state_op(buft, op) sends op to the stage of buffer type buft
 StateOpHook = Callable[[BufferType, RowOp], None]
@@ -53,14 +63,13 @@ class StateTrimError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class StateSnapshot:
-    """One sequence's state rows (every recurrent layer's r and s row, in tensors() order) after its
-    first n_past tokens: what a checkpoint keeps, and what restore() writes back."""
+    """A copy of one sequence's state rows (every recurrent layer's r and s row) after its first n_past
+    tokens, kept under key where the rows are (this process or the stages): what a checkpoint holds, and
+    what restore() writes back while epoch is the state's."""
     n_past: int
-    rows: tuple[np.ndarray, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rows)
+    key: int
+    nbytes: int
+    epoch: int = 0
 
 
 def recurrent_state(hp: LlamaHParams, n_seq_max: int, buft: Callable[[], BufferType],
@@ -101,6 +110,9 @@ class RecurrentState:
         # per buffer: its buffer type, buffer and tensors (one; on a pipeline one per stage with such layers)
         self.groups: list[tuple[BufferType, Buffer, list[Tensor]]] = []
         self.state_op: StateOpHook | None = None
+        self.kept: dict[int, tuple[np.ndarray, ...]] = {}  # the checkpoints' copies of rows held here, by key
+        self._keys = itertools.count()
+        self.epoch = 0                                   # lost() counts the copies lost with a stage
 
     @classmethod
     def of(cls, hp: LlamaHParams, n_seq_max: int) -> RecurrentState:
@@ -139,12 +151,12 @@ class RecurrentState:
             if buf.base is None and self.state_op is not None:
                 self.state_op(b, op)
             else:
-                apply_row_op(ts, op)
+                apply_row_op(ts, op, self.kept)
 
     def apply(self, row_ops: list[RowOp]) -> None:
         """Row operations sent by the driver (a stage's rows)."""
         for op in row_ops:
-            apply_row_op(self.tensors(), tuple(op))
+            apply_row_op(self.tensors(), tuple(op), self.kept)
 
     def row(self, seq: int) -> int:
         """The row that holds sequence seq's state."""
@@ -156,31 +168,33 @@ class RecurrentState:
 
     # -- a ubatch ------------------------------------------------------------------------------------
     def begin(self, ub: Ubatch) -> tuple[np.ndarray, np.ndarray]:
-        """The state rows a ubatch reads (s_copy, I32 [1]) and writes (s_dst), once it is checked to continue
-        its sequence: it starts at position 0 (the row read is zeroed first) or right after the state's last
-        one. The row read keeps the state from before the ubatch (seq_rm can take the ubatch back)."""
-        seqs = frozenset().union(*ub.seq_ids)
-        if len(seqs) != 1 or any(len(s) != 1 for s in ub.seq_ids):
-            raise ValueError(f"a ubatch of sequences {sorted(seqs)}: a model with recurrent layers evaluates "
-                             f"one sequence per ubatch for now")
-        (seq,) = seqs
-        if not 0 <= seq < self.n_seq_max:
-            raise ValueError(f"sequence {seq} is outside the recurrent state's {self.n_seq_max} rows")
-        p0, p1 = int(ub.pos[0]), int(ub.pos[-1])
-        if np.any(np.diff(ub.pos) != 1):
-            raise StateTrimError(f"sequence {seq}: a ubatch's positions must follow one another for the "
-                                 f"recurrent state (got {ub.pos.tolist()})")
-        read = self.row(seq)
-        if p0 == 0:
-            self._rows(("zero", read))
-            self._forget(seq)
-        elif p0 != self.pos[seq] + 1:
-            raise StateTrimError(f"sequence {seq}: its recurrent state is at position {self.pos[seq]}, and a "
-                                 f"ubatch at position {p0} cannot continue it; a recurrent state cannot be cut "
-                                 f"back to a prefix (evaluate the sequence again from position 0)")
-        self.prev[seq], self.pos[seq] = self.pos[seq], p1
-        self.half[seq] ^= 1
-        return np.array([read], np.int32), np.array([self.row(seq)], np.int32)
+        """The state rows a ubatch's sequences read (s_copy, I32 [n_seqs]) and write (s_dst), once each is
+        checked to continue its sequence: it starts at position 0 (the row read is zeroed first) or right
+        after the state's last one. The rows read keep the states from before the ubatch (seq_rm can take
+        it back). Every check passes before anything changes."""
+        seqs = ubatch_seqs(ub)
+        n_st = ub.n_seq_tokens
+        for k, seq in enumerate(seqs):
+            if not 0 <= seq < self.n_seq_max:
+                raise ValueError(f"sequence {seq} is outside the recurrent state's {self.n_seq_max} rows")
+            pos = ub.pos[k * n_st:(k + 1) * n_st]
+            if np.any(np.diff(pos) != 1):
+                raise StateTrimError(f"sequence {seq}: a ubatch's positions must follow one another for the "
+                                     f"recurrent state (got {pos.tolist()})")
+            if pos[0] != 0 and pos[0] != self.pos[seq] + 1:
+                raise StateTrimError(f"sequence {seq}: its recurrent state is at position {self.pos[seq]}, and "
+                                     f"a ubatch at position {pos[0]} cannot continue it; a recurrent state cannot "
+                                     f"be cut back to a prefix (evaluate the sequence again from position 0)")
+        read, write = [], []
+        for k, seq in enumerate(seqs):
+            read.append(self.row(seq))
+            if ub.pos[k * n_st] == 0:
+                self._rows(("zero", read[-1]))
+                self._forget(seq)
+            self.prev[seq], self.pos[seq] = self.pos[seq], int(ub.pos[(k + 1) * n_st - 1])
+            self.half[seq] ^= 1
+            write.append(self.row(seq))
+        return np.array(read, np.int32), np.array(write, np.int32)
 
     # -- sequences (llama_memory_recurrent's seq_* on rows) ---------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> list[int]:
@@ -233,23 +247,36 @@ class RecurrentState:
         """Whether every row is in this process's memory (not on a pipeline's stages)."""
         return all(buf.base is not None for _, buf, _ in self.groups)
 
+    @property
+    def row_nbytes(self) -> int:
+        """The bytes of one sequence's rows over every layer (a copy's size, all stages together)."""
+        return sum(t.nb[1] for t in self.tensors())
+
     def snapshot(self, seq_id: int) -> StateSnapshot:
-        """A copy of the sequence's state row as it is (after positions 0..pos[seq_id]); rows in this
-        process only."""
-        if not self.local:
-            raise ValueError("a snapshot of a recurrent state held by pipeline stages is not built yet")
-        r = self.row(seq_id)
-        return StateSnapshot(int(self.pos[seq_id]) + 1, tuple(tensor_array(t)[0, 0, r].copy() for t in self.tensors()))
+        """A copy of the sequence's state row as it is after the ubatches asked so far (positions
+        0..pos[seq_id]), kept where the rows are."""
+        key = next(self._keys)
+        self._rows(("save", self.row(seq_id), key))
+        return StateSnapshot(int(self.pos[seq_id]) + 1, key, self.row_nbytes, self.epoch)
 
     def restore(self, seq_id: int, snap: StateSnapshot) -> None:
         """The sequence's state becomes the snapshot's: after its first snap.n_past tokens (nothing kept from
         before a last ubatch)."""
-        if not self.local:
-            raise ValueError("a recurrent state held by pipeline stages cannot be restored from a snapshot yet")
-        r = self.row(seq_id)
-        for t, row in zip(self.tensors(), snap.rows, strict=True):
-            tensor_array(t)[0, 0, r] = row
+        if snap.epoch != self.epoch:
+            raise StateTrimError(f"the state's copy at position {snap.n_past} was lost with a stage")
+        self._rows(("load", snap.key, self.row(seq_id)))
         self.pos[seq_id], self.prev[seq_id] = snap.n_past - 1, -2
+
+    def release(self, snap: StateSnapshot) -> None:
+        """The copy is no longer wanted: where the rows are, its memory goes."""
+        if snap.epoch == self.epoch:
+            self._rows(("drop", snap.key))
+
+    def lost(self) -> None:
+        """A stage was lost (and replaced): its copies are gone, so every copy goes and every snapshot
+        taken so far is stale."""
+        self.epoch += 1
+        self._rows(("drop", -1))
 
     # -- graph pieces (build_rs and the copies back into the cache) -------------------------------------
     def get_r(self, ctx: Context, il: int, s_copy: Tensor) -> Tensor:
@@ -267,10 +294,33 @@ class RecurrentState:
         return ops.set_rows(ctx, self.s_l[il], rows, s_dst)
 
 
-def apply_row_op(tensors: list[Tensor], op: RowOp) -> None:
-    """One row operation on every tensor's rows (in place on host memory, else read and written back)."""
+def ubatch_seqs(ub: Ubatch) -> list[int]:
+    """The ubatch's sequences in token order, each with n_seq_tokens consecutive tokens (split_equal or
+    split_seq); a token of several sequences is refused (a state row holds one sequence's past)."""
+    n_st, n_seqs = ub.n_seq_tokens, max(ub.n_seqs, 1)
+    if any(len(s) != 1 for s in ub.seq_ids) or n_st * n_seqs != ub.n_tokens:
+        raise ValueError(f"a ubatch of sequence sets {sorted(set(ub.seq_ids), key=min)}: a model with recurrent "
+                         f"layers evaluates tokens of one sequence each, in equal groups per sequence")
+    seqs = [min(ub.seq_ids[k * n_st]) for k in range(n_seqs)]
+    if any(ub.seq_ids[i] != {seqs[i // n_st]} for i in range(ub.n_tokens)) or len(set(seqs)) != len(seqs):
+        raise ValueError(f"a ubatch whose sequences are not in equal groups: {[min(s) for s in ub.seq_ids]}")
+    return seqs
+
+
+def apply_row_op(tensors: list[Tensor], op: RowOp, kept: dict[int, tuple[np.ndarray, ...]]) -> None:
+    """One row operation on every tensor's rows (in place on host memory, else read and written back), or
+    on the copies kept for checkpoints (kept: key -> one row per tensor)."""
     kind = op[0]
-    for t in tensors:
+    if kind == "drop":
+        if op[1] < 0:
+            kept.clear()
+        else:
+            kept.pop(op[1], None)
+        return
+    if kind == "load" and op[1] not in kept:
+        raise StateTrimError(f"no copy of the recurrent state is kept under key {op[1]}")
+    saved = []
+    for i, t in enumerate(tensors):
         host = t.buffer is not None and t.buffer.base is not None
         a = tensor_array(t) if host else tensor_get(t)
         if kind == "zero":
@@ -281,7 +331,14 @@ def apply_row_op(tensors: list[Tensor], op: RowOp) -> None:
             a[0, 0, [op[1], op[2]]] = a[0, 0, [op[2], op[1]]]
         elif kind == "clear":
             a[...] = 0
+        elif kind == "save":
+            saved.append(a[0, 0, op[1]].copy())
+            continue
+        elif kind == "load":
+            a[0, 0, op[2]] = kept[op[1]][i]
         else:
             raise ValueError(f"unknown recurrent state row operation {op!r}")
         if not host:
             tensor_set(t, a)
+    if kind == "save":
+        kept[op[2]] = tuple(saved)

@@ -65,15 +65,26 @@ class SequenceOps:
 
     @property
     def keeps_checkpoints(self) -> bool:
-        """Whether state_snapshot and seq_restore work here: a recurrent state in this process (a
-        pipeline's stages hold theirs, and copying them out is not built yet)."""
-        return self.rs is not None and self.rs.local
+        """Whether state_snapshot and seq_restore work here: with a recurrent state (its copies are kept
+        where its rows are: in this process, or on each stage for its layers)."""
+        return self.rs is not None
 
     def state_snapshot(self, seq_id: int) -> StateSnapshot:
-        """The sequence's recurrent state now, once the work in flight has written it."""
+        """A copy of the sequence's recurrent state after the ubatches asked so far (in one process once
+        the work in flight has written it; a stage takes it in its timeline's place)."""
         assert self.rs is not None, "a model without recurrent layers has no state to snapshot"
-        self.sched.synchronize()
+        if not self.pipelined:
+            self.sched.synchronize()
         return self.rs.snapshot(seq_id)
+
+    def state_restorable(self, snap: StateSnapshot) -> bool:
+        """Whether seq_restore can go back to snap (its copy was not lost with a stage)."""
+        return self.rs is not None and snap.epoch == self.rs.epoch
+
+    def state_release(self, snap: StateSnapshot) -> None:
+        """snap's copy is not wanted any more: its memory goes where it is kept."""
+        if self.rs is not None:
+            self.rs.release(snap)
 
     def seq_restore(self, seq_id: int, snap: StateSnapshot) -> None:
         """The sequence cut back to the snapshot's prefix: its KV cells from snap.n_past go and its
@@ -83,10 +94,12 @@ class SequenceOps:
         if snap.n_past > self.seq_pos_max(seq_id) + 1:
             raise StateTrimError(f"sequence {seq_id} holds {self.seq_pos_max(seq_id) + 1} positions, fewer than "
                                  f"the snapshot's {snap.n_past}")
-        self.sched.synchronize()
+        if not self.pipelined:
+            self.sched.synchronize()
+        self.rs.restore(seq_id, snap)            # first: a refused restore leaves the KV cells as they were
         self.kv.cells.seq_rm(seq_id, snap.n_past, -1)
+        self.recovery.cut_lineage(seq_id, snap.n_past)
         self.recovery.prune(self.kv.cells)
-        self.rs.restore(seq_id, snap)
 
     def seq_pos_max(self, seq_id: int) -> int:
         return self.kv.cells.seq_pos_max(seq_id)

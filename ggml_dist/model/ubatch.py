@@ -3,7 +3,8 @@
 A Batch is what a caller submits (tokens with positions, sequence ids and output flags). The splitter
 hands out ubatches of at most n_ubatch tokens in one of llama.cpp's three modes: the unified KV cache
 takes split_simple, a cache with a stream per sequence split_equal(sequential=True) (one group of equal
-length per stream); split_seq is there for the other memory kinds and tests.
+length per stream), a hybrid model's recurrent state split_equal, or split_seq where every token outputs
+(split_memory chooses).
 """
 from __future__ import annotations
 
@@ -145,6 +146,17 @@ class BatchSplitter:
         unq = sorted(set().union(*seqs)) if seqs else []
         return Ubatch(b.tokens[idx], b.pos[idx], seqs, b.output[idx], idx, equal_seqs,
                       n_seqs if n_seqs is not None else len(idx), unq)
+
+    def split_memory(self, n_ubatch: int, unified: bool, recurrent: bool) -> Ubatch | None:
+        """The next ubatch as the memory needs it (llama.cpp's init_batch of each memory kind): a KV cache
+        with a stream per sequence takes equal groups of consecutive sequences (split_equal(sequential));
+        the unified cache the tokens in order (split_simple); recurrent layers equal groups too, a state
+        row each, or one sequence at a time where every token outputs (llama_memory_hybrid)."""
+        if not recurrent and unified:
+            return self.split_simple(n_ubatch)
+        if recurrent and bool(self.batch.output.all()):
+            return self.split_seq(n_ubatch)
+        return self.split_equal(n_ubatch, sequential=not unified)
 
     def split_simple(self, n_ubatch: int) -> Ubatch | None:
         """The next n_ubatch unused tokens in batch order (equal_seqs false, n_seqs = n_tokens)."""

@@ -15,12 +15,17 @@ any slot. Without a copy within the shared prefix the slot starts again from pos
 
 A checkpoint is only valid with its slot's KV cells for the same tokens (the attention layers' part of
 the same prefix): a slot whose cells go (take_blank, a release without keep, forget) drops its copies,
-and a slot cut back to n tokens drops those past n.
+and a slot cut back to n tokens drops those past n. The copies themselves are kept where the state's
+rows are (in this process, or on each pipeline stage for its layers: model/recurrent_state.py); here
+are their keys, positions and sizes, and every copy dropped here is released there (release).
 """
 from __future__ import annotations
 
 import itertools
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from ..model.recurrent_state import StateSnapshot
 
@@ -46,6 +51,14 @@ class Checkpoints:
         self.budget_bytes, self.every = budget_bytes, every
         self._tick = itertools.count()
         self.taken = self.hits = self.misses = self.evictions = 0
+        self.release: Callable[[StateSnapshot], None] = lambda snap: None   # the context's state_release
+
+    def _keep(self, slot: int, keep: Callable[[Checkpoint], bool]) -> None:
+        """The slot keeps the copies keep() accepts; the others are released."""
+        for c in self.by_slot[slot]:
+            if not keep(c):
+                self.release(c.snap)
+        self.by_slot[slot] = [c for c in self.by_slot[slot] if keep(c)]
 
     def nbytes(self) -> int:
         return sum(c.snap.nbytes for cs in self.by_slot for c in cs)
@@ -57,18 +70,20 @@ class Checkpoints:
 
     def save(self, slot: int, snap: StateSnapshot) -> None:
         """Keep snap as slot's copy at snap.n_past (replacing one there), then keep within the budget."""
-        cs = [c for c in self.by_slot[slot] if c.n_past != snap.n_past]
-        cs.append(Checkpoint(snap, next(self._tick)))
-        self.by_slot[slot] = sorted(cs, key=lambda c: c.n_past)
+        self._keep(slot, lambda c: c.n_past != snap.n_past)
+        self.by_slot[slot] = sorted([*self.by_slot[slot], Checkpoint(snap, next(self._tick))], key=lambda c: c.n_past)
         self.taken += 1
         while self.nbytes() > self.budget_bytes:
             oldest = min((c for cs in self.by_slot for c in cs), key=lambda c: c.tick)
-            for k, cs in enumerate(self.by_slot):
-                self.by_slot[k] = [c for c in cs if c is not oldest]
+            for k in range(len(self.by_slot)):
+                self._keep(k, partial(operator.is_not, oldest))
             self.evictions += 1
 
-    def best(self, slot: int, n_keep: int) -> Checkpoint | None:
-        """The slot's latest copy within its first n_keep tokens (a hit), or None (a miss)."""
+    def best(self, slot: int, n_keep: int, usable: Callable[[StateSnapshot], bool] = lambda snap: True
+             ) -> Checkpoint | None:
+        """The slot's latest copy within its first n_keep tokens (a hit), or None (a miss); copies that
+        are not usable any more (lost with a stage) go first."""
+        self._keep(slot, lambda c: usable(c.snap))
         c = next((c for c in reversed(self.by_slot[slot]) if 0 < c.n_past <= n_keep), None)
         if c is None:
             self.misses += 1
@@ -78,14 +93,15 @@ class Checkpoints:
 
     def cut(self, slot: int, n: int) -> None:
         """The slot now holds only its first n tokens: copies past them go."""
-        self.by_slot[slot] = [c for c in self.by_slot[slot] if c.n_past <= n]
+        self._keep(slot, lambda c: c.n_past <= n)
 
     def move(self, src: int, dst: int) -> None:
         """src's sequence moved to dst (Slots.compact): so do its copies; seq_swap swaps them."""
         self.by_slot[src], self.by_slot[dst] = self.by_slot[dst], self.by_slot[src]
 
     def forget(self) -> None:
-        self.by_slot = [[] for _ in self.by_slot]
+        for k in range(len(self.by_slot)):
+            self._keep(k, lambda c: False)
 
     def figures(self) -> dict[str, float]:
         """What /metrics shows of them (engine.status(); HELP gives each its Prometheus help)."""

@@ -204,7 +204,7 @@ class Engine:
         n_groups = min(rt.depth, rt.n_stages)
         lookahead = max(1, min(cfg.lookahead, rt.depth // n_groups)) if rt.feeds_tokens() else 1
         self.steps = Steps(rt.ctx, cfg.params.n_batch, self.n_ctx_slot, rt.depth, n_groups, lookahead)
-        self.slots.ctx, self.slots.movable = rt.ctx, not cfg.kv_unified and rt.moves_sequences
+        self.slots.bind(rt.ctx, movable=not cfg.kv_unified and rt.moves_sequences)
         # one token through every stage: compiles kernels and plans before the first request
         self.ctx.decode(Batch.from_tokens([self.model.tokenizer.bos_id or 0]))
         self.ctx.seq_rm(0)

@@ -206,7 +206,7 @@ class Native:
         n_prompt = len(answer.prompts[c])
         t = answer.timings()
         t = {**t, "prompt_n": n_prompt - ch.n_cached, "cache_n": ch.n_cached, "predicted_n": ch.n_gen}
-        tokens = [e[0] for e in entries] if self.req.return_tokens else []
+        tokens = [e[0] for e in entries] if self.req.return_tokens and not self.req.stream else []   # streamed: sent
         res = {"index": c, "content": "" if self.req.stream else ch.text, "tokens": tokens,
                "id_slot": -1, "stop": True, "model": self.model, "tokens_predicted": ch.n_gen,
                "tokens_evaluated": n_prompt, "generation_settings": generation_settings(self.req, self.n_predict),

@@ -90,6 +90,11 @@ class Slots:
         self.movable = False
         self.checkpoints = Checkpoints(n_parallel, checkpoint_bytes, checkpoint_every)
 
+    def bind(self, ctx: LlamaContext, movable: bool) -> None:
+        """The loaded model's context: its sequences are the slots' (and its state copies the checkpoints')."""
+        self.ctx, self.movable = ctx, movable
+        self.checkpoints.release = ctx.state_release
+
     def n_free(self) -> int:
         return sum(s is None for s in self.seqs)
 
@@ -130,7 +135,7 @@ class Slots:
         try:
             self.ctx.seq_rm(slot, n_keep, -1)           # a refused cut changes nothing
         except StateTrimError:
-            c = self.checkpoints.best(slot, n_keep) if self.ctx.keeps_checkpoints else None
+            c = self.checkpoints.best(slot, n_keep, self.ctx.state_restorable) if self.ctx.keeps_checkpoints else None
             if c is None:
                 self.ctx.seq_rm(slot)
                 n_keep = 0
@@ -141,8 +146,7 @@ class Slots:
         return n_keep
 
     def due(self, prompt: list[int], n_keep: int) -> tuple[int, ...]:
-        """Where this prompt's evaluation stops for a state checkpoint: nowhere without a recurrent state
-        in this process."""
+        """Where this prompt's evaluation stops for a state checkpoint: nowhere without a recurrent state."""
         assert self.ctx is not None
         return self.checkpoints.due(len(prompt), n_keep) if self.ctx.keeps_checkpoints else ()
 

@@ -33,8 +33,9 @@ class HostSpec:
     cpu: the host's CPU in cores (a CFS quota of cpu x cpu_period_us per period); None: no limit, its
         use still accounted. memory_limit_bytes: its cgroup memory limit (None: none; the Ray
         `memory` resource is memory_bytes, a scheduling figure that nothing enforces by itself).
-    link_rate: its link's rate each way (tc units: "1gbit"); link_delay_ms: a fixed delay each way,
-        where the kernel has netem (else left out, and `shaping` says why).
+    link_rate: its link's rate each way (tc units: "1gbit"); link_delay_ms: a fixed delay each way
+        (netem's where the kernel has it, else the userspace delay line of testbed/delay.py; `shaping`
+        says which).
     cpus: pin the host to these CPUs (a cpuset); None: the cluster pins a host with a CPU limit of at most
         one core to the least loaded CPU where it fits (pin_cpus).
     """

@@ -2,14 +2,16 @@
 
     net = Network(tag, n_hosts)
     net.setup()                       # bridge 10.213.X.1/24; host i is 10.213.X.(10+i) in namespace tagn<i>
-    net.shape(i, rate="1gbit")        # tc tbf on both ends of host i's link; delay_ms where netem exists
+    net.shape(i, rate="1gbit")        # tc tbf on both ends of host i's link; and delay_ms (below)
+    net.set_delay(i, 0.5)             # host i's traffic to the other hosts waits 0.5 ms (0: none), at any time
     net.link_down(i); net.link_up(i)  # cut host i's cable (its root-side veth), and plug it back
     net.teardown()                    # veths, namespaces and the bridge it made
 
 Each host has its own loopback and port space, so the default Ray ports never clash with another Ray on
 this machine, and a cut link is a real partition. Shaping: a token bucket (tbf) limits the rate each
-way; a fixed delay needs the netem qdisc, which some kernels lack (this machine's does: `tc qdisc add ...
-netem` answers "Specified qdisc kind is unknown"), so `shape` says what it could do.
+way; a fixed delay is netem's where the kernel has it, else (this machine's kernel: `tc qdisc add ... netem`
+answers "Specified qdisc kind is unknown") a userspace delay line on each host's egress to the other
+hosts (testbed/delay.py), and `shape` says which it used.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+from .delay import DELAY_BY, DelayLine
 
 SUBNET_BASE = "10.213"                       # testbeds use 10.213.X.0/24
 _LOCK_PATH = "/tmp/ggml_dist_netns.lock"     # serializes subnet choice across processes
@@ -120,6 +124,7 @@ class Network:
         self.ips: list[str] = []
         self.ns_ids: dict[int, tuple[int, int]] = {}              # host -> (st_dev, st_ino) of its netns
         self.shaping: list[dict] = [{} for _ in range(n_hosts)]  # what shape() set, per host
+        self.delay_lines: dict[int, DelayLine] = {}              # host -> its userspace delay relay
         self._created_ns: list[str] = []
         self._created_links: list[str] = []
         self._bridge_created = False
@@ -181,27 +186,44 @@ class Network:
     def shape(self, i: int, rate: str | None = None, delay_ms: float | None = None,
               burst: str = "64kb", latency: str = "50ms") -> dict:
         """Host i's link, each way: a token bucket of `rate` (tc's units: 1gbit, 100mbit) and a delay
-        (netem, where the kernel has it; else the delay is left out and the result says why). Returns
-        what was set: {"rate", "delay_ms", "delay_unavailable"}."""
+        (netem, where the kernel has it; else set_delay's userspace delay line on what host i sends to
+        the other hosts, so every path between two hosts still gets it once each way). Returns what was
+        set: {"rate", "delay_ms", "delay_by"}."""
         done: dict = {}
         ends = [(self.veths[i], None), ("eth0", self.namespaces[i])]      # into the host, out of it
         if delay_ms:
-            why = netem_available()
-            if why is None:
+            if netem_available() is None:
                 for dev, ns in ends:
                     tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms",
                        ns=ns)
-                done["delay_ms"] = delay_ms
+                done.update(delay_ms=delay_ms, delay_by="netem")
             else:
-                done["delay_unavailable"] = why
+                done.update(self.set_delay(i, delay_ms))
         if rate:
             for dev, ns in ends:
-                parent = ["parent", "1:1"] if "delay_ms" in done else ["root"]
+                parent = ["parent", "1:1"] if done.get("delay_by") == "netem" else ["root"]
                 tc("qdisc", "replace", "dev", dev, *parent, "tbf", "rate", rate, "burst", burst, "latency", latency,
                    ns=ns)
             done["rate"] = rate
         self.shaping[i] = done
         return done
+
+    def set_delay(self, i: int, delay_ms: float) -> dict:
+        """Host i's packets to the other hosts wait delay_ms, through its userspace delay line
+        (testbed/delay.py; replaced when already there; 0 ends it). Returns {"delay_ms", "delay_by"}."""
+        old = self.delay_lines.pop(i, None)
+        if old is not None:
+            old.stop()
+        for key in ("delay_ms", "delay_by"):
+            self.shaping[i].pop(key, None)
+        if delay_ms <= 0:
+            return {"delay_ms": 0.0, "delay_by": None}
+        peers = [a for j, a in enumerate(self.ips) if j != i]
+        line = DelayLine(self.namespaces[i], self.ips[i], peers, delay_ms, env_tag=f"{self.tag}:{i}")
+        line.start()
+        self.delay_lines[i] = line
+        self.shaping[i].update(delay_ms=delay_ms, delay_by=DELAY_BY)
+        return {"delay_ms": delay_ms, "delay_by": DELAY_BY}
 
     def link_down(self, i: int) -> None:
         """Cut host i's cable: its root-side veth goes down, so nothing reaches it or leaves it."""
@@ -221,6 +243,9 @@ class Network:
             time.sleep(0.05)
 
     def teardown(self) -> None:
+        for line in self.delay_lines.values():
+            line.stop()
+        self.delay_lines.clear()
         for link in self._created_links:
             if link_exists(link):
                 ip("link", "del", link, check=False)

@@ -44,7 +44,8 @@ from ..model.kv_cache import kv_cells
 from ..model.model import LlamaModel
 from ..model.sampling import RowSampling
 from ..scheduler.sched import Sched
-from .placement import STAGE_OVERHEAD_BYTES, ModelSizes, NodeInfo, Placement, PlacementError, place, place_on_nodes
+from .model_sizes import ModelSizes
+from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError, place, place_on_nodes
 from .proxy import Call, Exports, Fetch, RemoteBuffer, RemoteBufferType, StageDevice, StageProxy
 
 
@@ -173,8 +174,8 @@ def plan_on_nodes(model: LlamaModel, params: ContextParams, nodes: list[NodeInfo
             memo[k] = planned_compute(model, params, k, kinds=kinds if kinds and len(kinds) == 1 else None)
         return memo[k]
     n_kv, kv_size = kv_plan(params)
-    return place_on_nodes(ModelSizes.of(model.file, model.hp, n_kv, kv_size), nodes, n_stages, compute_of,
-                          STAGE_OVERHEAD_BYTES, threads, layers)
+    sizes = ModelSizes.of(model.file, model.hp, n_kv, kv_size, params.n_seq_max)
+    return place_on_nodes(sizes, nodes, n_stages, compute_of, STAGE_OVERHEAD_BYTES, threads, layers)
 
 
 def plan_stages(model: LlamaModel, params: ContextParams, n_stages: int | None, *,
@@ -191,9 +192,10 @@ def plan_stages(model: LlamaModel, params: ContextParams, n_stages: int | None, 
     if n_stages is None:
         raise PlacementError("--stages auto needs a cluster's nodes (--address, or a ray job) or one budget")
     n_kv, kv_size = kv_plan(params)
-    ranges = [s.layers for s in place(model.file, model.hp, n_stages, n_kv, kv_size, layers=layers).stages]
+    ranges = [s.layers for s in place(model.file, model.hp, n_stages, n_kv, kv_size, layers=layers,
+                                      n_seq=params.n_seq_max).stages]
     return place(model.file, model.hp, n_stages, n_kv, kv_size, planned_compute(model, params, n_stages,
-                 layers=ranges, kinds=kinds), 1, budgets, ranges, STAGE_OVERHEAD_BYTES)
+                 layers=ranges, kinds=kinds), 1, budgets, ranges, STAGE_OVERHEAD_BYTES, params.n_seq_max)
 
 
 def bind_exports(sched: Any, graph: Graph, proxies: list[StageProxy]) -> None:

@@ -25,11 +25,9 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from ..model import layout
 from ..model.archs import LlamaHParams
 from ..model.gguf import GGUFFile
-
-MIB = 2**20
+from .model_sizes import MIB, ModelSizes
 
 # The private (anonymous) memory of a stage actor's process besides its weights, KV cache and compute
 # buffer: the Ray core worker (~50 MiB), numpy and numba/llvmlite (~30 MiB), the compiled kernels and
@@ -38,13 +36,6 @@ MIB = 2**20
 # Shared library pages (~120 MiB, file-backed and shared by every process on a node) are not counted.
 STAGE_OVERHEAD_BYTES = 120 * MIB
 
-# Stages are balanced by decode time, modelled as weight bytes read plus a fixed cost per layer: the
-# dispatch of its ~30 ops, which small models' decode steps are made of. Fitted by
-# `python benchmarks/layer_cost.py` (SmolLM2-135M Q4_1, one thread per stage, 2-vCPU EPYC): 0.042 ms per
-# MiB read and 0.28 ms per layer, so a layer costs what reading 6.5 MiB more would. By bytes alone the
-# 2-stage split was 22 | 8 + head (7.5 + 4.3 ms); this model gives 16 | 14 + head. For large layers
-# (TinyLlama's 28 MB) it barely moves the split.
-LAYER_DISPATCH_BYTES = 6 * MIB
 
 
 class PlacementError(RuntimeError):
@@ -126,71 +117,9 @@ class Placement:
                 for s in self.stages]
 
 
-@dataclass(frozen=True)
-class ModelSizes:
-    """What placement needs to know of a model: bytes per layer and of the first/last stage's extras."""
-    per_layer: list[int]           # weight bytes of each layer
-    first: int                     # the token embeddings
-    last: int                      # output norm + head (+ the embeddings again when the head is tied)
-    tied: bool
-    kv_per_layer: int              # KV cache bytes of one layer at the planned context
-    every: int = 0                 # what each stage maps whatever its layers (layout.EVERY_STAGE)
-
-    def __post_init__(self) -> None:
-        acc = [0]
-        for b in self.per_layer:
-            acc.append(acc[-1] + b)
-        object.__setattr__(self, "_prefix", acc)     # layer sums in O(1): placement tries many splits
-
-    def layer_bytes(self, lo: int, hi: int) -> int:
-        return self._prefix[hi] - self._prefix[lo]   # type: ignore[attr-defined]
-
-    @classmethod
-    def of(cls, f: GGUFFile, hp: LlamaHParams, n_ctx: int, kv_type_size: int = 2) -> ModelSizes:
-        per, first, last, every = layer_weight_bytes(f, hp.n_layer)
-        return cls(per, first, last, hp.tie_word_embeddings,
-                   (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_ctx * kv_type_size, every)
-
-    @property
-    def n_layer(self) -> int:
-        return len(self.per_layer)
-
-    def weights(self, lo: int, hi: int, first: bool, last: bool) -> int:
-        w = self.layer_bytes(lo, hi) + (self.first if first else 0) + (self.last if last else 0) + self.every
-        if first and last and self.tied:
-            w -= self.first                           # one stage maps the tied embeddings once
-        return w
-
-    def read_per_token(self, lo: int, hi: int, last: bool) -> int:
-        """A stage's decode cost in bytes-read equivalents: its weights, plus LAYER_DISPATCH_BYTES per
-        layer (the balancing objective)."""
-        return self.layer_bytes(lo, hi) + (hi - lo) * LAYER_DISPATCH_BYTES + (self.last if last else 0)
-
-
-def layer_weight_bytes(f: GGUFFile, n_layer: int) -> tuple[list[int], int, int, int]:
-    """Bytes per layer, of the first stage's extras (embeddings), of the last's (norm + head), of what
-    every stage maps (model/layout.py says which is which)."""
-    per = [0] * n_layer
-    first = last = every = 0
-    tied = layout.tied_head(f)
-    for name, info in f.tensors.items():
-        role, il = layout.tensor_role(name)
-        if role == "layer":
-            per[il] += info.nbytes
-        elif role == "embd":
-            first += info.nbytes
-            if tied:
-                last += info.nbytes        # the last stage maps the embeddings too, as its head
-        elif role == "every":
-            every += info.nbytes
-        else:
-            last += info.nbytes
-    return per, first, last, every
-
-
 def _stage(m: ModelSizes, k: int, n: int, rng: tuple[int, int], compute: int, overhead: int,
            budget: int | None = None, node: NodeInfo | None = None) -> StagePlan:
-    return StagePlan(k, rng, m.weights(*rng, k == 0, k == n - 1), m.kv_per_layer * (rng[1] - rng[0]),
+    return StagePlan(k, rng, m.weights(*rng, k == 0, k == n - 1), m.cache_bytes(*rng),
                      compute, budget, overhead, node.ip if node else "", node.node_id if node else "",
                      node.memory_bytes if node else None)
 
@@ -203,16 +132,17 @@ def _need_text(s: StagePlan) -> str:
 
 def place(f: GGUFFile, hp: LlamaHParams, n_stages: int, n_ctx: int, kv_type_size: int = 2,
           compute_bytes: int | Sequence[int] = 0, n_copies: int = 1, budgets: list[int] | None = None,
-          layers: list[tuple[int, int]] | None = None, overhead_bytes: int = 0) -> Placement:
+          layers: list[tuple[int, int]] | None = None, overhead_bytes: int = 0, n_seq: int = 1) -> Placement:
     """Split hp.n_layer layers over n_stages (or take explicit `layers`) and check the budgets.
-    compute_bytes: one figure for every stage (times n_copies), or the planned one per stage."""
+    compute_bytes: one figure for every stage (times n_copies), or the planned one per stage; n_seq:
+    the sequences a hybrid model's recurrent layers keep rows for."""
     if n_stages < 1:
         raise PlacementError(f"need at least one stage, got {n_stages}")
     if n_stages > hp.n_layer:
         raise PlacementError(f"{n_stages} stages for {hp.n_layer} layers: every stage needs a layer")
     if budgets is not None and len(budgets) not in (1, n_stages):
         raise PlacementError(f"give one budget or one per stage ({n_stages}), got {len(budgets)}")
-    m = ModelSizes.of(f, hp, n_ctx, kv_type_size)
+    m = ModelSizes.of(f, hp, n_ctx, kv_type_size, n_seq)
     compute = _per_stage(compute_bytes, n_stages, n_copies)
     ranges = layers if layers is not None else _balance(m, n_stages)
     _check_ranges(ranges, hp.n_layer, n_stages)
@@ -333,7 +263,7 @@ def _fit_ranges(m: ModelSizes, caps: list[int]) -> list[tuple[int, int]] | None:
 
 
 def _fits(m: ModelSizes, lo: int, hi: int, i: int, k: int, cap: int, bound: int | None) -> bool:
-    if m.weights(lo, hi, i == 0, i == k - 1) + m.kv_per_layer * (hi - lo) > cap:
+    if m.weights(lo, hi, i == 0, i == k - 1) + m.cache_bytes(lo, hi) > cap:
         return False
     return bound is None or m.read_per_token(lo, hi, i == k - 1) <= bound
 

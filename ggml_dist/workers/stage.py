@@ -181,8 +181,9 @@ class StageWorker:
         server's live view asks for its last second every second, not for the 10000 calls kept."""
         tl = self.stats.timeline
         i = bisect.bisect_left(tl, since, key=lambda e: e[3]) if since > 0 else 0   # ends grow: appended in order
+        copies = 0 if self.rs is None else sum(a.nbytes for rows in self.rs.kept.values() for a in rows)
         return replace(self.stats, cpu_s=time.process_time(), rss_bytes=rss_bytes(), incarnation=self.incarnation,
-                       timeline=tl[i:])
+                       state_copy_bytes=copies, timeline=tl[i:])
 
     def ping(self) -> int:
         return os.getpid()

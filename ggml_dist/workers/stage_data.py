@@ -66,6 +66,7 @@ class StageStats:
     cpu_s: float = 0.0           # the process's CPU seconds, every thread (in a snapshot)
     rss_bytes: int = 0           # the process's resident memory (in a snapshot; 0 where /proc has none)
     incarnation: str = ""        # the process's life (in a snapshot): a restarted stage's stats have another
+    state_copy_bytes: int = 0    # the recurrent state's copies kept for checkpoints (in a snapshot)
     timeline: list[CallSpan] = field(default_factory=list)
 
 

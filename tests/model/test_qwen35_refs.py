@@ -135,20 +135,42 @@ def test_a_whole_state_is_copied_and_continues_as_the_original(files):
     assert np.array_equal(b[0], b[1]) and np.array_equal(b[0], REFS[f"{QWEN35_SPECS[0].name}/mixed"][SPLIT])
 
 
-def test_one_sequence_per_ubatch(files):
-    """A batch of two sequences runs as two ubatches (split_seq), each its own state row; a ubatch of two
-    sequences is refused by the state."""
+def test_sequences_in_a_ubatch(files):
+    """Every token an output: a ubatch per sequence (split_seq, as llama_memory_hybrid), llama.cpp's bits.
+    Otherwise equal groups of several sequences in one ubatch (split_equal), a state row each, with the
+    bits of each sequence alone (batch-invariant numerics); a token of two sequences is refused."""
     from ggml_dist.model.ubatch import Ubatch
-    ctx = LlamaContext(LlamaModel.load(files[QWEN35_SPECS[0].name]),
+    path = files[QWEN35_SPECS[0].name]
+    ctx = LlamaContext(LlamaModel.load(path),
                        ContextParams(n_ctx=N_CTX, n_seq_max=2, type_k=GGMLType.F16, type_v=GGMLType.F16))
     two = Batch(np.array([TOKENS[0], TOKENS[0]], np.int32), np.array([0, 0], np.int32),
                 [frozenset({0}), frozenset({1})], np.array([True, True]))
     got = ctx.decode(two)
     assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], REFS[f"{QWEN35_SPECS[0].name}/batch"][0])
+    assert ctx.gf_res_prev.key.n_seqs == 1
+
+    params = ContextParams(n_ctx=N_CTX, n_seq_max=2, batch_invariant=True)
+    a, b = TOKENS[:5], TOKENS[5:10]
+    alone = []
+    for toks in (a, b):
+        one = LlamaContext(LlamaModel.load(path), params)
+        alone.append(one.decode(Batch.from_tokens(toks))[0])
+        alone.append(one.decode(Batch.from_tokens([TOKENS[11]], pos0=len(toks)))[0])
+    ctx = LlamaContext(LlamaModel.load(path), params)
+    both = Batch(np.array(a + b, np.int32), np.array([*range(5), *range(5)], np.int32),
+                 [frozenset({0})] * 5 + [frozenset({1})] * 5, np.array([False] * 4 + [True] + [False] * 4 + [True]))
+    first = ctx.decode(both)
+    assert ctx.gf_res_prev.key.n_seqs == 2
+    step = Batch(np.array([TOKENS[11]] * 2, np.int32), np.array([5, 5], np.int32),
+                 [frozenset({1}), frozenset({0})], np.array([False, True]))       # one output: split_equal
+    second = ctx.decode(step)
+    assert ctx.gf_res_prev.key.n_seqs == 2
+    assert np.array_equal(first[0], alone[0]) and np.array_equal(first[1], alone[2])
+    assert np.array_equal(second[0], alone[1])
     assert ctx.rs is not None
-    with pytest.raises(ValueError, match="one sequence per ubatch"):
-        ctx.rs.begin(Ubatch(np.ones(2, np.int32), np.array([1, 1], np.int32), [frozenset({0}), frozenset({1})],
-                            np.ones(2, bool), [0, 1]))
+    with pytest.raises(ValueError, match="one sequence each"):
+        ctx.rs.begin(Ubatch(np.ones(2, np.int32), np.array([6, 6], np.int32), [frozenset({0, 1})] * 2,
+                            np.ones(2, bool), [0, 1], True, 1))
 
 
 def test_the_spec_is_checked():

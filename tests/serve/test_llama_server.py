@@ -62,14 +62,17 @@ def test_completion_native(server, model):
     assert set(r) == {"content", "generation_settings/n_predict"} and r["generation_settings/n_predict"] == 2
 
 
-# streamed: a chunk per piece with its token ids, then the final one (stop true, empty content)
-def test_completion_native_stream(server, model):
+# streamed: a chunk per piece with its token ids, then the final one (stop true, empty content and, as
+# llama-server's, no tokens: each was in its piece, return_tokens or not)
+@pytest.mark.parametrize("return_tokens", [False, True])
+def test_completion_native_stream(server, model, return_tokens):
     want = reference(model, PROMPTS[1], 6)
     with httpx.stream("POST", server.url + "/completion", timeout=120,
-                      json={"prompt": PROMPTS[1], "n_predict": 6, "temperature": 0, "stream": True}) as s:
+                      json={"prompt": PROMPTS[1], "n_predict": 6, "temperature": 0, "stream": True,
+                            "return_tokens": return_tokens}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert all(e["stop"] is False and e["tokens"] for e in events[:-1])
-    assert "".join(e["content"] for e in events[:-1]) == want
+    assert "".join(e["content"] for e in events[:-1]) == want and sum(len(e["tokens"]) for e in events) == 6
     assert events[-1]["stop"] is True and events[-1]["content"] == "" and events[-1]["timings"]["predicted_n"] == 6
 
 

@@ -52,3 +52,14 @@ def test_no_one_process_run_leaves_the_token_check_open():
     bad = check_tokens(rows)
     assert [r["tokens_match_one_process"] for r in rows] == [True, False, True, None]
     assert bad == ["2 hosts, prompt 128, 1 seq"]
+
+
+def test_summary_keeps_each_link_delay_apart():
+    # the same host count at two link delays: two summary rows, each bounded by the one-host rate
+    from ggml_dist.bench.cluster_report import summary
+    rows = [_row(1, 1, 10.0), {**_row(2, 1, 9.0), "link_delay_ms": 0.0}, {**_row(2, 1, 6.0), "link_delay_ms": 0.5}]
+    _bounds(rows)
+    got = {(r["hosts"], r["link_delay_ms"]): r for r in summary({"points": rows, "serve": []})}
+    assert set(got) == {(1, 0.0), (2, 0.0), (2, 0.5)}
+    assert got[(2, 0.0)]["ours_tok_s"] == 9.0 and got[(2, 0.5)]["ours_tok_s"] == 6.0
+    assert got[(2, 0.5)]["ours_efficiency"] == 0.6

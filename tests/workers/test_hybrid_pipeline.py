@@ -72,6 +72,19 @@ def test_local_stages_own_the_state(paths, want, arch, stages):
     assert np.array_equal(_mixed(ctx), REFS[f"{ARCHS[arch].name}/mixed"])
 
 
+# what the plan counts for a stage's cache (KV for its attention layers, two state rows per sequence for its
+# recurrent ones: not a KV cache at the whole context) is what the stage allocates
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_planned_cache_is_what_the_stage_allocates(paths, n_seq):
+    from ggml_dist.workers.driver import plan_stages
+    params = ContextParams(n_ctx=256, n_seq_max=n_seq)
+    model, _, workers = local_pipeline(paths["qwen35"], 2, params)
+    planned = [s.kv_bytes for s in plan_stages(model, params, 2).stages]
+    assert planned == [w.info().kv_bytes for w in workers]
+    hp = model.hp
+    assert any(hp.is_recurrent(il) for il in range(*workers[0].spec.layers))
+
+
 # the driver's sequence operations reach the stages' rows: a whole copy continues as the original, a
 # trim into the state is refused by name and changes nothing
 def test_sequence_operations_on_the_stages_rows(paths):

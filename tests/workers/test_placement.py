@@ -7,7 +7,8 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ggml_dist.workers.placement import (MIB, ModelSizes, NodeInfo, PlacementError, place_on_nodes)
+from ggml_dist.workers.model_sizes import MIB, ModelSizes
+from ggml_dist.workers.placement import NodeInfo, PlacementError, place_on_nodes
 
 
 def _nodes(mems: list[int], cpus: list[float] | None = None) -> list[NodeInfo]:
