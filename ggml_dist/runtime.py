@@ -101,9 +101,10 @@ class Runtime:
     def placement(self) -> Placement | None:
         return self._pipeline.placement if self._pipeline is not None else None
 
-    def stats(self) -> list[StageStats]:
-        """Each stage's figures (compute_s, calls, ...); none in one process (the caller times it)."""
-        return self._pipeline.stats() if self._pipeline is not None else []
+    def stats(self, since: float = 0.0) -> list[StageStats]:
+        """Each stage's figures (compute_s, calls, ...) with its timeline's calls ended since `since` (wall
+        clock; inf: none); none in one process (the caller times it)."""
+        return self._pipeline.stats(since) if self._pipeline is not None else []
 
     def poll_stats(self, since: float = 0.0, timeout_s: float = 1.0) -> list[StageStats | None]:
         """Each stage's figures with its timeline since `since`, None where a stage did not answer within

@@ -193,7 +193,7 @@ class Engine:
         if self.runtime is None or not self.runtime.distributed:
             return [self.steps.busy_s if self.steps else 0.0]
         with contextlib.suppress(Exception):   # a stage is down: metrics must still answer
-            self._stage_busy = [st.compute_s for st in self.runtime.stats()]
+            self._stage_busy = [st.compute_s for st in self.runtime.stats(since=float("inf"))]   # no timeline
         return list(getattr(self, "_stage_busy", []))
 
     # -- engine thread ----------------------------------------------------------------------------------

@@ -338,9 +338,9 @@ class Pipeline:
             return "plain"
         return "compiled" if c.enabled else "compiled, then plain"
 
-    def stats(self) -> list[StageStats]:
+    def stats(self, since: float = 0.0) -> list[StageStats]:
         import ray
-        return ray.get([a.stats.remote() for a in self.actors], timeout=30)
+        return ray.get([a.stats.remote(since) for a in self.actors], timeout=30)
 
     def poll_stats(self, since: float, timeout_s: float) -> list[StageStats | None]:
         """Each stage's stats with its timeline since `since` (wall clock), None for a stage that did not

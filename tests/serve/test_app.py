@@ -254,8 +254,10 @@ def test_body_limit_and_404(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
-# /health, /v1/models and /metrics report what they should
+# /health, /v1/models and /metrics report what they should (after a request of its own: alone, the test
+# must not lean on its neighbours' requests)
 def test_health_models_metrics(server):
+    assert client(server).completions.create(model="synthetic", prompt="ok", max_tokens=2).usage.completion_tokens
     h = httpx.get(server.url + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     assert [m.id for m in client(server).models.list().data] == ["synthetic"]

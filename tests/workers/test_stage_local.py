@@ -153,3 +153,16 @@ def test_one_plan_per_shape_whatever_the_copy(path, n_copies):
                               ref.decode(Batch.from_tokens(chunk, pos0=pos)))
         pos += len(chunk)
     assert [w.stats.n_plans for w in workers] == [3, 3]          # the prompt's and the two steps'
+
+
+# a stage's stats since a moment: the timeline's calls ended since then only (the live view asks for its
+# last second, /metrics for none), its totals whatever the moment
+def test_stats_since(path):
+    _, ctx, workers = local_pipeline(path, 2, ContextParams(n_ctx=256))
+    ctx.decode(Batch.from_tokens([1, 30, 40, 50]))
+    ctx.decode(Batch.from_tokens([60], pos0=4))
+    w = workers[0]
+    whole, none = w.get_stats(), w.get_stats(float("inf"))
+    assert len(whole.timeline) == 2 and none.timeline == []
+    assert none.n_calls == whole.n_calls == 2 and none.compute_s == whole.compute_s > 0
+    assert len(w.get_stats(whole.timeline[1][3]).timeline) == 1
