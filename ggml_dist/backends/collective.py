@@ -4,8 +4,8 @@ over sockets between processes; a kernel sees only the protocol.
 
     rank, size          this rank's index in its group, and the group's size
     all_gather(part)    every rank's part in rank order (this rank's included); blocks until all have
-                        given theirs. A part is a C-contiguous f32 array (n_tokens, n_part): a ggml
-                        (n_part, n_tokens) tensor as numpy sees it
+                        given theirs. A part is a C-contiguous f32 array of the same ndim on every rank;
+                        ALL_GATHER's is (n_tokens, n_part), a ggml (n_part, n_tokens) tensor as numpy sees it
     close()             leave the group: a rank waiting in all_gather then fails instead of waiting on
 """
 from __future__ import annotations

@@ -26,28 +26,19 @@ from __future__ import annotations
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
 
 import numpy as np
 
+# the protocol ALL_GATHER's kernel calls, and its error (here: a peer closed, broke the protocol, or was not
+# reached; the error names the rank), defined once beside the in-process group
+from ..backends.collective import Collective as Collective
+from ..backends.collective import CollectiveError as CollectiveError
 from .links import Link, LinkClosed
 
 INLINE_MAX = 256 << 10          # bytes of a part sent from the caller's thread
 SOCKBUF = 1 << 20               # send and receive buffer asked per socket (Linux doubles it): two rounds of
                                 # INLINE_MAX fit the send buffer, and a part is not held up by a receive
                                 # window still growing (K=4, 32 tokens across hosts: 5.4 -> 3.1 ms)
-
-
-class Collective(Protocol):
-    rank: int
-    size: int
-
-    def all_gather(self, part: np.ndarray) -> list[np.ndarray]: ...   # C-contiguous float32, same ndim
-    def close(self) -> None: ...
-
-
-class CollectiveError(RuntimeError):
-    """A peer rank closed its link, broke the protocol, or could not be reached; names the rank."""
 
 
 # ---------------------------------------------------------------------------------------------- mesh

@@ -2,9 +2,8 @@
 mesh (issue 54): each rank a RankContext (model/tp_local.py) in a spawned process, all of them giving
 one process's logits bit for bit.
 
-workers/collective.py (MeshListener, mesh_connect) is built on another branch; until it is merged here
-this module is skipped. Its scratch run before the merge (the mesh module copied out of that branch):
-K = 2 and 4 processes, prompt and 4 greedy steps, every rank bit-equal to one process.
+The mesh is workers/collective.py's (MeshListener, mesh_connect), opened as a stage would: each rank
+listens, learns every rank's address (a queue here), connects.
 """
 from __future__ import annotations
 
@@ -17,10 +16,7 @@ from ggml_dist.model.context import ContextParams, LlamaContext
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
 from ggml_dist.model.ubatch import Batch
-
-collective = pytest.importorskip("ggml_dist.workers.collective", reason="the socket mesh is not merged yet")
-if not hasattr(collective, "mesh_connect"):
-    pytest.skip("workers/collective.py has no mesh_connect", allow_module_level=True)
+from ggml_dist.workers import collective
 
 PROMPT = [1, 5, 9, 33, 70, 100, 7, 300, 12]
 SPEC = SyntheticSpec(n_vocab=512, n_embd=256, n_layer=2, n_head=32, n_head_kv=4, n_ff=512, wtype="Q4_0",
