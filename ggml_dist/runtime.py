@@ -169,8 +169,10 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
     if joined != "already connected":
         print(f"{cfg.label}: {joined}", file=sys.stderr)
     if cfg.tensor_parallel > 1:                  # rank 0 here, the others Ray actors (workers/tp_ranks.py)
+        from .backends.host import kernel_threads
+        kernel_threads.set_threads(cfg.threads)
         model = LlamaModel.load(cfg.model_path)
-        ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, num_cpus=cfg.threads)
+        ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, threads=cfg.threads)
         return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params, ranks=ranks))
     if on_plan is None and cfg.show_plan:
         def on_plan(p: Placement) -> None:

@@ -26,8 +26,11 @@ from .collective import Collective, MeshCollective, MeshListener, mesh_connect
 class RankActor:
     """One rank r > 0 of a group (made a Ray actor by ray_ranks)."""
 
-    def __init__(self, model_path: str, params: ContextParams, rank: int) -> None:
+    def __init__(self, model_path: str, params: ContextParams, rank: int, threads: int) -> None:
         import ray
+
+        from ..backends.host import kernel_threads
+        kernel_threads.set_threads(threads)                    # its share of the node, as a stage's
         if not os.path.exists(model_path):
             raise FileNotFoundError(f"tensor-parallel rank {rank} cannot read {model_path} on its node")
         self.model_path, self.params, self.rank = model_path, params, rank
@@ -75,14 +78,15 @@ class RayFollower:
         ray.kill(self.actor)
 
 
-def ray_ranks(model_path: str, size: int, timeout_s: float = 300.0, num_cpus: float = 1.0) -> RankGroup:
-    """Ranks 1..size-1 as Ray actors (Ray connected already), rank 0 here: the RankGroup for
-    TensorParallelContext."""
+def ray_ranks(model_path: str, size: int, timeout_s: float = 300.0, threads: int = 1,
+              num_cpus: float | None = None) -> RankGroup:
+    """Ranks 1..size-1 as Ray actors (Ray connected already) of `threads` kernel threads each (asking Ray
+    for num_cpus, default threads), rank 0 here: the RankGroup for TensorParallelContext."""
     def make(model: LlamaModel, params: ContextParams) -> tuple[Collective, list[Follower]]:
         import ray
         host = ray.util.get_node_ip_address()
-        actor_cls: Any = ray.remote(num_cpus=num_cpus)(RankActor)     # one thread: calls run in order
-        actors: list[Any] = [actor_cls.remote(os.path.abspath(model_path), params, r) for r in range(1, size)]
+        actor_cls: Any = ray.remote(num_cpus=threads if num_cpus is None else num_cpus)(RankActor)  # calls in order
+        actors: list[Any] = [actor_cls.remote(os.path.abspath(model_path), params, r, threads) for r in range(1, size)]
         own = MeshListener(host, advertise=host)
         addresses = [own.address, *ray.get([a.address.remote() for a in actors], timeout=timeout_s)]
         secret = os.urandom(16)
