@@ -228,23 +228,35 @@ class Recovery:
                 owners: dict[int, dict[int, set[int]]]) -> None:
         """run(rec); a sequence of it that is gone (removed since, or begun again) but was copied attends
         as one of its copies: the cells its tokens saw then are theirs now (a whole copy of its cells),
-        and its own bits are elsewhere or gone, so the mask would hide them all. (A sequence gone without
-        copies computes rows nothing reads.)"""
-        heirs = owners.get(id(rec), {})
-        moved = {s: min(h) for s, h in heirs.items() if s not in h} if self.rs is not None else {}
-        if not moved:
+        and its own bits are elsewhere or gone, so the mask would hide them all. A sequence of it that no
+        live state is made of (removed, or its step taken back, while the ubatch's other sequences live
+        on) computes rows nothing reads: its state's position is set for the ubatch and put back after
+        (one removed attends as a live one of the ubatch, so its rows stay finite)."""
+        rs = self.rs
+        if rs is None:
             run(rec)
             return
-        saved = cells.seq.copy()
-        gone = np.uint64(sum(1 << s for s in moved))
-        seq = saved & ~gone
-        for s, h in moved.items():
-            seq |= np.where((saved & np.uint64(1 << h)) != 0, np.uint64(1 << s), np.uint64(0))
-        cells.seq[:] = seq
+        heirs = owners.get(id(rec), {})
+        moved = {s: min(h) for s, h in heirs.items() if s not in h}
+        n_st = rec.ub.n_seq_tokens
+        ghosts = {s: int(rec.ub.pos[k * n_st]) for k, s in enumerate(ubatch_seqs(rec.ub)) if s not in heirs}
+        live = min(set().union(*heirs.values()))
+        moved.update({s: live for s in ghosts if s not in self.lineage})    # removed: no cells of its own to see
+        saved, kept = cells.seq.copy(), {s: (rs.pos[s], rs.half[s], rs.prev[s]) for s in ghosts}
+        if moved:
+            gone = np.uint64(sum(1 << s for s in moved))
+            seq = saved & ~gone
+            for s, h in moved.items():
+                seq |= np.where((saved & np.uint64(1 << h)) != 0, np.uint64(1 << s), np.uint64(0))
+            cells.seq[:] = seq
+        for s, p0 in ghosts.items():
+            rs.pos[s] = p0 - 1                      # the ubatch continues it, whatever it holds now
         try:
             run(rec)                                # its graph inputs are written before it returns
         finally:
             cells.seq[:] = saved
+            for s, (pos, half, prev) in kept.items():
+                rs.pos[s], rs.half[s], rs.prev[s] = pos, half, prev
 
     def prune(self, cells: KVCells) -> None:
         """Drop logged ubatches none of whose tokens the cache still holds (nothing to rebuild); with a

@@ -98,3 +98,40 @@ def test_replay_after_a_restore(paths):
     # the prompt, TAIL_B[0] and the step the loss hit; nothing of TAIL_A
     assert ctx.recovery.n_replayed_tokens == len(PROMPT) + 2
     assert np.array_equal(got, _fresh(path, PROMPT + TAIL_B))
+
+
+@pytest.mark.parametrize("rollback", [False, True])
+def test_replay_of_ubatches_of_several_sequences(paths, rollback):
+    """Two sequences decode in one ubatch (a state row each), then one of them goes (removed whole, or its
+    last step taken back as token feedback does) while the other goes on; a stage lost after that replays
+    the shared ubatches for the one that lives, and what it computes is a fresh run's."""
+    params = ContextParams(n_ctx=256, n_seq_max=2, batch_invariant=True)
+    path = paths["qwen35"]
+    st = LocalStages(path, 2, params)
+    ref = LlamaContext(LlamaModel.load(path), params)
+
+    def both(ctx, toks, pos):
+        b = Batch(np.array(toks, np.int32), np.array([pos, pos], np.int32), [frozenset({0}), frozenset({1})],
+                  np.array([True, False]))              # not every token an output: one ubatch (split_equal)
+        return ctx.decode(b)
+
+    for ctx in (st.ctx, ref):
+        ctx.decode(Batch.from_tokens(PROMPT, seq_id=0))
+        ctx.decode(Batch.from_tokens(PROMPT[::-1], seq_id=1))
+        for i, t in enumerate(TAIL_A[:3]):
+            both(ctx, [t, t + 1], len(PROMPT) + i)
+        if rollback:
+            ctx.seq_rm(1, len(PROMPT) + 2)              # sequence 1's last step taken back
+        else:
+            ctx.seq_rm(1)
+    assert st.ctx.gf_res_prev.key.n_seqs == 2 or rollback     # (a taken-back step leaves no graph behind)
+    st.lose(1)
+    pos = len(PROMPT) + 3
+    for t in TAIL_B:
+        got = st.ctx.decode(Batch.from_tokens([t], pos0=pos, seq_id=0))
+        assert np.array_equal(got, ref.decode(Batch.from_tokens([t], pos0=pos, seq_id=0)))
+        pos += 1
+    assert st.ctx.recovery.n_recoveries == 1
+    if rollback:                                        # and sequence 1 goes on from its kept state
+        got = st.ctx.decode(Batch.from_tokens([9], pos0=len(PROMPT) + 2, seq_id=1))
+        assert np.array_equal(got, ref.decode(Batch.from_tokens([9], pos0=len(PROMPT) + 2, seq_id=1)))
