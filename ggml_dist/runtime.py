@@ -57,7 +57,7 @@ class RunConfig:
     n_copies: int | None = None                  # micro-batches in flight on a pipeline (its default)
     stage_calls: str = "auto"                    # direct | compiled | plain | auto
     on_ray: bool | None = None                   # None: as the stages and address say; True: always
-    node_ids: list[str] | None = None            # stage k on node_ids[k] (a testbed's pinned hosts)
+    node_ids: list[str] | None = None            # stage k (or tensor-parallel rank k + 1) on node_ids[k]
     label: str = "ggml-dist"                     # the prefix of the lines it prints
     show_plan: bool = True                       # print the placement's table before the stages start
     devices: tuple[DeviceKind, ...] = ()         # each stage's device kind (one for all, or one per stage)
@@ -172,7 +172,7 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
         from .backends.host import kernel_threads
         kernel_threads.set_threads(cfg.threads)
         model = LlamaModel.load(cfg.model_path)
-        ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, threads=cfg.threads)
+        ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, threads=cfg.threads, node_ids=cfg.node_ids)
         return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params, ranks=ranks))
     if on_plan is None and cfg.show_plan:
         def on_plan(p: Placement) -> None:

@@ -84,9 +84,10 @@ def _host_info() -> dict[str, Any]:
 # -- ours -----------------------------------------------------------------------------------------------
 def _ours(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace, sequences: list[int],
           mode: str) -> tuple[list[dict], list | None]:
+    tensor = mode == "tensor"                       # rank 0 the driver on host 1, a rank on each of hosts 2..k
     spec = {"model": path, "prompts": _ints(a.prompt), "sequences": sequences, "gen": a.gen, "threads": a.threads,
-            "address": c.gcs_address, "node_ips": c.ips[1:k + 1], "mode": mode}
-    host = 1 if k == 1 else 0
+            "address": c.gcs_address, "node_ips": c.ips[2 if tensor else 1:k + 1], "mode": mode}
+    host = 1 if k == 1 or tensor else 0
     for g in c.groups:
         if g is not None:
             g.reset_memory_peak()
@@ -103,7 +104,7 @@ def _ours(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace, sequen
             if "plan" in r:
                 plan = r["plan"]
                 continue
-            r.update(impl="ours", hosts=len(plan) if plan else k, mode=mode,
+            r.update(impl="ours-tp" if tensor else "ours", hosts=len(plan) if plan else k, mode=mode,
                      host_usage=sampler.window(*r.pop("window")))
             rows.append(r)
     if plan is not None:                  # each stage's planned need against its host's real peak (the
@@ -267,6 +268,10 @@ def _points(c: Any, sampler: Any, build: Any, path: str, ks: list[int], fits: bo
                 m["points"] += [{**r, **tag} for r in rows]
                 if plan is not None:
                     m.setdefault("plans", {})[str(k)] = plan
+                if a.tensor_parallel and k > 1 and fits:
+                    print(f"ggml-dist bench cluster: {Path(path).name}, ours tensor-parallel on {k} host(s), "
+                          f"link delay {d} ms", file=sys.stderr, flush=True)
+                    m["points"] += [{**r, **tag} for r in _ours(c, sampler, path, k, a, seqs, "tensor")[0]]
             if build is not None and "llamacpp" not in a.skip:
                 print(f"ggml-dist bench cluster: {Path(path).name}, llama.cpp on {k} host(s), link delay {d} ms",
                       file=sys.stderr, flush=True)
@@ -329,10 +334,13 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                     print(f"ggml-dist bench cluster: serving on {k} host(s)", file=sys.stderr, flush=True)
                     m["serve"].append(_serve(c, sampler, path, k, a))
         ours = [r for r in m["points"] if r["impl"] == "ours"]
-        m["tokens_mismatch"] = check_tokens(ours)
+        tp = [dict(r) for r in ours if r["hosts"] == 1] + [r for r in m["points"] if r["impl"] == "ours-tp"]
+        tp_bad = check_tokens(tp)             # first: it takes the tokens out of the rows it reads (copies here)
+        m["tokens_mismatch"] = check_tokens(ours) + [f"tensor-parallel, {b}" for b in tp_bad]
         bounds(ours, {max(hosts_list): m["slice_points"]} if m.get("slice_points") else None,
                SHAPES[name].n_layer if name in SHAPES else 0)
         bounds([r for r in m["points"] if r["impl"] == "llama.cpp"])
+        bounds(tp)                            # x_one_host and linear_bound against the same one-host runs
         m["summary"] = summary(m)
         report["models"].append(m)
     if a.plot:
@@ -369,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-duration", type=float, default=30.0)
     ap.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each client request")
     ap.add_argument("--serve-args", default="", help="more `serve` options for the pipelined server")
+    ap.add_argument("--tensor-parallel", action="store_true", help="also tensor parallelism at each host count "
+                   "k > 1: rank 0 the driver on host 1, a rank on each other host (ours-tp rows)")
     ap.add_argument("--skip", default="", help="comma list of parts to leave out: ours, llamacpp")
     ap.add_argument("--drop-caches", action="store_true", help="for a model bigger than a host: drop the page "
                     "cache first (root; machine-wide), so each host's cgroup is charged for the weights it maps")

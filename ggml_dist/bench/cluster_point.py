@@ -5,7 +5,8 @@
         "node_ips": [...], "prompts": [128], "sequences": [1, 4], "gen": 64, "threads": 1}'
 
 local: one process, no Ray (the strongest one-host baseline: what a user runs on one machine). pipeline:
-one stage per listed node (in that order), this process the driver. auto: as many stages as the
+one stage per listed node (in that order), this process the driver. tensor: tensor parallelism, rank 0
+this process (run on a host of its own), a rank per listed node. auto: as many stages as the
 cluster's nodes need for the model, placed by their memory (`--stages auto`); its plan is printed first.
 Each point is what `run` (one sequence) or `run --parallel N` does: one prompt of random tokens evaluated
 once, N greedy continuations of `gen` tokens (no stop at an end token), after a short warm-up of the same
@@ -41,6 +42,10 @@ def _open(spec: dict[str, Any], params: ContextParams) -> Runtime:
     if spec["mode"] != "auto":                      # auto: placed by the nodes' memory, as `run --stages auto`
         ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
         node_ids = [ids[ip] for ip in spec["node_ips"]]
+    if spec["mode"] == "tensor":                    # rank 0 this process (on its host), the others there
+        assert node_ids is not None
+        return open_runtime(RunConfig(spec["model"], params, 1, spec["address"], threads=spec["threads"],
+                                      on_ray=True, node_ids=node_ids, tensor_parallel=len(node_ids) + 1))
     rt = open_runtime(RunConfig(spec["model"], params, len(node_ids) if node_ids else None, spec["address"],
                                 threads=spec["threads"], stage_calls=spec.get("calls", "auto"), on_ray=True,
                                 node_ids=node_ids, show_plan=False))

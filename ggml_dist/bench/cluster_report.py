@@ -96,7 +96,7 @@ def summary(m: dict) -> list[dict]:
     for r in m["points"]:
         key = (r["prompt"], r["sequences"], r["hosts"], r.get("link_delay_ms", 0.0))
         d = rows.setdefault(key, {"prompt": key[0], "sequences": key[1], "hosts": key[2], "link_delay_ms": key[3]})
-        tag = "ours" if r["impl"] == "ours" else "llamacpp"
+        tag = {"ours": "ours", "ours-tp": "ours_tp"}.get(r["impl"], "llamacpp")
         d[f"{tag}_tok_s"] = r["decode_tok_s"]
         for f in ("x_one_host", "efficiency", "pipeline_bound"):
             if f in r:

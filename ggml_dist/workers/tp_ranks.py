@@ -79,14 +79,22 @@ class RayFollower:
 
 
 def ray_ranks(model_path: str, size: int, timeout_s: float = 300.0, threads: int = 1,
-              num_cpus: float | None = None) -> RankGroup:
+              num_cpus: float | None = None, node_ids: list[str] | None = None) -> RankGroup:
     """Ranks 1..size-1 as Ray actors (Ray connected already) of `threads` kernel threads each (asking Ray
-    for num_cpus, default threads), rank 0 here: the RankGroup for TensorParallelContext."""
+    for num_cpus, default threads), rank r on node_ids[r - 1] where given (else where Ray puts it), rank 0
+    here: the RankGroup for TensorParallelContext."""
+    if node_ids is not None and len(node_ids) != size - 1:
+        raise ValueError(f"{len(node_ids)} nodes for the {size - 1} rank actors of --tensor-parallel {size}")
     def make(model: LlamaModel, params: ContextParams) -> tuple[Collective, list[Follower]]:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         host = ray.util.get_node_ip_address()
         actor_cls: Any = ray.remote(num_cpus=threads if num_cpus is None else num_cpus)(RankActor)  # calls in order
-        actors: list[Any] = [actor_cls.remote(os.path.abspath(model_path), params, r, threads) for r in range(1, size)]
+        actors: list[Any] = []
+        for r in range(1, size):
+            where = {} if node_ids is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+                node_ids[r - 1], soft=False)}
+            actors.append(actor_cls.options(**where).remote(os.path.abspath(model_path), params, r, threads))
         own = MeshListener(host, advertise=host)
         addresses = [own.address, *ray.get([a.address.remote() for a in actors], timeout=timeout_s)]
         secret = os.urandom(16)

@@ -63,3 +63,15 @@ def test_summary_keeps_each_link_delay_apart():
     assert set(got) == {(1, 0.0), (2, 0.0), (2, 0.5)}
     assert got[(2, 0.0)]["ours_tok_s"] == 9.0 and got[(2, 0.5)]["ours_tok_s"] == 6.0
     assert got[(2, 0.5)]["ours_efficiency"] == 0.6
+
+
+def test_summary_puts_tensor_parallel_beside_the_pipeline():
+    # ours-tp rows: their own columns in the same summary row, x_one_host against the same one-host run
+    from ggml_dist.bench.cluster_report import summary
+    one = _row(1, 1, 10.0)
+    tp = {**_row(2, 1, 17.0), "impl": "ours-tp"}
+    rows = [one, _row(2, 1, 9.5), tp]
+    _bounds(rows[:2])
+    _bounds([dict(one), tp])
+    got = {r["hosts"]: r for r in summary({"points": rows, "serve": []})}
+    assert got[2]["ours_tok_s"] == 9.5 and got[2]["ours_tp_tok_s"] == 17.0 and got[2]["ours_tp_x_one_host"] == 1.7

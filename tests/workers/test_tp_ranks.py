@@ -64,6 +64,25 @@ def test_runtime_ranks_on_ray(local_ray, path):
         rt.shutdown()
 
 
+def test_ranks_on_given_nodes(local_ray, path):
+    """node_ids pins rank r to node_ids[r - 1] (bench cluster: a rank per testbed host); a list of the
+    wrong length is refused."""
+    import ray
+
+    from ggml_dist.workers.tp_ranks import ray_ranks
+    node = ray.get_runtime_context().get_node_id()
+    model = LlamaModel.load(path)
+    with pytest.raises(ValueError, match="1 nodes for the 3 rank actors"):
+        ray_ranks(path, 4, node_ids=[node])
+    ctx = TensorParallelContext(model, 2, ContextParams(n_ctx=256), ranks=ray_ranks(path, 2, num_cpus=0.5,
+                                                                                   node_ids=[node]))
+    try:
+        want = LlamaContext(model, ContextParams(n_ctx=256)).decode(Batch.from_tokens(PROMPT))
+        assert np.array_equal(ctx.decode(Batch.from_tokens(PROMPT)), want)
+    finally:
+        ctx.close()
+
+
 def test_ranks_beside_a_pipeline_are_refused(path):
     from ggml_dist.runtime import RunConfig, open_runtime
     with pytest.raises(ValueError, match="beside a pipeline"):
