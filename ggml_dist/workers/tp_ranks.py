@@ -13,6 +13,7 @@ mesh, so the other ranks fail at their next exchange instead of waiting.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -21,6 +22,15 @@ from ..model.context import ContextParams
 from ..model.model import LlamaModel
 from ..model.tp_local import REFUSALS, Follower, RankContext, RankGroup
 from .collective import Collective, MeshCollective, MeshListener, mesh_connect
+
+
+def _reachable_ip(gcs_address: str) -> str:
+    """This process's IP on the route to the cluster's head (a driver in a host of its own, e.g. a testbed
+    namespace, is not on the node Ray says it joined through)."""
+    ip = gcs_address.rsplit(":", 1)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, 1))                                     # a route is chosen; nothing is sent
+        return str(s.getsockname()[0])
 
 
 class RankActor:
@@ -88,7 +98,7 @@ def ray_ranks(model_path: str, size: int, timeout_s: float = 300.0, threads: int
     def make(model: LlamaModel, params: ContextParams) -> tuple[Collective, list[Follower]]:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-        host = ray.util.get_node_ip_address()
+        host = _reachable_ip(ray.get_runtime_context().gcs_address)
         actor_cls: Any = ray.remote(num_cpus=threads if num_cpus is None else num_cpus)(RankActor)  # calls in order
         actors: list[Any] = []
         for r in range(1, size):
