@@ -6,11 +6,14 @@
     parts = coll.all_gather(part)             # every rank's part, in rank order (own included)
     coll.close()
 
-Each pair of ranks shares one Link (workers/links.py: its framing and its authenticated hello), opened
-once: rank r connects to every lower rank and accepts every higher one, so the mesh forms the same way
+Each pair of ranks shares one Link (workers/links.py: its authenticated hello), opened once: rank r
+connects to every lower rank and accepts every higher one, so the mesh forms the same way
 whichever rank starts first, and K(K-1)/2 connections exist in all. One exchange is one step, as in
 distributed-llama for K <= 4: a rank sends its part to every peer and then reads every peer's part, with
-no Ray call and no coordinator in between.
+no Ray call and no coordinator in between. After the hello an exchange's frame is a fixed 24-byte header
+(the round, ndim, the shape) and the part's bytes: read exactly, the body straight into its array (a
+msgpack frame and three reads cost 82 us of CPU an exchange, this 42-57 us: tensor parallelism makes 89 of
+them a token on a 22-layer model).
 
 Sends must not wait on a peer that is itself sending. A small part (<= INLINE_MAX: a decode step's
 activations, 8 KiB per token at n_embd 2048) is written inline: each socket's send buffer is set to hold
