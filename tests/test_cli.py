@@ -11,6 +11,7 @@ import pytest
 
 from ggml_dist.cli import main
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+from ggml_dist.model.synthetic_moe import SyntheticMoESpec, write_moe
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,19 @@ def test_run_tensor_parallel(capsys, tmp_path):
     assert rc == 1 and "head_count 32 does not divide into 3 ranks" in err
     rc, _, err = _run(capsys, *argv, "--tensor-parallel", "2", "--stages", "2")
     assert rc == 1 and "ranks beside a pipeline are not built yet" in err
+
+
+# a mixture of experts over 2 ranks (experts split, the router on both): one process's greedy tokens
+def test_run_expert_parallel(capsys, tmp_path):
+    spec = SyntheticMoESpec(arch="qwen3moe", n_embd=128, n_head=8, n_head_kv=4, n_vocab=512, n_expert=8,
+                            n_expert_used=2, exp_type="Q4_0", seed=50)
+    argv = ["run", "--model", str(write_moe(tmp_path / "moe.gguf", spec)), "--prompt", "abc", "-n", "8", "--json",
+            "--ctx", "256"]
+    rc1, out1, _ = _run(capsys, *argv)
+    rc2, out2, _ = _run(capsys, *argv, "--tensor-parallel", "2")
+    assert rc1 == rc2 == 0 and json.loads(out2)["tokens"] == json.loads(out1)["tokens"]
+    rc, _, err = _run(capsys, *argv, "--tensor-parallel", "16")
+    assert rc == 1 and "8 experts cannot give each of 16 ranks one" in err
 
 
 # a corrupt file is refused by the loader with its clear error, not a traceback

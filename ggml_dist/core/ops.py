@@ -181,9 +181,9 @@ def mul_mat(ctx: Context, a: Tensor, b: Tensor) -> Tensor:
 
 
 def mul_mat_id(ctx: Context, as_: Tensor, b: Tensor, ids: Tensor) -> Tensor:
-    """ggml_mul_mat_id: one matrix per expert. as_ [K, M, n_expert] (a 3-D weight), b [K, n_b, n_tokens],
-    ids I32 [n_used, n_tokens]; dst[:, e, t] = as_[:, :, ids[e, t]] . b[:, e % n_b, t], ne = (M, n_used,
-    n_tokens). b is the tokens' rows (n_b = 1) or one row per selected expert (n_b = n_used)."""
+    """ggml_mul_mat_id: one matrix per expert. as_ [K, M, n_expert] (a 3-D weight), b [K, n_b, n_tokens] (the
+    tokens' rows, n_b = 1, or a row per selected expert, n_b = n_used), ids I32 [n_used, n_tokens]; dst[:, e, t] =
+    as_[:, :, ids[e, t]] . b[:, e % n_b, t], ne = (M, n_used, n_tokens); 0 where an id is -1 (ops_collective.py)."""
     _check(as_.nb[0] <= as_.nb[1] and as_.ne[3] == 1, "MUL_MAT_ID", "as must be 3-D, not transposed", as_)
     _check(ids.type == GGMLType.I32 and ids.ne[2] == 1 and ids.ne[3] == 1, "MUL_MAT_ID",
            "ids must be a 2-D I32 tensor", ids)

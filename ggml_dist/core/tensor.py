@@ -53,6 +53,8 @@ class Op(enum.IntEnum):
     SSM_CONV = enum.auto()
     GATED_DELTA_NET = enum.auto()
     ALL_GATHER = enum.auto()     # not a ggml op: tensor parallelism's exchange (core/ops_collective.py)
+    EXPERT_IDS = enum.auto()     # not a ggml op: the selected experts a rank computes (ops_collective.py)
+    GATHER_EXPERTS = enum.auto() # not a ggml op: expert parallelism's exchange (core/ops_collective.py)
 
 
 class UnaryOp(enum.IntEnum):

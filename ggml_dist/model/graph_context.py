@@ -204,6 +204,15 @@ class GraphContext:
             cur = ops.swiglu(ctx, gate, up).set_name(f"ffn_swiglu-{il}")
         return ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_down{suffix}.weight"], cur)
 
+    def expert_ids(self, ctx: Context, selected: Tensor, il: int) -> Tensor:
+        """The expert ids layer il's MUL_MAT_IDs take (model/moe.py): the router's top-k, all computed here
+        (a tensor-parallel rank computes only its own experts' slots: model/tensor_parallel.py)."""
+        return selected
+
+    def expert_outputs(self, ctx: Context, y: Tensor, selected: Tensor, il: int) -> Tensor:
+        """Every slot's expert output of layer il, from y, the down projection computed here."""
+        return y
+
     def build_ffn_block(self, ctx: Context, gf: Graph, il: int, attn_out: Tensor, inp_l: Tensor,
                         inp: GraphInputs) -> Tensor:
         """h = attn_out + inp_l, then h + FFN(norm(h)), the FFN a mixture of experts where the model's is

@@ -32,6 +32,8 @@ class GraphContext(Protocol):
     w: dict[str, Tensor]
 
     def build_ffn(self, ctx: Context, x: Tensor, il: int, gelu: bool = False, suffix: str = "") -> Tensor: ...
+    def expert_ids(self, ctx: Context, selected: Tensor, il: int) -> Tensor: ...
+    def expert_outputs(self, ctx: Context, y: Tensor, selected: Tensor, il: int) -> Tensor: ...
 
 WEIGHTS_SUM_MIN = 6.103515625e-5        # the smallest normal f16: build_moe_ffn's clamp of the weights' sum
 SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
@@ -76,13 +78,15 @@ def build_moe_ffn(g: GraphContext, ctx: Context, gf: Graph, cur: Tensor, il: int
     gf.build_forward_expand(weights)
 
     x = ops.reshape(ctx, cur, n_embd, 1, n_tokens)
-    up = _experts(ctx, w, b, "ffn_up_exps", x, selected, f"ffn_moe_up-{il}")      # ne = (n_ff, k, n_tokens)
-    gate = _experts(ctx, w, b, "ffn_gate_exps", x, selected, f"ffn_moe_gate-{il}")
+    ids = g.expert_ids(ctx, selected, il)          # the experts computed here (a rank of a group: its own)
+    up = _experts(ctx, w, b, "ffn_up_exps", x, ids, f"ffn_moe_up-{il}")           # ne = (n_ff, k, n_tokens)
+    gate = _experts(ctx, w, b, "ffn_gate_exps", x, ids, f"ffn_moe_gate-{il}")
     if moe.oai:                                                       # gpt-oss: LLM_FFN_SWIGLU_OAI_MOE
         act = ops.swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT).set_name(f"ffn_moe_swiglu_oai-{il}")
     else:
         act = ops.swiglu(ctx, gate, up).set_name(f"ffn_moe_swiglu-{il}")
-    experts = _experts(ctx, w, b, "ffn_down_exps", act, selected, f"ffn_moe_down-{il}")   # (n_embd, k, n_tok)
+    experts = _experts(ctx, w, b, "ffn_down_exps", act, ids, f"ffn_moe_down-{il}")        # (n_embd, k, n_tok)
+    experts = g.expert_outputs(ctx, experts, selected, il)          # a group's ranks: every slot's output
     experts = ops.mul(ctx, experts, weights).set_name(f"ffn_moe_weighted-{il}")
     gf.build_forward_expand(experts)
 

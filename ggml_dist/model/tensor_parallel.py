@@ -1,5 +1,6 @@
-"""Exact tensor parallelism for dense layers: which rows of which weight a rank of K holds (one table,
-SPLITS), the rank's hyperparameters and weights, and the rank's graph (issue 54).
+"""Exact tensor parallelism for dense layers and expert parallelism for a mixture of experts: which rows
+(or experts) of which weight a rank of K holds (one table, SPLITS), the rank's hyperparameters and
+weights, and the rank's graph (issue 54).
 
 Every matrix is cut into K slices of output rows (ne[1]); each output element is then computed whole,
 on one rank, by the same kernel over the same row and the same (gathered) activations as in one
@@ -17,6 +18,14 @@ and rank r's q heads [r n_head/K, (r+1) n_head/K) read exactly its kv heads [r n
 rank's KV cache holds only its kv heads. kq_scale and the rope stay the whole model's (the head size
 does not change). A weight's rows are contiguous in its tensor whatever its type (a quantized row is
 whole blocks), so a slice is a byte range of the mapped file, zero-copy.
+
+A mixture of experts' layer keeps its router on every rank (the same top-k everywhere: the same bits)
+and places whole experts: rank r holds experts expert_bounds(E, K)[r] .. [r + 1] - 1 of every
+ffn_{gate,up,down}_exps (a contiguous range of the 3-D tensor, equal bytes where K divides E, else one
+expert apart). Its MUL_MAT_IDs compute only the slots its experts were chosen for (EXPERT_IDS), and
+GATHER_EXPERTS brings every slot's output from its owner (core/ops_collective.py); the weighting and the
+slots' sum then run on every rank in llama.cpp's order. qwen2moe's shared expert is split by rows as a
+dense FFN is.
 """
 from __future__ import annotations
 
@@ -27,7 +36,7 @@ from dataclasses import replace
 from ..core import ops
 from ..core.context import Context, tensor_overhead
 from ..core.graph import Graph
-from ..core.ops_collective import all_gather
+from ..core.ops_collective import all_gather, expert_ids, gather_experts
 from ..core.tensor import Tensor
 from .archs import LlamaHParams
 from .graph_context import GraphInputs, GraphKey, GraphResult
@@ -35,7 +44,8 @@ from .kv_cache import KVCache
 from .llama import LlamaGraphBuilder
 from .recurrent_state import RecurrentState
 
-TP_ARCHS = ("llama", "qwen2")       # dense, separate Q/K/V (qwen2: with their biases)
+# separate Q/K/V (qwen2: with their biases; qwen3: a norm per head), a dense FFN or experts (Mixtral's llama)
+TP_ARCHS = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe")
 
 
 class TensorParallelError(ValueError):
@@ -48,6 +58,7 @@ class Split(enum.Enum):
     Q_HEADS = "q_heads"             # rows of the rank's query heads
     KV_HEADS = "kv_heads"           # rows of the rank's key/value heads
     ROWS = "rows"                   # the rank's K-th of the output rows (n_embd, n_ff or n_vocab)
+    EXPERTS = "experts"             # the rank's range of whole experts (ne[2] of a 3-D weight)
 
 
 # the weight's name after "blk.{il}." (or the whole name), its weight and bias split the same way
@@ -55,7 +66,9 @@ SPLITS: dict[str, Split] = {
     "attn_q": Split.Q_HEADS, "attn_k": Split.KV_HEADS, "attn_v": Split.KV_HEADS,
     "attn_output": Split.ROWS, "ffn_gate": Split.ROWS, "ffn_up": Split.ROWS, "ffn_down": Split.ROWS,
     "output": Split.ROWS,           # the head; tied to token_embd: token_embd's rows, named output.weight
-}
+    "ffn_gate_exps": Split.EXPERTS, "ffn_up_exps": Split.EXPERTS, "ffn_down_exps": Split.EXPERTS,
+    "ffn_gate_shexp": Split.ROWS, "ffn_up_shexp": Split.ROWS, "ffn_down_shexp": Split.ROWS,
+}                                   # the routers (ffn_gate_inp, ffn_gate_inp_shexp) are mirrored
 
 
 def split_of(name: str) -> Split:
@@ -68,13 +81,15 @@ def check_split(hp: LlamaHParams, size: int) -> None:
     """Refuse, with the numbers, a model that K = size ranks cannot split exactly."""
     if hp.arch not in TP_ARCHS:
         raise TensorParallelError(f"tensor parallelism covers {', '.join(TP_ARCHS)}, not '{hp.arch}'")
-    if hp.n_expert:
-        raise TensorParallelError(f"a mixture of experts ({hp.n_expert} experts) is not split by rows; "
-                                  f"run it with --tensor-parallel 1")
     if size < 1:
         raise TensorParallelError(f"--tensor-parallel {size}: at least one rank")
-    for what, n in (("head_count", hp.n_head), ("head_count_kv", hp.n_head_kv), ("embedding_length", hp.n_embd),
-                    ("feed_forward_length", hp.n_ff), ("vocabulary", hp.n_vocab)):
+    if hp.n_expert and hp.n_expert < size:
+        raise TensorParallelError(f"{hp.n_expert} experts cannot give each of {size} ranks one; use fewer ranks")
+    counts = [("head_count", hp.n_head), ("head_count_kv", hp.n_head_kv), ("embedding_length", hp.n_embd),
+              ("vocabulary", hp.n_vocab)]
+    if not hp.n_expert:                 # experts' widths are not split; a shared expert's rows: rank_weights
+        counts.append(("feed_forward_length", hp.n_ff))
+    for what, n in counts:
         if n % size:
             raise TensorParallelError(f"{what} {n} does not divide into {size} ranks; use a K that divides "
                                       f"head_count_kv ({hp.n_head_kv}) and the other sizes")
@@ -85,7 +100,8 @@ def _rows(hp: LlamaHParams, split: Split, n_rows: int, size: int) -> int:
     # check_split made K divide every count: a slice of Q/K/V rows is whole heads (rows = heads * head size)
     part = n_rows // size
     heads = {Split.Q_HEADS: hp.n_head, Split.KV_HEADS: hp.n_head_kv}.get(split, size)
-    assert part * size == n_rows and n_rows % heads == 0, f"{split.name}: {n_rows} rows in {size} slices"
+    if part * size != n_rows or n_rows % heads:
+        raise TensorParallelError(f"{n_rows} rows do not divide into {size} ranks' slices; use a K that divides them")
     # ggml picks a product's path by the weight's row count: repacked Q4_0/Q4_K/MXFP4 from M % 8 == 0,
     # tinyBLAS for F16/F32 from M % 4 == 0 (blocks.ggml_repacks, ops._mul_mat_float): each output row's
     # bits are the path's, so a slice must take the path the whole matrix takes
@@ -94,6 +110,12 @@ def _rows(hp: LlamaHParams, split: Split, n_rows: int, size: int) -> int:
                                   f"{math.gcd(n_rows, 8)} as the whole is: the slice's product would take "
                                   f"another kernel path (other bits); use fewer ranks")
     return part
+
+
+def expert_bounds(n_expert: int, size: int) -> list[int]:
+    """Each rank's first expert, then n_expert: whole experts, as even as the count allows (the experts of
+    a weight are the same size, so an even count is an even share of bytes)."""
+    return [r * n_expert // size for r in range(size + 1)]
 
 
 def rank_hparams(hp: LlamaHParams, size: int) -> LlamaHParams:
@@ -110,10 +132,19 @@ def rank_weights(weights: dict[str, Tensor], hp: LlamaHParams, rank: int, size: 
         names["output.weight"] = weights["token_embd.weight"]
     ctx = Context(len(names) * tensor_overhead() + 1024, no_alloc=True, name=f"weights of rank {rank}")
     out: dict[str, Tensor] = {}
+    bounds = expert_bounds(hp.n_expert, size)
     for name, w in names.items():
         split = split_of(name)
+        assert w.data is not None, f"'{name}': a weight must be bound to the mapped file"
+        if split == Split.EXPERTS:      # experts lo..hi-1: a contiguous range of the 3-D tensor
+            lo, hi = bounds[rank], bounds[rank + 1]
+            assert w.n_dims == 3 and w.ne[2] == hp.n_expert, f"'{name}': {w.ne} is not {hp.n_expert} stacked experts"
+            t = ctx.new_tensor(w.type, (w.ne[0], w.ne[1], hi - lo)).set_name(name)
+            t.buffer, t.data = w.buffer, w.data + lo * w.nb[2]
+            out[name] = t
+            continue
         matrix = w.n_dims >= 2
-        assert w.n_dims <= 2 and w.data is not None, f"'{name}': a dense model's weights are bound matrices"
+        assert w.n_dims <= 2, f"'{name}': {w.n_dims}-d weights are split as experts only"
         n_rows = w.ne[1] if matrix else w.ne[0]
         part = n_rows if split == Split.MIRRORED else _rows(hp, split, n_rows, size)
         first = 0 if split == Split.MIRRORED else rank * part
@@ -128,9 +159,10 @@ class TensorParallelBuilder(LlamaGraphBuilder):
     rank_weights' (its rows); the blocks gather what the next block reads whole."""
 
     def __init__(self, hp: LlamaHParams, weights: dict[str, Tensor], kv: KVCache,
-                 rs: RecurrentState | None = None, *, size: int) -> None:
+                 rs: RecurrentState | None = None, *, size: int, rank: int) -> None:
         super().__init__(hp, weights, kv, rs)
-        self.size = size
+        self.size, self.rank = size, rank
+        self.bounds = expert_bounds(hp.n_expert, size)
 
     def gather(self, ctx: Context, part: Tensor) -> Tensor:
         """Every rank's equal part of each token column, in rank order: ne = (size * part.ne[0], n_tokens)."""
@@ -147,14 +179,24 @@ class TensorParallelBuilder(LlamaGraphBuilder):
         return self.gather(ctx, cur).set_name(f"attn_out-{il}")                 # ne = (n_embd, n_tokens)
 
     def build_ffn(self, ctx: Context, x: Tensor, il: int, gelu: bool = False, suffix: str = "") -> Tensor:
-        """SwiGLU on the rank's rows of n_ff, gathered; the rank's rows of Wdown, gathered."""
-        assert not gelu and not suffix, "tensor parallelism builds the dense SwiGLU FFN only"
-        gate = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_gate.weight"], x)         # ne = (n_ff / K, n_tokens)
-        up = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_up.weight"], x)
-        cur = ops.swiglu(ctx, gate, up).set_name(f"ffn_swiglu-{il}")
-        cur = self.gather(ctx, cur)                                             # ne = (n_ff, n_tokens)
-        cur = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_down.weight"], cur)        # ne = (n_embd / K, n_tokens)
-        return self.gather(ctx, cur).set_name(f"ffn_out-{il}")
+        """SwiGLU on the rank's rows of n_ff, gathered; the rank's rows of Wdown, gathered (suffix _shexp:
+        qwen2moe's shared expert)."""
+        assert not gelu, "tensor parallelism builds SwiGLU FFNs only"
+        gate = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_gate{suffix}.weight"], x)     # ne = (n_ff / K, n_tokens)
+        up = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_up{suffix}.weight"], x)
+        cur = ops.swiglu(ctx, gate, up).set_name(f"ffn_swiglu{suffix}-{il}")
+        cur = self.gather(ctx, cur)                                                 # ne = (n_ff, n_tokens)
+        cur = ops.mul_mat(ctx, self.w[f"blk.{il}.ffn_down{suffix}.weight"], cur)    # ne = (n_embd / K, n_tokens)
+        return self.gather(ctx, cur).set_name(f"ffn_out{suffix}-{il}")
+
+    def expert_ids(self, ctx: Context, selected: Tensor, il: int) -> Tensor:
+        """The router's choice as this rank's expert ids (-1: another rank's expert, not computed here)."""
+        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
+        return expert_ids(ctx, selected, lo, hi).set_name(f"ffn_moe_topk_local-{il}")
+
+    def expert_outputs(self, ctx: Context, y: Tensor, selected: Tensor, il: int) -> Tensor:
+        """Every slot's expert output, each from the rank that owns the expert."""
+        return gather_experts(ctx, y, selected, self.bounds).set_name(f"ffn_moe_down_all-{il}")
 
     def build_output(self, ctx: Context, gf: Graph, h: Tensor, inp: GraphInputs, key: GraphKey) -> GraphResult:
         """The rank's vocabulary rows of the head, gathered: every rank holds the whole logits."""

@@ -54,7 +54,7 @@ class RankContext(LlamaContext):
         check_split(model.hp, size)
         self.rank = collective.rank
         self.collective = collective
-        self.builder_type = partial(TensorParallelBuilder, size=size)
+        self.builder_type = partial(TensorParallelBuilder, size=size, rank=collective.rank)
         rank_model = replace(model, hp=rank_hparams(model.hp, size),
                              weights=rank_weights(model.weights, model.hp, collective.rank, size))
         own = {f.name: getattr(params, f.name) for f in fields(ContextParams)}

@@ -75,7 +75,7 @@ class MeshCollective:
         seq = self.n_rounds
         self.n_rounds += 1
         header = _HEAD.pack(seq & 0xFFFFFFFF, part.ndim, *part.shape, *[0] * (MAX_NDIM - part.ndim))
-        body = memoryview(part.data).cast("B")        # the part's own bytes, no copy
+        body = memoryview(part.data).cast("B") if part.size else memoryview(b"")  # its own bytes, no copy
         sends = self._send_all(header, body)
         out: list[np.ndarray] = [part] * self.size
         try:
@@ -125,7 +125,8 @@ class MeshCollective:
                 raise CollectiveError(f"rank {self.rank}: rank {j} sent a {h[1]}-d part of round {h[0]} in round "
                                       f"{seq} (expected an {ndim}-d part)")
             out = np.empty(h[2:2 + ndim], np.float32)
-            self._read_exact(sock, out.data.cast("B"), j)
+            if out.size:                                    # a part may be empty (a rank's expert rows)
+                self._read_exact(sock, out.data.cast("B"), j)
             return out
         except OSError as e:
             raise CollectiveError(f"rank {self.rank}: rank {j}'s link failed ({e})") from e

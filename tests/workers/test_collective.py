@@ -90,10 +90,11 @@ def _run_ranks(size: int, plan: list[tuple[int, int]], die: int | None = None, d
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_all_gather_returns_every_part_in_rank_order(size):
     # decode-sized parts (1 token, inline sends) for many rounds, then prompt-sized ones (512 tokens,
-    # parts over INLINE_MAX, sent from threads while the rank reads), then 1 token again
+    # parts over INLINE_MAX, sent from threads while the rank reads), then 1 token again, then empty
+    # parts (a rank owning none of a step's experts sends 0 rows) between decode-sized ones
     assert 512 * (N_EMBD // 4) * 4 > INLINE_MAX
-    results = _run_ranks(size, [(1, 40), (512, 3), (1, 5)])
-    assert results == dict.fromkeys(range(size), "ok 48")
+    results = _run_ranks(size, [(1, 40), (512, 3), (1, 5), (0, 2), (1, 2)])
+    assert results == dict.fromkeys(range(size), "ok 52")
 
 
 def test_a_killed_peer_raises_naming_its_rank():

@@ -1,6 +1,6 @@
 """Tensor-parallel ranks as Ray actors (workers/tp_ranks.py): rank 0 the driver's context, ranks 1..K-1
-actors whose ALL_GATHER goes over the socket mesh; logits and greedy tokens are one process's, bit for
-bit, and `run --tensor-parallel` on Ray gives one process's tokens."""
+actors whose ALL_GATHER (and a mixture of experts' GATHER_EXPERTS) goes over the socket mesh; logits and
+greedy tokens are one process's, bit for bit, and `run --tensor-parallel` on Ray gives one process's tokens."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +10,7 @@ from ggml_dist.model.context import ContextParams, LlamaContext
 from ggml_dist.model.generate import generate
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+from ggml_dist.model.synthetic_moe import SyntheticMoESpec, write_moe
 from ggml_dist.model.tp_local import TensorParallelContext
 from ggml_dist.model.ubatch import Batch
 
@@ -33,9 +34,20 @@ def _steps(ctx) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_ray_ranks_equal_one_process(local_ray, path, size):
+# experts over 4 ranks, 2 of 8 chosen per token: in a decode step most ranks own none of its slots
+MOE = SyntheticMoESpec(arch="qwen3moe", n_embd=128, n_head=8, n_head_kv=4, n_vocab=512, n_expert=8,
+                       n_expert_used=2, exp_type="Q4_0", seed=49)
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return str(write_moe(tmp_path_factory.mktemp("ep") / "moe.gguf", MOE))
+
+
+@pytest.mark.parametrize("size, which", [(2, "dense"), (4, "dense"), (4, "moe")])
+def test_ray_ranks_equal_one_process(local_ray, path, moe_path, size, which):
     from ggml_dist.workers.tp_ranks import ray_ranks
+    path = moe_path if which == "moe" else path
     model = LlamaModel.load(path)
     want = _steps(LlamaContext(model, ContextParams(n_ctx=256)))
     ctx = TensorParallelContext(model, size, ContextParams(n_ctx=256), ranks=ray_ranks(path, size, num_cpus=0.5))

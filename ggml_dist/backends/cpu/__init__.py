@@ -18,8 +18,8 @@ The numba path (the compiled twins, same bits):
     qkernels.py         MUL_MAT on quantized weights in their GGUF blocks (every type, decode per call)
     qpack.py            Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/MXFP4 repacked into 64-row groups, float and int8 kernels
     kpack.py            Q4_K/Q5_K/Q6_K repacked into 64-row groups of superblocks, int8 kernels
-    experts.py          MUL_MAT_ID on 3-D expert weights packed once (qpack/kpack layouts), one call per step;
-                        a MoE layer's router ops and weighted sum as single calls (fusion.py binds them)
+    experts.py          MUL_MAT_ID on 3-D expert weights packed once (qpack/kpack layouts), one call per step
+    moe_ops.py          a MoE layer's router ops and weighted sum as single calls (fusion.py binds them)
     vnni.py, avx2.py    the int8 group kernels of qpack as LLVM IR (AVX-512 VNNI, AVX2)
     kquant_ir.py        the int8 group kernels of kpack as LLVM IR (both ISAs)
 """

@@ -12,10 +12,10 @@ Every fused call gives the bits of the kernels it replaces.
     RMS_NORM, MUL(norm, w)                  fkernels.rms_norm(x, eps, w, fused=True)
     ADD, RMS_NORM, MUL(norm, w)             fkernels.add_rms_norm: the sum is written (the residual
                                             stream reads it again), the norm is not
-    MUL(experts, weights), k-1 ADDs         experts.bind_combine: a MoE layer's weighted sum of its k
+    MUL(experts, weights), k-1 ADDs         moe_ops.bind_combine: a MoE layer's weighted sum of its k
       of its slot views                     experts' outputs; only the last sum is written
-    ARGSORT(p) [, GET_ROWS(p, top k)]       experts.bind_topk: a MoE router's choice (every result written)
-    SUM_ROWS(w), CLAMP, DIV(w, clamped)     experts.bind_norm: its weights normalised (every result written)
+    ARGSORT(p) [, GET_ROWS(p, top k)]       moe_ops.bind_topk: a MoE router's choice (every result written)
+    SUM_ROWS(w), CLAMP, DIV(w, clamped)     moe_ops.bind_norm: its weights normalised (every result written)
     MUL_MAT(K, Q), SOFT_MAX, MUL_MAT(V, p)  fkernels.bind_attention: every result written, one call
       [, CONT(PERMUTE(KQV))]                (two parallel loops and the copy) instead of four
     ROPE(K), SET_ROWS(K), SET_ROWS(V)       fkernels.bind_cache_rows: a layer's new cache rows, each op
@@ -183,7 +183,7 @@ def _consecutive(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
 
 def _experts_sum(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
     """MUL(y, weights) and the k - 1 ADDs of its slot views (model/moe.py's weighted sum of the experts:
-    y [n, k, n_tok], weights [1, k, n_tok], slot s the view of y's ne[1] index s), as experts.bind_combine's
+    y [n, k, n_tok], weights [1, k, n_tok], slot s the view of y's ne[1] index s), as moe_ops.bind_combine's
     one call: the MUL's result and the partial sums are not written (each read only by the next ADD,
     not outputs)."""
     array = b.array
@@ -211,17 +211,17 @@ def _experts_sum(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
             return None
         prev = a
     assert prev is not None
-    from . import experts
+    from . import moe_ops
     ay, aw, out = _view(array(y), (n_tok, k, n)), _view(array(w), (n_tok, k)), _view(array(prev), (n_tok, n))
     if ay is None or aw is None or out is None:
         return None
-    call = experts.bind_combine(ay, aw, out)
+    call = moe_ops.bind_combine(ay, aw, out)
     return None if call is None else (call, k)
 
 
 def _router_topk(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
     """ARGSORT(p) of F32 rows [+ the GET_ROWS that follows it: p's rows (reshaped to one value per row)
-    at the top-k view of the sort, a MoE router's chosen weights] as experts.bind_topk's one call;
+    at the top-k view of the sort, a MoE router's chosen weights] as moe_ops.bind_topk's one call;
     every result written."""
     array = b.array
     assert array is not None
@@ -238,19 +238,19 @@ def _router_topk(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
                 and ids.view_src is t and ids.view_offs == 0 and ids.ne[1:] == (n_tok, 1, 1)
                 and ids.nb[1] == t.nb[1] and g.ne[:3] == (1, ids.ne[0], n_tok)):
             g = None
-    from . import experts
+    from . import moe_ops
     k = 0 if g is None else g.ne[1]
     ap, at = _view(array(p), (n_tok, E)), _view(array(t), (n_tok, E))
     ag = None if g is None else _view(array(g), (n_tok, k))
     if ap is None or at is None or (g is not None and ag is None):
         return None
-    call = experts.bind_topk(ap, at, SortOrder(t.op_param(0)) == SortOrder.DESC, ag)
+    call = moe_ops.bind_topk(ap, at, SortOrder(t.op_param(0)) == SortOrder.DESC, ag)
     return None if call is None else (call, 1 if g is None else 2)
 
 
 def _router_norm(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] | None:
     """SUM_ROWS(w), CLAMP of the sum, DIV(w, the clamped sum) (a MoE router's weights normalised,
-    model/moe.py's norm_w) as experts.bind_norm's one call; every result written."""
+    model/moe.py's norm_w) as moe_ops.bind_norm's one call; every result written."""
     array = b.array
     assert array is not None
     if i + 2 >= len(nodes):
@@ -262,13 +262,13 @@ def _router_norm(nodes: list[Tensor], i: int, b: Binding) -> tuple[Bound, int] |
             or w.ne[2] != 1 or w.ne[3] != 1 or dv.ne != w.ne):
         return None
     k, n_tok = w.ne[0], w.ne[1]
-    from . import experts
+    from . import moe_ops
     views = [_view(array(x), shape) for x, shape in ((w, (n_tok, k)), (sr, (n_tok,)), (cl, (n_tok,)), (dv, (n_tok, k)))]
     if any(v is None for v in views):
         return None
     aw, asr, acl, adv = views
     assert aw is not None and asr is not None and acl is not None and adv is not None
-    call = experts.bind_norm(aw, asr, acl, adv, np.float32(cl.op_param(0)), np.float32(cl.op_param(1)))
+    call = moe_ops.bind_norm(aw, asr, acl, adv, np.float32(cl.op_param(0)), np.float32(cl.op_param(1)))
     return None if call is None else (call, 3)
 
 

@@ -364,14 +364,17 @@ def expert_rows(ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
 def _mul_mat_id(t, dst, srcs, opts):
     """MUL_MAT_ID: the rows of each expert's tokens through that expert's matrix, one expert at a time,
     by the MUL_MAT kernels (weights_mul_mat on the expert's view of the 3-D weight). dst[t, slot] =
-    W[ids[t, slot]] . X[t, slot % n_b]."""
+    W[ids[t, slot]] . X[t, slot % n_b]; 0 where ids[t, slot] is -1 (another rank's expert: core/ops.py)."""
     a_t, b_t = t.src[0], t.src[1]
     assert a_t is not None and b_t is not None
     w, x, ids = srcs[0][0], srcs[1][0], srcs[2][0, 0]      # [n_as, M, row], [n_tok, n_b, K], [n_tok, n_used]
     n_b, K, M = b_t.ne[1], b_t.ne[0], a_t.ne[1]
     for e, tok, slot in expert_rows(ids):
         if not 0 <= e < a_t.ne[2]:
-            raise IndexError(f"MUL_MAT_ID '{t.name}': expert id {e} outside 0..{a_t.ne[2] - 1}")
+            if e != -1:
+                raise IndexError(f"MUL_MAT_ID '{t.name}': expert id {e} outside 0..{a_t.ne[2] - 1}")
+            dst[0, tok, slot] = 0
+            continue
         wm = w[e]
         if a_t.type in (GGMLType.F16, GGMLType.BF16):
             wm = np.ascontiguousarray(wm).view(np.uint8)
@@ -382,10 +385,9 @@ def _mul_mat_id(t, dst, srcs, opts):
 
 def packed_experts(t, dst, srcs, opts: ComputeOptions) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, int] | None:
     """(packed experts, x [n_tok * n_b, K], ids [n_tok, n_used], out [n_tok * n_used, M], n_b) where
-    MUL_MAT_ID node t runs as experts.py's packed call: a 3-D model weight of a type it packs with
-    opts' kernels (experts.packable), f32 activations and output, contiguous arrays (ids: rows of any
-    stride, the top-k view), opts taking the compiled ggml-order path. The experts are packed once
-    (they stay in t.extra). None where the packed path cannot apply."""
+    MUL_MAT_ID node t runs as experts.py's packed call: a 3-D model weight of a type it packs with opts'
+    kernels (experts.packable), f32 activations and output, contiguous arrays (ids: rows of any stride,
+    the top-k view), opts taking the compiled ggml-order path; packed once (kept in t.extra). Else None."""
     a_t, b_t, i_t = t.src[0], t.src[1], t.src[2]
     if (opts.exact or not opts.numba or opts.order != "ggml" or opts.kernels == "float"
             or a_t.view_src is not None or a_t.ne[3] != 1 or a_t.buffer.usage != BufferUsage.WEIGHTS
@@ -958,12 +960,10 @@ KERNELS: dict[Op, Kernel] = {
     Op.NONE: _nop, Op.VIEW: _nop, Op.RESHAPE: _nop, Op.PERMUTE: _nop, Op.TRANSPOSE: _nop,
     Op.ADD: _add, Op.MUL: _mul, Op.SCALE: _scale, Op.RMS_NORM: _rms_norm, Op.NORM: _norm,
     Op.MUL_MAT_ID: _mul_mat_id, Op.DIV: _div, Op.ADD_ID: _add_id, Op.SUM_ROWS: _sum_rows, Op.CLAMP: _clamp,
-    Op.ARGSORT: _argsort,
-    Op.UNARY: _unary, Op.GLU: _glu, Op.MUL_MAT: _mul_mat, Op.GET_ROWS: _get_rows,
-    Op.SET_ROWS: _set_rows, Op.ARGMAX: _argmax, Op.SOFT_MAX: _soft_max,
-    Op.FLASH_ATTN_EXT: _flash_attn_ext, Op.CPY: _cpy, Op.CONT: _cpy, Op.DUP: _cpy,
-    Op.CONCAT: _concat, Op.ROPE: _rope, **recurrent.KERNELS, **gather.KERNELS,
-}
+    Op.ARGSORT: _argsort, Op.UNARY: _unary, Op.GLU: _glu, Op.MUL_MAT: _mul_mat, Op.GET_ROWS: _get_rows,
+    Op.SET_ROWS: _set_rows, Op.ARGMAX: _argmax, Op.SOFT_MAX: _soft_max, Op.FLASH_ATTN_EXT: _flash_attn_ext,
+    Op.CPY: _cpy, Op.CONT: _cpy, Op.DUP: _cpy, Op.CONCAT: _concat, Op.ROPE: _rope, **recurrent.KERNELS,
+    **gather.KERNELS}
 
 # ops whose kernels accept quantized operands (any position)
 QUANT_SRC_OPS = frozenset({Op.MUL_MAT, Op.MUL_MAT_ID, Op.GET_ROWS, Op.CPY, Op.CONT, Op.DUP})

@@ -272,8 +272,8 @@ def _router(ctx, n_embd: int, n_expert: int, k: int, n_tok: int):
 
 @pytest.mark.parametrize("n_tok", [1, 3, 16])
 def test_the_router_s_ops_run_fused_with_the_same_bits(n_tok):
-    # the F32 router product (fkernels.bind_mul_mat_f32), ARGSORT + GET_ROWS (experts.bind_topk), SUM_ROWS +
-    # CLAMP + DIV (experts.bind_norm) against the numpy kernels node by node; ties among the probabilities
+    # the F32 router product (fkernels.bind_mul_mat_f32), ARGSORT + GET_ROWS (moe_ops.bind_topk), SUM_ROWS +
+    # CLAMP + DIV (moe_ops.bind_norm) against the numpy kernels node by node; ties among the probabilities
     # keep the reference's order (a stable sort)
     from ggml_dist.backends.cpu.backend import BoundGraph
     from ggml_dist.backends.cpu.reference import ReferenceExecutor
@@ -296,3 +296,33 @@ def test_the_router_s_ops_run_fused_with_the_same_bits(n_tok):
     kinds = [getattr(getattr(c, "func", c), "__name__", type(c).__name__) for c in BoundGraph(g, resolve(
         ComputeOptions())).calls]
     assert len(kinds) == 4, kinds                          # product, soft_max, top k, norm
+
+
+# an id of -1 (expert parallelism: another rank's expert) is not computed and its rows are 0, on the
+# packed path (gate and up fused, and a K-quant) and the reference; the other slots keep their bits,
+# and a slot's garbage from an earlier step does not survive a replay
+@needs_int8
+@pytest.mark.parametrize("t, K", [(T.Q8_0, 64), (T.Q4_0, 64), (T.Q4_K, 256)])
+def test_skipped_slots(threads, t, K):
+    M, kernels = 40, KERNELS[-1]
+    ws = [weights(t, M, K, 3), weights(t, M, K, 4)]
+    moe = MoE(t, ws, M, K, 1)
+    x = activations(N_TOK, K, 5).reshape(N_TOK, 1, K)
+    ids = ids_rows(6)
+    opts = resolve(ComputeOptions(kernels=kernels))
+    moe.set(x, ids)
+    whole = moe.bound(opts)
+    part = np.where(ids >= 3, ids, -1).astype(np.int32)          # this rank holds experts 3..5 only
+    moe.set(x, part)
+    for _ in range(2):                                           # bind, then a flat replay
+        got, ref = moe.bound(opts), moe.reference(opts)
+        skipped = (part == -1)[None]                             # (1, n_tok, n_used) of dst's (1, n_tok, n_used, M)
+        for g, r, w in zip(got, ref, whole):
+            assert np.array_equal(g, r)
+            assert not g[skipped].any()
+            assert np.array_equal(g[~skipped], w[~skipped])
+    bad = part.copy()
+    bad[0, 0] = -2                                               # only -1 means another rank's
+    moe.set(x, bad)
+    with pytest.raises(IndexError):
+        moe.bound(opts)
