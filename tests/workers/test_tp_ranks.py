@@ -99,3 +99,36 @@ def test_ranks_beside_a_pipeline_are_refused(path):
     from ggml_dist.runtime import RunConfig, open_runtime
     with pytest.raises(ValueError, match="beside a pipeline"):
         open_runtime(RunConfig(path, ContextParams(n_ctx=256), 2, tensor_parallel=2))
+
+
+# calls travel on the mesh's links (no Ray call a step): a call every rank refuses is refused and the group
+# stays usable; a rank that fails answers with its error, and a killed rank is an error naming it, not a hang
+def test_refusals_failures_and_a_killed_rank(local_ray, path):
+    import ray
+
+    from ggml_dist.backends.collective import CollectiveError
+    from ggml_dist.model.ubatch import BatchError
+    from ggml_dist.workers.tp_ranks import ray_ranks
+    model = LlamaModel.load(path)
+    want = LlamaContext(model, ContextParams(n_ctx=256)).decode(Batch.from_tokens(PROMPT))
+    ctx = TensorParallelContext(model, 4, ContextParams(n_ctx=256), ranks=ray_ranks(path, 4, num_cpus=0.5))
+    try:
+        with pytest.raises(BatchError, match="vocabulary"):
+            ctx.decode(Batch.from_tokens([1, 10**6]))
+        assert np.array_equal(ctx.decode(Batch.from_tokens(PROMPT)), want)
+
+        def fails(r):
+            raise RuntimeError(f"rank {r.rank} broke")
+        with pytest.raises(RuntimeError, match="rank 2 broke"):
+            ctx.followers[1].call(fails).result()
+    finally:
+        ctx.close()
+    ctx = TensorParallelContext(model, 2, ContextParams(n_ctx=256), ranks=ray_ranks(path, 2, num_cpus=0.5))
+    try:
+        ctx.decode(Batch.from_tokens(PROMPT[:3]))
+        ray.kill(ctx.followers[0].actor)
+        with pytest.raises(CollectiveError, match="rank 1"):
+            for i in range(50):                          # the kill lands within a step or two
+                ctx.decode(Batch.from_tokens([5], pos0=3 + i))
+    finally:
+        ctx.close()
