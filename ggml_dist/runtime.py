@@ -41,6 +41,8 @@ def runs_on_ray(n_stages: int | None, address: str | None) -> bool:
     return n_stages != 1 or bool(address)
 
 
+TP_RECOVERIES = 3        # times a tensor-parallel group on Ray is made anew after losing a rank (model/tp_local.py)
+
 @dataclass(frozen=True)
 class RunConfig:
     """One run's configuration, built once (config.run_config, from the options `run`, `logits`, `plan` and
@@ -173,7 +175,8 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
         kernel_threads.set_threads(cfg.threads)
         model = LlamaModel.load(cfg.model_path)
         ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, threads=cfg.threads, node_ids=cfg.node_ids)
-        return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params, ranks=ranks))
+        return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params, ranks=ranks,
+                                                    max_recoveries=TP_RECOVERIES))
     if on_plan is None and cfg.show_plan:
         def on_plan(p: Placement) -> None:
             print(p.table(), file=sys.stderr, flush=True)

@@ -11,6 +11,13 @@ Every call that changes the KV cells (submit, seq_rm, seq_cp, seq_swap, clear) r
 same call with the same batch, so their cells stay the same cell for cell; every rank ends a ubatch
 with the whole logits (the head's last exchange gathers them) and the caller reads rank 0's. In another
 process a rank's collective is workers/collective.py's socket mesh, and nothing else changes.
+
+Recovery (max_recoveries > 0: ranks that are Ray actors): the group keeps a log of the calls that made
+its KV cells (each submit's batch as the followers got it, each seq_rm/cp/swap; clear empties it). A
+call that fails by the collective (a rank lost: killed, its host gone) makes new followers and a new
+collective (rank 0 stays, its backend's collective pointed at the new group: GroupHandle), clears every
+rank, replays the log, and runs the call again. The kernels give the same bits for the same ubatches in
+the same order, so every rank's KV shard is what it was, and the tokens are the ones without the loss.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..backends import host
-from ..backends.collective import Collective, ThreadGroup
+from ..backends.collective import Collective, CollectiveError, ThreadGroup
 from .context import ContextParams, LlamaContext, PendingLogits
 from .kv_cache import ContextFullError
 from .model import LlamaModel
@@ -109,22 +116,44 @@ class _Follower:
             raise
 
 
+def _rank_call(name: str, args: tuple, r: RankContext) -> Any:
+    """A follower's part of a call: the same LlamaContext method with the same arguments."""
+    return getattr(r, name)(*args)
+
+
+class GroupHandle:
+    """The collective rank 0's backend exchanges through: the group's current one (recovery replaces it)."""
+
+    def __init__(self, group: Collective) -> None:
+        self.group, self.rank, self.size = group, group.rank, group.size
+
+    def all_gather(self, part: np.ndarray) -> list[np.ndarray]:
+        return self.group.all_gather(part)
+
+    def close(self) -> None:
+        self.group.close()
+
+
 class TensorParallelContext(RankContext):
     """Rank 0 of K in this process, the others following it on their threads (module docstring).
     A call every rank refuses (REFUSALS) is refused; a rank that fails otherwise closes the group, so
     the others fail at their next exchange instead of waiting, and the group is not usable after."""
 
     def __init__(self, model: LlamaModel, size: int, params: ContextParams | None = None,
-                 timeout: float = 120.0, ranks: RankGroup | None = None) -> None:
-        """ranks: where ranks 1..size-1 run (default: threads of this process)."""
+                 timeout: float = 120.0, ranks: RankGroup | None = None, max_recoveries: int = 0) -> None:
+        """ranks: where ranks 1..size-1 run (default: threads of this process); max_recoveries: how many
+        times a group that lost a rank is made anew (module docstring)."""
         check_split(model.hp, size)
         params = params or ContextParams()
         if params.background_compile:       # every rank would start its own; the compiled kernels serve all
             params = replace(params, background_compile=False)
-        own, self.followers = (ranks or thread_ranks(size, timeout))(model, params)
+        self.make_ranks = ranks or thread_ranks(size, timeout)
+        own, self.followers = self.make_ranks(model, params)
         if own.size != size:
             raise ValueError(f"a group of {own.size} ranks for --tensor-parallel {size}")
-        super().__init__(model, params, own)
+        super().__init__(model, params, GroupHandle(own))
+        self.group_params, self.max_recoveries, self.n_recoveries = params, max_recoveries, 0
+        self.log: list[tuple[str, tuple]] = []      # the calls that made the KV cells, to replay
         for f in self.followers:
             f.ready()
 
@@ -133,6 +162,32 @@ class TensorParallelContext(RankContext):
         return self.collective.size
 
     def _with_followers(self, own: Callable[[], Any], theirs: Callable[[RankContext], Any]) -> Any:
+        """_call, made again on a new group where one lost a rank (max_recoveries)."""
+        while True:
+            try:
+                return self._call(own, theirs)
+            except CollectiveError:
+                if self.n_recoveries >= self.max_recoveries:
+                    raise
+            self._recover()
+
+    def _recover(self) -> None:
+        """New followers and collective, every rank cleared, the log replayed (module docstring)."""
+        self.n_recoveries += 1
+        for f in self.followers:
+            f.close()
+        assert isinstance(self.collective, GroupHandle)
+        self.collective.close()
+        group, self.followers = self.make_ranks(self.model, self.group_params)
+        self.collective.group = group
+        for f in self.followers:
+            f.ready()
+        log, self.log = self.log, []
+        self._call(lambda: LlamaContext.clear(self), lambda r: r.clear())
+        for name, args in log:
+            self._call(partial(getattr(LlamaContext, name), self, *args), partial(_rank_call, name, args))
+
+    def _call(self, own: Callable[[], Any], theirs: Callable[[RankContext], Any]) -> Any:
         """own() on this thread while every follower runs theirs(its context); own's result."""
         futures = [f.call(theirs) for f in self.followers]
         try:
@@ -155,23 +210,33 @@ class TensorParallelContext(RankContext):
         theirs = batch
         if tokens_from is not None:
             theirs = replace(batch, tokens=np.asarray(tokens_from.tokens(), np.int32))
-        return self._with_followers(
+        out = self._with_followers(
             lambda: super(TensorParallelContext, self).submit(batch, sampling, keep_logits, embeddings, tokens_from),
             lambda r: r.submit(theirs, embeddings=embeddings))
+        self._logged("submit", theirs, None, True, embeddings)
+        return out
+
+    def _logged(self, name: str, *args: Any) -> None:
+        if self.max_recoveries:
+            self.log.append((name, args))
+
+    def _on_all(self, name: str, *args: Any) -> None:
+        """LlamaContext.name(*args) on every rank, logged."""
+        self._with_followers(partial(getattr(LlamaContext, name), self, *args), partial(_rank_call, name, args))
+        self._logged(name, *args)
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int = -1) -> None:
-        self._with_followers(lambda: super(TensorParallelContext, self).seq_rm(seq_id, p0, p1),
-                             lambda r: r.seq_rm(seq_id, p0, p1))
+        self._on_all("seq_rm", seq_id, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        self._with_followers(lambda: super(TensorParallelContext, self).seq_cp(src, dst, p0, p1),
-                             lambda r: r.seq_cp(src, dst, p0, p1))
+        self._on_all("seq_cp", src, dst, p0, p1)
 
     def seq_swap(self, a: int, b: int) -> None:
-        self._with_followers(lambda: super(TensorParallelContext, self).seq_swap(a, b), lambda r: r.seq_swap(a, b))
+        self._on_all("seq_swap", a, b)
 
     def clear(self) -> None:
-        self._with_followers(lambda: super(TensorParallelContext, self).clear(), lambda r: r.clear())
+        self._with_followers(lambda: LlamaContext.clear(self), lambda r: r.clear())
+        self.log.clear()
 
     def close(self) -> None:
         """Leave the group and end the followers' threads."""

@@ -3,6 +3,9 @@ actors whose ALL_GATHER (and a mixture of experts' GATHER_EXPERTS) goes over the
 greedy tokens are one process's, bit for bit, and `run --tensor-parallel` on Ray gives one process's tokens."""
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -132,3 +135,43 @@ def test_refusals_failures_and_a_killed_rank(local_ray, path):
                 ctx.decode(Batch.from_tokens([5], pos0=3 + i))
     finally:
         ctx.close()
+
+
+# a lost rank is made anew: new rank actors and mesh, every rank's KV shard replayed from the group's log,
+# and the greedy tokens are the ones without the loss (a batch and a seq_rm before, the loss mid-generation,
+# two steps in flight)
+def test_a_lost_rank_is_replaced_with_the_same_tokens(local_ray, path):
+    import ray
+
+    from ggml_dist.workers.tp_ranks import ray_ranks
+    model = LlamaModel.load(path)
+    params = ContextParams(n_ctx=256)
+
+    def run(ctx, on_token=None) -> list[int]:
+        ctx.decode(Batch.from_tokens([7, 8, 9, 10]))
+        ctx.seq_rm(0)
+        return generate(ctx, model.tokenizer, PROMPT, 10, stop_at_eog=False, lookahead=2, on_token=on_token).tokens
+
+    want = run(LlamaContext(model, params))
+    ctx = TensorParallelContext(model, 2, params, ranks=ray_ranks(path, 2, num_cpus=0.5), max_recoveries=2)
+    lost, pid = ctx.followers[0].actor, ray.get(ctx.followers[0]._connected)
+
+    def kill(i: int, _: int) -> None:
+        if i == 4:                                      # gone before the next step, however loaded the machine
+            ray.kill(lost)
+            deadline = time.monotonic() + 120
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+    try:
+        assert run(ctx, kill) == want
+        assert ctx.n_recoveries == 1 and ctx.followers[0].actor != lost
+    finally:
+        ctx.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
