@@ -342,6 +342,7 @@ def _stage_summary(rt: Runtime) -> list[dict]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from .config import parse_budgets
     from .model.model import LlamaModel
     from .model.pull import resolve_model
     from .workers.driver import plan_stages
@@ -349,12 +350,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     apply_config(args)
     model = LlamaModel.load(resolve_model(args.model))
     params = context_params(args)
-    budgets = None
-    if args.budget_gib:
-        try:
-            budgets = [int(float(x) * 2**30) for x in str(args.budget_gib).split(",")]
-        except ValueError:
-            raise ValueError(f"--budget-gib takes numbers, got '{args.budget_gib}'") from None
+    if (args.tensor_parallel or 1) > 1:                 # a group's ranks (stages beside them: not built yet)
+        from .workers.tp_plan import report
+        print(report(model, args.tensor_parallel, params, args.json))
+        return 0
+    budgets = parse_budgets(args.budget_gib)
     n_stages = None if args.stages == "auto" else args.stages
     layers = parse_layers(args.layers)
     kinds = list(devices_of(args)) or None

@@ -144,6 +144,16 @@ def parse_layers(spec: str | None) -> list[tuple[int, int]] | None:
     return parse(spec)
 
 
+def parse_budgets(spec: str | None) -> list[int] | None:
+    """--budget-gib: a comma list of GiB, one per stage (or one for every stage), in bytes."""
+    if not spec:
+        return None
+    try:
+        return [int(float(x) * 2**30) for x in str(spec).split(",")]
+    except ValueError:
+        raise ValueError(f"--budget-gib takes numbers, got '{spec}'") from None
+
+
 def context_params(args: argparse.Namespace) -> ContextParams:
     from .core.types import GGMLType
     from .model.context import ContextParams

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ggml_dist.cli import main
+from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
 from ggml_dist.model.synthetic_moe import SyntheticMoESpec, write_moe
 
@@ -254,3 +255,22 @@ def test_warmup(capsys, model):
     assert len(d["load_average"]) == 3 and d["cache_dir"]
     rc, out, _ = _run(capsys, "warmup", "--model", model, "--threads", "1")
     assert rc == 0 and "already cached" in out and "ready in" in out
+
+
+# plan --tensor-parallel K: each rank's weights (its rows, its experts) and KV cache (its kv heads), or
+# the reason K cannot split the model
+def test_plan_tensor_parallel(capsys, tmp_path):
+    spec = SyntheticMoESpec(arch="qwen3moe", n_embd=128, n_head=8, n_head_kv=4, n_vocab=512, n_expert=6,
+                            n_expert_used=2, exp_type="Q4_0", seed=51)
+    path = str(write_moe(tmp_path / "moe.gguf", spec))
+    rc, out, _ = _run(capsys, "plan", "--model", path, "--tensor-parallel", "4", "--ctx", "256", "--json")
+    ranks = json.loads(out)["ranks"]
+    assert rc == 0 and [r["experts"] for r in ranks] == [[0, 1], [1, 3], [3, 4], [4, 6]]
+    one = LlamaModel.load(path)
+    assert len({r["kv_bytes"] for r in ranks}) == 1 and ranks[0]["kv_bytes"] * 4 == \
+        2 * 256 * one.hp.n_layer * (one.hp.n_embd_k_gqa + one.hp.n_embd_v_gqa)
+    assert ranks[1]["weights_bytes"] > ranks[0]["weights_bytes"]      # two experts against one
+    rc, out, _ = _run(capsys, "plan", "--model", path, "--tensor-parallel", "2", "--ctx", "256")
+    assert rc == 0 and "0..2" in out and "3..5" in out
+    rc, _, err = _run(capsys, "plan", "--model", path, "--tensor-parallel", "3", "--ctx", "256")
+    assert rc == 1 and "head_count 8 does not divide into 3 ranks" in err

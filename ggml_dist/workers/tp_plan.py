@@ -1,0 +1,67 @@
+"""The memory account of a tensor-parallel group (`plan --tensor-parallel K`): per rank the weights it maps
+(its rows of every matrix and its range of the experts: model/tensor_parallel.py's rank_weights, summed
+from the tensors' sizes, nothing read) and its KV cache (its kv heads' share of every attention layer's
+cells), beside one process's. The compute buffer (a rank's graph is one process's, with narrower
+products) and the process are not counted here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..core.tensor import nbytes
+from ..model.context import ContextParams
+from ..model.model import LlamaModel
+from ..model.tensor_parallel import check_split, expert_bounds, rank_weights
+from .driver import kv_plan
+from .model_sizes import MIB
+
+
+@dataclass(frozen=True)
+class RankAccount:
+    rank: int
+    weights: int                    # bytes of the weights it maps
+    kv: int                         # bytes of its KV cache
+    experts: tuple[int, int] | None     # the experts it holds, lo..hi-1 (a mixture of experts)
+
+
+def rank_plan(model: LlamaModel, size: int, params: ContextParams) -> list[RankAccount]:
+    """Each rank's account; refuses (TensorParallelError) a model that K ranks cannot split exactly."""
+    check_split(model.hp, size)
+    hp = model.hp
+    kv = kv_bytes(model, params) // size
+    bounds = expert_bounds(hp.n_expert, size)
+
+    def mapped(r: int) -> int:          # a tied head is rows of token_embd, which every rank maps whole
+        return sum(nbytes(t) for name, t in rank_weights(model.weights, hp, r, size).items() if name in model.weights)
+    return [RankAccount(r, mapped(r), kv, (bounds[r], bounds[r + 1]) if hp.n_expert else None) for r in range(size)]
+
+
+def kv_bytes(model: LlamaModel, params: ContextParams) -> int:
+    """One process's KV cache: every attention layer's cells (K divides the kv heads, so the rows too)."""
+    hp = model.hp
+    n_kv, kv_size = kv_plan(params)
+    n_attn = sum(not hp.is_recurrent(il) for il in range(hp.n_layer))
+    return (hp.n_embd_k_gqa + hp.n_embd_v_gqa) * n_kv * kv_size * n_attn
+
+
+def table(model: LlamaModel, accounts: list[RankAccount], params: ContextParams) -> str:
+    whole = sum(nbytes(t) for t in model.weights.values())
+    head = (f"tensor-parallel group of {len(accounts)} ranks, {params.n_ctx}-token context (one process: weights "
+            f"{whole / MIB:.1f} MiB, KV {kv_bytes(model, params) / MIB:.1f} MiB)")
+    rows = [head, f"{'rank':>4}  {'weights MiB':>11}  {'KV MiB':>7}  experts"]
+    for a in accounts:
+        ex = f"{a.experts[0]}..{a.experts[1] - 1}" if a.experts else "-"
+        rows.append(f"{a.rank:>4}  {a.weights / MIB:>11.1f}  {a.kv / MIB:>7.1f}  {ex}")
+    return "\n".join(rows)
+
+
+def to_json(accounts: list[RankAccount]) -> list[dict]:
+    return [{"rank": a.rank, "weights_bytes": a.weights, "kv_bytes": a.kv,
+             "experts": list(a.experts) if a.experts else None} for a in accounts]
+
+
+def report(model: LlamaModel, size: int, params: ContextParams, as_json: bool) -> str:
+    """`plan --tensor-parallel K`'s output: the table, or one JSON object {"ranks": [...]}."""
+    accounts = rank_plan(model, size, params)
+    return json.dumps({"ranks": to_json(accounts)}) if as_json else table(model, accounts, params)
