@@ -174,7 +174,11 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
         from .backends.host import kernel_threads
         kernel_threads.set_threads(cfg.threads)
         model = LlamaModel.load(cfg.model_path)
-        ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, threads=cfg.threads, node_ids=cfg.node_ids)
+        from .workers.placement import STAGE_OVERHEAD_BYTES
+        from .workers.tp_plan import rank_plan
+        need = [a.weights + a.kv + STAGE_OVERHEAD_BYTES for a in rank_plan(model, cfg.tensor_parallel, cfg.params)]
+        ranks = ray_ranks(str(cfg.model_path), cfg.tensor_parallel, threads=cfg.threads, node_ids=cfg.node_ids,
+                          memory=need[1:])
         return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params, ranks=ranks,
                                                     max_recoveries=TP_RECOVERIES))
     if on_plan is None and cfg.show_plan:

@@ -156,21 +156,27 @@ class RayFollower:
 
 
 def ray_ranks(model_path: str, size: int, timeout_s: float = 300.0, threads: int = 1,
-              num_cpus: float | None = None, node_ids: list[str] | None = None) -> RankGroup:
+              num_cpus: float | None = None, node_ids: list[str] | None = None,
+              memory: list[int] | None = None) -> RankGroup:
     """Ranks 1..size-1 as Ray actors (Ray connected already) of `threads` kernel threads each (asking Ray
-    for num_cpus, default threads), rank r on node_ids[r - 1] where given (else where Ray puts it), rank 0
-    here: the RankGroup for TensorParallelContext."""
+    for num_cpus, default threads), rank r on node_ids[r - 1] where given (else spread over the nodes),
+    rank 0 here: the RankGroup for TensorParallelContext. memory: the bytes each rank actor holds (asked
+    of Ray, so a rank goes where they fit; refused at once where no node has them)."""
     if node_ids is not None and len(node_ids) != size - 1:
         raise ValueError(f"{len(node_ids)} nodes for the {size - 1} rank actors of --tensor-parallel {size}")
     def make(model: LlamaModel, params: ContextParams) -> tuple[Collective, list[Follower]]:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        if memory is not None:
+            _check_memory(memory)
         host = _reachable_ip(ray.get_runtime_context().gcs_address)
         actor_cls: Any = ray.remote(num_cpus=threads if num_cpus is None else num_cpus)(RankActor)  # calls in order
         actors: list[Any] = []
         for r in range(1, size):
-            where = {} if node_ids is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(
-                node_ids[r - 1], soft=False)}
+            where: dict[str, Any] = {"scheduling_strategy": "SPREAD"} if node_ids is None else {
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[r - 1], soft=False)}
+            if memory is not None:
+                where["memory"] = memory[r - 1]
             actors.append(actor_cls.options(**where).remote(os.path.abspath(model_path), params, r, threads))
         own = MeshListener(host, advertise=host)
         addresses = [own.address, *ray.get([a.address.remote() for a in actors], timeout=timeout_s)]
@@ -185,3 +191,15 @@ def ray_ranks(model_path: str, size: int, timeout_s: float = 300.0, threads: int
         return coll, [RayFollower(a, c, coll.links[r], r)                 # type: ignore[arg-type]
                       for r, (a, c) in enumerate(zip(actors, connected, strict=True), start=1)]
     return make
+
+
+def _check_memory(memory: list[int]) -> None:
+    """Refuse, with the numbers, rank actors that no set of the cluster's nodes can hold (Ray would leave
+    them pending): the largest rank above the roomiest node, or all of them above every node together."""
+    from .placement import MIB
+    from .resources import cluster_nodes
+    free = sorted((n.memory_bytes for n in cluster_nodes()), reverse=True)
+    if not free or max(memory) > free[0] or sum(memory) > sum(free):
+        have = ", ".join(f"{b / MIB:.0f}" for b in free) or "none"
+        raise MemoryError(f"tensor-parallel rank actors need {', '.join(f'{b / MIB:.0f}' for b in memory)} MiB; "
+                          f"the cluster's nodes have {have} MiB free")

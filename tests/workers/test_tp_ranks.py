@@ -175,3 +175,18 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# rank actors ask Ray for their memory: ranks no node can hold are refused at once, with the numbers
+def test_rank_memory_is_asked_and_checked(local_ray, path):
+    from ggml_dist.workers.tp_ranks import ray_ranks
+    model = LlamaModel.load(path)
+    with pytest.raises(MemoryError, match=r"rank actors need 9536743 MiB; the cluster's nodes have \d+ MiB free"):
+        TensorParallelContext(model, 2, ContextParams(n_ctx=256), ranks=ray_ranks(path, 2, memory=[10**13]))
+    ctx = TensorParallelContext(model, 2, ContextParams(n_ctx=256), ranks=ray_ranks(path, 2, num_cpus=0.5,
+                                                                                   memory=[64 << 20]))
+    try:
+        want = LlamaContext(model, ContextParams(n_ctx=256)).decode(Batch.from_tokens(PROMPT))
+        assert np.array_equal(ctx.decode(Batch.from_tokens(PROMPT)), want)
+    finally:
+        ctx.close()
