@@ -268,7 +268,7 @@ def _points(c: Any, sampler: Any, build: Any, path: str, ks: list[int], fits: bo
                 m["points"] += [{**r, **tag} for r in rows]
                 if plan is not None:
                     m.setdefault("plans", {})[str(k)] = plan
-                if a.tensor_parallel and k > 1 and fits:
+                if a.tensor_parallel and k > 1:   # a rank holds 1/k of the model: it may not fit one host
                     print(f"ggml-dist bench cluster: {Path(path).name}, ours tensor-parallel on {k} host(s), "
                           f"link delay {d} ms", file=sys.stderr, flush=True)
                     m["points"] += [{**r, **tag} for r in _ours(c, sampler, path, k, a, seqs, "tensor")[0]]
@@ -334,8 +334,12 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                     print(f"ggml-dist bench cluster: serving on {k} host(s)", file=sys.stderr, flush=True)
                     m["serve"].append(_serve(c, sampler, path, k, a))
         ours = [r for r in m["points"] if r["impl"] == "ours"]
-        tp = [dict(r) for r in ours if r["hosts"] == 1] + [r for r in m["points"] if r["impl"] == "ours-tp"]
-        tp_bad = check_tokens(tp)             # first: it takes the tokens out of the rows it reads (copies here)
+        # the reference: one process, or for a model bigger than a host the pipeline (checked by its logits)
+        ref = [dict(r) for r in ours if r["hosts"] == 1] if fits else [{**r, "hosts": 1} for r in ours]
+        tp = [r for r in m["points"] if r["impl"] == "ours-tp"]
+        for r in tp if not fits else ():
+            r["tokens_compared_with"] = "pipeline"
+        tp_bad = check_tokens(ref + tp)       # first: it takes the tokens out of the rows it reads (copies here)
         m["tokens_mismatch"] = check_tokens(ours) + [f"tensor-parallel, {b}" for b in tp_bad]
         bounds(ours, {max(hosts_list): m["slice_points"]} if m.get("slice_points") else None,
                SHAPES[name].n_layer if name in SHAPES else 0)
