@@ -55,7 +55,7 @@ from typing import Any
 
 from ..model.pull import resolve_model
 from ..model.synthetic import SHAPES, cached_synthetic
-from .cluster_report import bounds, check_tokens, plot, summary
+from .cluster_report import bounds, check_tokens, check_tp_tokens, plot, summary
 
 RPC_PORT = 50052
 
@@ -334,19 +334,13 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                     print(f"ggml-dist bench cluster: serving on {k} host(s)", file=sys.stderr, flush=True)
                     m["serve"].append(_serve(c, sampler, path, k, a))
         ours = [r for r in m["points"] if r["impl"] == "ours"]
-        # the reference: one process, or for a model bigger than a host the pipeline (checked by its logits)
-        # at one sequence (N sequences it splits into micro-batches: other bits where a row's depend on the batch)
-        ref = [dict(r) for r in ours if r["hosts"] == 1] if fits else [{**r, "hosts": 1} for r in ours
-                                                                      if r["sequences"] == 1]
         tp = [r for r in m["points"] if r["impl"] == "ours-tp"]
-        for r in tp if not fits else ():
-            r["tokens_compared_with"] = "pipeline"
-        tp_bad = check_tokens(ref + tp)       # first: it takes the tokens out of the rows it reads (copies here)
+        tp_bad = check_tp_tokens(ours, tp, fits)          # first: it reads copies of ours' tokens
         m["tokens_mismatch"] = check_tokens(ours) + [f"tensor-parallel, {b}" for b in tp_bad]
         bounds(ours, {max(hosts_list): m["slice_points"]} if m.get("slice_points") else None,
                SHAPES[name].n_layer if name in SHAPES else 0)
         bounds([r for r in m["points"] if r["impl"] == "llama.cpp"])
-        bounds(tp)                            # x_one_host and linear_bound against the same one-host runs
+        bounds([dict(r) for r in ours if r["hosts"] == 1] + tp)   # x_one_host against the same one-host runs
         m["summary"] = summary(m)
         report["models"].append(m)
     if a.plot:

@@ -70,6 +70,17 @@ def check_tokens(rows: list[dict]) -> list[str]:
     return bad
 
 
+def check_tp_tokens(ours: list[dict], tp: list[dict], fits: bool) -> list[str]:
+    """check_tokens for the tensor-parallel rows (before ours' own check: it reads copies of ours' tokens):
+    against one process, or for a model bigger than a host against the pipeline (checked by its logits)
+    at one sequence (N sequences it splits into micro-batches: other bits where a row's depend on the batch)."""
+    ref = [dict(r) for r in ours if r["hosts"] == 1] if fits else [{**r, "hosts": 1} for r in ours
+                                                                  if r["sequences"] == 1]
+    for r in tp if not fits else ():
+        r["tokens_compared_with"] = "pipeline"
+    return check_tokens(ref + tp)
+
+
 def plot(models: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")

@@ -75,3 +75,21 @@ def test_summary_puts_tensor_parallel_beside_the_pipeline():
     _bounds([dict(one), tp])
     got = {r["hosts"]: r for r in summary({"points": rows, "serve": []})}
     assert got[2]["ours_tok_s"] == 9.5 and got[2]["ours_tp_tok_s"] == 17.0 and got[2]["ours_tp_x_one_host"] == 1.7
+
+
+# the tensor-parallel rows' tokens: against one process where the model fits a host; else against the
+# pipeline at one sequence only (its micro-batches of N sequences are not the ranks' batches)
+def test_tensor_parallel_tokens_against_one_process_or_the_pipeline():
+    from ggml_dist.bench.cluster_report import check_tp_tokens
+
+    def row(hosts, seqs, tokens, impl="ours"):
+        return {"impl": impl, "hosts": hosts, "prompt": 32, "sequences": seqs, "tokens": tokens}
+    ours = [row(1, 1, [1, 2]), row(2, 1, [1, 2])]
+    tp = [row(2, 1, [1, 3], "ours-tp")]
+    assert check_tp_tokens(ours, tp, True) == ["2 hosts, prompt 32, 1 seq"]
+    assert tp[0]["tokens_match_one_process"] is False and "tokens" in ours[0]      # ours' own tokens untouched
+    ours = [row(4, 1, [5, 6]), row(4, 4, [7, 8])]
+    tp = [row(4, 1, [5, 6], "ours-tp"), row(4, 4, [7, 9], "ours-tp")]
+    assert check_tp_tokens(ours, tp, False) == []
+    assert [r["tokens_match_one_process"] for r in tp] == [True, None]
+    assert all(r["tokens_compared_with"] == "pipeline" for r in tp)
