@@ -137,7 +137,8 @@ class GroupHandle:
 class TensorParallelContext(RankContext):
     """Rank 0 of K in this process, the others following it on their threads (module docstring).
     A call every rank refuses (REFUSALS) is refused; a rank that fails otherwise closes the group, so
-    the others fail at their next exchange instead of waiting, and the group is not usable after."""
+    the others fail at their next exchange instead of waiting; the group is then made anew where
+    max_recoveries allows (module docstring), else it is not usable after."""
 
     def __init__(self, model: LlamaModel, size: int, params: ContextParams | None = None,
                  timeout: float = 120.0, ranks: RankGroup | None = None, max_recoveries: int = 0) -> None:

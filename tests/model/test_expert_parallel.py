@@ -17,10 +17,18 @@ from ggml_dist.model.context import ContextParams, LlamaContext
 from ggml_dist.model.model import LlamaModel
 from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
 from ggml_dist.model.synthetic_moe import SyntheticMoESpec, write_moe
-from ggml_dist.model.tensor_parallel import (Split, TensorParallelError, check_split, expert_bounds, rank_weights,
-                                             split_of)
+from ggml_dist.model.tensor_parallel import (
+    Split,
+    TensorParallelError,
+    check_split,
+    expert_bounds,
+    rank_weights,
+    split_of,
+)
 from ggml_dist.model.tp_local import TensorParallelContext
 from ggml_dist.model.ubatch import Batch
+
+from .tp_check import ranks_equal_one_process
 
 HEADS = {"n_head": 8, "n_head_kv": 4, "n_vocab": 512}
 SPECS = {
@@ -50,37 +58,18 @@ def files(tmp_path_factory):
     return out
 
 
-def _greedy(decode) -> tuple[list[np.ndarray], list[int]]:
-    """The prompt's logits (every row), then N_STEPS greedy tokens one at a time."""
-    logits = [decode(Batch.from_tokens(PROMPT, all_outputs=True))]
-    tokens = []
-    for i in range(N_STEPS):
-        tokens.append(int(np.argmax(logits[-1][-1])))
-        logits.append(decode(Batch.from_tokens([tokens[-1]], pos0=len(PROMPT) + i)))
-    return logits, tokens
-
-
 # K = 2 and 4 ranks give one process's logits bit for bit and its greedy tokens; each rank holds its
 # range of the experts, and the ranges cover them all once
 @pytest.mark.parametrize("name", [*SPECS, *DENSE])
 def test_ranks_equal_one_process(files, name):
     model = LlamaModel.load(files[name])
-    params = ContextParams(n_ctx=128)
-    ref_logits, ref_tokens = _greedy(LlamaContext(model, params).decode)
-    for size in (2, 4):
-        tp = TensorParallelContext(model, size, params)
-        try:
-            logits, tokens = _greedy(tp.decode)
-            assert tokens == ref_tokens, f"K={size}"
-            for step, (a, b) in enumerate(zip(ref_logits, logits)):
-                assert np.array_equal(a, b), f"K={size} step {step}: {np.count_nonzero(a != b)} logits differ"
-            ranks = [tp, *(f.ctx.result() for f in tp.followers)]
-            if model.hp.n_expert:
-                held = [r.model.weights["blk.0.ffn_up_exps.weight"].ne[2] for r in ranks]
-                assert held == np.diff(expert_bounds(model.hp.n_expert, size)).tolist()
-                assert sum(held) == model.hp.n_expert
-        finally:
-            tp.close()
+
+    def experts_held(size, ranks):
+        if model.hp.n_expert:
+            held = [r.model.weights["blk.0.ffn_up_exps.weight"].ne[2] for r in ranks]
+            assert held == np.diff(expert_bounds(model.hp.n_expert, size)).tolist()
+            assert sum(held) == model.hp.n_expert
+    ranks_equal_one_process(model, ContextParams(n_ctx=128), PROMPT, N_STEPS, experts_held)
 
 
 # two sequences in one batch, then a step of each, over 4 ranks with uneven expert ranges

@@ -25,6 +25,8 @@ from ggml_dist.model.tensor_parallel import Split, TensorParallelError, check_sp
 from ggml_dist.model.tp_local import TensorParallelContext
 from ggml_dist.model.ubatch import Batch, BatchError
 
+from .tp_check import ranks_equal_one_process
+
 GQA = {"n_vocab": 512, "n_embd": 256, "n_layer": 2, "n_head": 32, "n_head_kv": 4, "n_ff": 512}
 SPECS = {
     "q8_0-tied": SyntheticSpec(**GQA, seed=5),
@@ -44,34 +46,15 @@ def files(tmp_path_factory):
     return {name: write_synthetic(d / f"{name}.gguf", spec) for name, spec in SPECS.items()}
 
 
-def _greedy(decode, n_steps: int = N_STEPS) -> tuple[list[np.ndarray], list[int]]:
-    """The prompt's logits (every row), then n_steps greedy tokens one at a time: (logits, tokens)."""
-    logits = [decode(Batch.from_tokens(PROMPT, all_outputs=True))]
-    tokens = []
-    for i in range(n_steps):
-        tokens.append(int(np.argmax(logits[-1][-1])))
-        logits.append(decode(Batch.from_tokens([tokens[-1]], pos0=len(PROMPT) + i)))
-    return logits, tokens
-
-
 # K = 2 and 4 ranks give one process's logits bit for bit (whole prompt, then one token at a time) and
 # its greedy tokens; a rank's KV cache holds its kv heads only
 @pytest.mark.parametrize("name", list(SPECS))
 def test_ranks_equal_one_process(files, name):
     model = LlamaModel.load(files[name])
-    params = ContextParams(n_ctx=256)
-    ref_logits, ref_tokens = _greedy(LlamaContext(model, params).decode)
-    for size in (2, 4):
-        tp = TensorParallelContext(model, size, params)
-        try:
-            logits, tokens = _greedy(tp.decode)
-            assert tokens == ref_tokens, f"K={size}"
-            for step, (a, b) in enumerate(zip(ref_logits, logits)):
-                assert np.array_equal(a, b), f"K={size} step {step}: {np.count_nonzero(a != b)} logits differ"
-            ranks = [tp, *(f.ctx.result() for f in tp.followers)]
-            assert [r.kv.n_embd_k_gqa for r in ranks] == [model.hp.n_embd_k_gqa // size] * size
-        finally:
-            tp.close()
+
+    def kv_heads(size, ranks):
+        assert [r.kv.n_embd_k_gqa for r in ranks] == [model.hp.n_embd_k_gqa // size] * size
+    ranks_equal_one_process(model, ContextParams(n_ctx=256), PROMPT, N_STEPS, kv_heads)
 
 
 # two sequences in one batch, then a step of each: the same logits as one process's
