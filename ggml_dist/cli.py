@@ -350,9 +350,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     apply_config(args)
     model = LlamaModel.load(resolve_model(args.model))
     params = context_params(args)
-    if (args.tensor_parallel or 1) > 1:                 # a group's ranks (stages beside them: not built yet)
+    if (args.tensor_parallel or 1) > 1:                 # a group's ranks, or each rank's pipeline (--stages S)
         from .workers.tp_plan import report
-        print(report(model, args.tensor_parallel, params, args.json))
+        print(report(model, args.tensor_parallel, params, args.json, args.stages, parse_layers(args.layers)))
         return 0
     budgets = parse_budgets(args.budget_gib)
     n_stages = None if args.stages == "auto" else args.stages

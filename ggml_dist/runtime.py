@@ -59,7 +59,8 @@ class RunConfig:
     n_copies: int | None = None                  # micro-batches in flight on a pipeline (its default)
     stage_calls: str = "auto"                    # direct | compiled | plain | auto
     on_ray: bool | None = None                   # None: as the stages and address say; True: always
-    node_ids: list[str] | None = None            # stage k (or tensor-parallel rank k + 1) on node_ids[k]
+    node_ids: list[str] | None = None            # stage k (or tensor-parallel rank k + 1) on node_ids[k];
+                                                 # with both, stage s of rank r on node_ids[s * K + r]
     label: str = "ggml-dist"                     # the prefix of the lines it prints
     show_plan: bool = True                       # print the placement's table before the stages start
     devices: tuple[DeviceKind, ...] = ()         # each stage's device kind (one for all, or one per stage)
@@ -163,13 +164,22 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
         if cfg.tensor_parallel != 1:
             return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params))
         return Runtime(model, LlamaContext(model, cfg.params))
-    if cfg.tensor_parallel > 1 and cfg.n_stages not in (None, 1):
-        raise ValueError(f"--tensor-parallel {cfg.tensor_parallel} with --stages {cfg.n_stages}: ranks beside a "
-                         f"pipeline are not built yet (one group: drop --stages)")
+    if cfg.tensor_parallel > 1 and cfg.n_stages is None:
+        raise ValueError(f"--tensor-parallel {cfg.tensor_parallel} with --stages auto: give the number of stages")
     n = cfg.n_stages or 1
-    joined = connect(cfg.address, num_cpus=max(2, n * cfg.threads, cfg.tensor_parallel), verbose=cfg.verbose)
+    joined = connect(cfg.address, num_cpus=max(2, n * cfg.threads * cfg.tensor_parallel), verbose=cfg.verbose)
     if joined != "already connected":
         print(f"{cfg.label}: {joined}", file=sys.stderr)
+    if on_plan is None and cfg.show_plan:
+        def on_plan(p: Placement) -> None:
+            print(p.table(), file=sys.stderr, flush=True)
+    if cfg.tensor_parallel > 1 and n > 1:        # K pipelines of S stages, rank 0's context here (workers/tp_stages.py)
+        from .workers.tp_stages import launch_stage_group
+        model, group, pipelines = launch_stage_group(
+            str(cfg.model_path), n, cfg.tensor_parallel, cfg.params, node_ids=cfg.node_ids,
+            threads_per_stage=cfg.threads, n_copies=cfg.n_copies, layers=cfg.layers, calls=cfg.stage_calls,
+            on_plan=on_plan)
+        return Runtime(model, group, pipelines[0])
     if cfg.tensor_parallel > 1:                  # rank 0 here, the others Ray actors (workers/tp_ranks.py)
         from .backends.host import kernel_threads
         kernel_threads.set_threads(cfg.threads)
@@ -181,9 +191,6 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
                           memory=need[1:])
         return Runtime(model, TensorParallelContext(model, cfg.tensor_parallel, cfg.params, ranks=ranks,
                                                     max_recoveries=TP_RECOVERIES))
-    if on_plan is None and cfg.show_plan:
-        def on_plan(p: Placement) -> None:
-            print(p.table(), file=sys.stderr, flush=True)
     pl = Pipeline.launch(str(cfg.model_path), cfg.n_stages, cfg.params, n_copies=cfg.n_copies, layers=cfg.layers,
                          threads_per_stage=cfg.threads, node_ids=cfg.node_ids, on_plan=on_plan,
                          calls=cfg.stage_calls, devices=list(cfg.devices) or None)

@@ -96,7 +96,7 @@ def test_errors(capsys, model, argv, msg):
 
 
 # run --tensor-parallel 2: the model split over two ranks (threads) gives the tokens of one process; what
-# cannot be split, or would need ranks on Ray, is refused with the reason
+# cannot be split is refused with the reason (beside stages: tests/workers/test_tp_stages.py)
 def test_run_tensor_parallel(capsys, tmp_path):
     spec = SyntheticSpec(n_vocab=512, n_embd=256, n_layer=2, n_head=32, n_head_kv=4, n_ff=512, wtype="Q4_0",
                          embd_type="Q4_0", tied=False, seed=6)     # TinyLlama's heads; greedy tokens that vary
@@ -108,8 +108,6 @@ def test_run_tensor_parallel(capsys, tmp_path):
     assert len(set(json.loads(out1)["tokens"])) > 2
     rc, _, err = _run(capsys, *argv, "--tensor-parallel", "3")
     assert rc == 1 and "head_count 32 does not divide into 3 ranks" in err
-    rc, _, err = _run(capsys, *argv, "--tensor-parallel", "2", "--stages", "2")
-    assert rc == 1 and "ranks beside a pipeline are not built yet" in err
 
 
 # a mixture of experts over 2 ranks (experts split, the router on both): one process's greedy tokens
@@ -274,3 +272,11 @@ def test_plan_tensor_parallel(capsys, tmp_path):
     assert rc == 0 and "0..2" in out and "3..5" in out
     rc, _, err = _run(capsys, "plan", "--model", path, "--tensor-parallel", "3", "--ctx", "256")
     assert rc == 1 and "head_count 8 does not divide into 3 ranks" in err
+    # beside 2 stages: each rank's pipeline, its stages' weights its rows of their layers
+    rc, out, _ = _run(capsys, "plan", "--model", path, "--tensor-parallel", "4", "--stages", "2", "--ctx", "256", "--json")
+    pipes = json.loads(out)["ranks"]
+    sums = [sum(s["weight_bytes"] for s in p["stages"]) for p in pipes]   # the last stage: its rows of the tied head
+    assert rc == 0 and [b - sums[0] for b in sums] == [r["weights_bytes"] - ranks[0]["weights_bytes"] for r in ranks]
+    head = one.weights["token_embd.weight"].nbytes // 4
+    assert sums[0] == ranks[0]["weights_bytes"] + head
+    assert all(s["kv_bytes"] * 4 * 2 == ranks[0]["kv_bytes"] * 4 for p in pipes for s in p["stages"])

@@ -86,8 +86,8 @@ def _ours(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace, sequen
           mode: str) -> tuple[list[dict], list | None]:
     tensor = mode == "tensor"                       # rank 0 the driver on host 1, a rank on each of hosts 2..k
     spec = {"model": path, "prompts": _ints(a.prompt), "sequences": sequences, "gen": a.gen, "threads": a.threads,
-            "address": c.gcs_address, "node_ips": c.ips[2 if tensor else 1:k + 1], "mode": mode}
-    host = 1 if k == 1 or tensor else 0
+            "address": c.gcs_address, "node_ips": c.ips[2 if tensor else 1:k + 1], "mode": mode, "stages": a.tp_stages}
+    host = 1 if k == 1 or tensor else 0             # tensor-stages: the driver on the head, as a pipeline's
     for g in c.groups:
         if g is not None:
             g.reset_memory_peak()
@@ -104,7 +104,7 @@ def _ours(c: Any, sampler: Any, path: str, k: int, a: argparse.Namespace, sequen
             if "plan" in r:
                 plan = r["plan"]
                 continue
-            r.update(impl="ours-tp" if tensor else "ours", hosts=len(plan) if plan else k, mode=mode,
+            r.update(impl="ours-tp" if mode.startswith("tensor") else "ours", hosts=len(plan) if plan else k, mode=mode,
                      host_usage=sampler.window(*r.pop("window")))
             rows.append(r)
     if plan is not None:                  # each stage's planned need against its host's real peak (the
@@ -268,10 +268,11 @@ def _points(c: Any, sampler: Any, build: Any, path: str, ks: list[int], fits: bo
                 m["points"] += [{**r, **tag} for r in rows]
                 if plan is not None:
                     m.setdefault("plans", {})[str(k)] = plan
-                if a.tensor_parallel and k > 1:   # a rank holds 1/k of the model: it may not fit one host
-                    print(f"ggml-dist bench cluster: {Path(path).name}, ours tensor-parallel on {k} host(s), "
+                mode = "tensor" if a.tp_stages < 2 else "tensor-stages"   # S stages of k/S ranks: S divides k, k > S
+                if a.tensor_parallel and k > 1 and (mode == "tensor" or k % a.tp_stages == 0 < k - a.tp_stages):
+                    print(f"ggml-dist bench cluster: {Path(path).name}, ours {mode} on {k} host(s), "
                           f"link delay {d} ms", file=sys.stderr, flush=True)
-                    m["points"] += [{**r, **tag} for r in _ours(c, sampler, path, k, a, seqs, "tensor")[0]]
+                    m["points"] += [{**r, **tag} for r in _ours(c, sampler, path, k, a, seqs, mode)[0]]
             if build is not None and "llamacpp" not in a.skip:
                 print(f"ggml-dist bench cluster: {Path(path).name}, llama.cpp on {k} host(s), link delay {d} ms",
                       file=sys.stderr, flush=True)
@@ -303,8 +304,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"host": _host_info(), "llamacpp_build": build.system_info if build else None,
                               "models": []}
     if build is None and a.llamacpp != "off":
-        print("ggml-dist bench cluster: no llama.cpp RPC build (run benchmarks/build_llama_rpc.sh): ours only",
-              file=sys.stderr)
+        print("ggml-dist bench cluster: no llama.cpp RPC build (benchmarks/build_llama_rpc.sh)", file=sys.stderr)
     for name in a.model.split(","):
         path = _model_path(name)
         subprocess.run(["ggml-dist", "run", "--model", path, "--prompt", "warm", "-n", "2", "--threads", "1"],
@@ -377,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-duration", type=float, default=30.0)
     ap.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each client request")
     ap.add_argument("--serve-args", default="", help="more `serve` options for the pipelined server")
-    ap.add_argument("--tensor-parallel", action="store_true", help="also tensor parallelism at each host count "
-                   "k > 1: rank 0 the driver on host 1, a rank on each other host (ours-tp rows)")
+    ap.add_argument("--tensor-parallel", action="store_true", help="also tensor parallelism at each k > 1 (ours-tp"
+                   " rows): rank 0 the driver on host 1, a rank on each other; --tp-stages S: S stages of k/S ranks")
+    ap.add_argument("--tp-stages", type=int, default=1, help="stages beside --tensor-parallel's ranks (default 1)")
     ap.add_argument("--skip", default="", help="comma list of parts to leave out: ours, llamacpp")
     ap.add_argument("--drop-caches", action="store_true", help="for a model bigger than a host: drop the page "
                     "cache first (root; machine-wide), so each host's cgroup is charged for the weights it maps")

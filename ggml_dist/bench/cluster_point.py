@@ -6,7 +6,8 @@
 
 local: one process, no Ray (the strongest one-host baseline: what a user runs on one machine). pipeline:
 one stage per listed node (in that order), this process the driver. tensor: tensor parallelism, rank 0
-this process (run on a host of its own), a rank per listed node. auto: as many stages as the
+this process (run on a host of its own), a rank per listed node. tensor-stages: "stages" S stages x K
+ranks on the S x K listed nodes (workers/tp_stages.py), this process the driver. auto: as many stages as the
 cluster's nodes need for the model, placed by their memory (`--stages auto`); its plan is printed first.
 Each point is what `run` (one sequence) or `run --parallel N` does: one prompt of random tokens evaluated
 once, N greedy continuations of `gen` tokens (no stop at an end token), after a short warm-up of the same
@@ -46,6 +47,12 @@ def _open(spec: dict[str, Any], params: ContextParams) -> Runtime:
         assert node_ids is not None
         return open_runtime(RunConfig(spec["model"], params, 1, spec["address"], threads=spec["threads"],
                                       on_ray=True, node_ids=node_ids, tensor_parallel=len(node_ids) + 1))
+    if spec["mode"] == "tensor-stages":             # S stages x K ranks, stage s of rank r on node s * K + r
+        assert node_ids is not None
+        n = spec["stages"]
+        return open_runtime(RunConfig(spec["model"], params, n, spec["address"], threads=spec["threads"],
+                                      on_ray=True, node_ids=node_ids, tensor_parallel=len(node_ids) // n,
+                                      stage_calls=spec.get("calls", "auto"), show_plan=False))
     rt = open_runtime(RunConfig(spec["model"], params, len(node_ids) if node_ids else None, spec["address"],
                                 threads=spec["threads"], stage_calls=spec.get("calls", "auto"), on_ray=True,
                                 node_ids=node_ids, show_plan=False))

@@ -42,6 +42,7 @@ from .archs import LlamaHParams
 from .graph_context import GraphInputs, GraphKey, GraphResult
 from .kv_cache import KVCache
 from .llama import LlamaGraphBuilder
+from .model import LlamaModel
 from .recurrent_state import RecurrentState
 
 # separate Q/K/V (qwen2: with their biases; qwen3: a norm per head), a dense FFN or experts (Mixtral's llama)
@@ -123,12 +124,14 @@ def rank_hparams(hp: LlamaHParams, size: int) -> LlamaHParams:
     return replace(hp, n_head=hp.n_head // size, n_head_kv=hp.n_head_kv // size)
 
 
-def rank_weights(weights: dict[str, Tensor], hp: LlamaHParams, rank: int, size: int) -> dict[str, Tensor]:
+def rank_weights(weights: dict[str, Tensor], hp: LlamaHParams, rank: int, size: int,
+                 tied_head: bool = True) -> dict[str, Tensor]:
     """Rank `rank`'s weights: each a tensor over the same mapped bytes, a slice of output rows where
-    SPLITS says so (a bias: its elements of those rows), the whole tensor elsewhere."""
+    SPLITS says so (a bias: its elements of those rows), the whole tensor elsewhere. tied_head: without
+    output.weight, the head is token_embd's vocabulary rows (False: weights are a stage's without the head)."""
     check_split(hp, size)
     names = dict(weights)
-    if "output.weight" not in names:                 # tied head: the vocabulary rows of token_embd
+    if tied_head and "output.weight" not in names:
         names["output.weight"] = weights["token_embd.weight"]
     ctx = Context(len(names) * tensor_overhead() + 1024, no_alloc=True, name=f"weights of rank {rank}")
     out: dict[str, Tensor] = {}
@@ -152,6 +155,11 @@ def rank_weights(weights: dict[str, Tensor], hp: LlamaHParams, rank: int, size: 
         t.buffer, t.data = w.buffer, w.data + first * (w.nb[1] if matrix else w.nb[0])
         out[name] = t
     return out
+
+
+def rank_model(model: LlamaModel, rank: int, size: int) -> LlamaModel:
+    """The model as rank `rank` of `size` sees it: its hparams (heads) and weights (rows)."""
+    return replace(model, hp=rank_hparams(model.hp, size), weights=rank_weights(model.weights, model.hp, rank, size))
 
 
 class TensorParallelBuilder(LlamaGraphBuilder):

@@ -21,6 +21,7 @@ the same order, so every rank's KV shard is what it was, and the tokens are the 
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
@@ -32,15 +33,17 @@ import numpy as np
 from ..backends import host
 from ..backends.collective import Collective, CollectiveError, ThreadGroup
 from .context import ContextParams, LlamaContext, PendingLogits
+from .hooks import PipelineHooks
 from .kv_cache import ContextFullError
 from .model import LlamaModel
 from .sampling import RowSampling
-from .tensor_parallel import TensorParallelBuilder, check_split, rank_hparams, rank_weights
+from .tensor_parallel import TensorParallelBuilder, check_split, rank_model
 from .ubatch import Batch, BatchError
 
 # refusals: raised by checks of a call against the KV cells, which are the same on every rank, so every
 # rank refuses the same call at the same point and the group stays usable
 REFUSALS = (BatchError, ContextFullError)
+KEEP_CHOSEN = 64         # a follower that chooses its tokens keeps its last submits' choices for this many steps
 
 
 @dataclass
@@ -56,20 +59,26 @@ class RankContext(LlamaContext):
     """One rank's model context: the model's file and tokenizer, its own hparams (heads), weights (rows),
     KV cache (its kv heads) and graphs (TensorParallelBuilder)."""
 
-    def __init__(self, model: LlamaModel, params: ContextParams, collective: Collective) -> None:
+    def __init__(self, model: LlamaModel, params: ContextParams, collective: Collective,
+                 pipeline: PipelineHooks | None = None) -> None:
+        """pipeline: the hooks of this rank's pipeline of stages (workers/tp_stages.py), whose stage
+        actors hold its rows and exchange among a stage's ranks; None: computed here."""
         size = collective.size
         check_split(model.hp, size)
         self.rank = collective.rank
         self.collective = collective
         self.builder_type = partial(TensorParallelBuilder, size=size, rank=collective.rank)
-        rank_model = replace(model, hp=rank_hparams(model.hp, size),
-                             weights=rank_weights(model.weights, model.hp, collective.rank, size))
+        sliced = rank_model(model, collective.rank, size)
         own = {f.name: getattr(params, f.name) for f in fields(ContextParams)}
-        super().__init__(rank_model, RankParams(**own, collective=collective))
+        super().__init__(sliced, RankParams(**own, collective=collective), pipeline)
+        self.chosen: OrderedDict[int, PendingLogits] = OrderedDict()   # _submit_choosing's steps, by number
 
 
 class Follower(Protocol):
-    """A rank r > 0 that follows rank 0 (a thread here, or a process: workers/tp_ranks.py)."""
+    """A rank r > 0 that follows rank 0 (a thread here, or a process: workers/tp_ranks.py). One whose
+    context runs on a pipeline of stages (workers/tp_stages.py) chooses its own tokens (chooses_tokens):
+    its last stage samples the same bits as rank 0's, and feeds them to its first stage as rank 0's does."""
+    chooses_tokens: bool
 
     def call(self, fn: Callable[[RankContext], Any]) -> Future: ...   # fn(its context), in call order
     def ready(self) -> None: ...                                      # its context is built
@@ -84,18 +93,20 @@ def thread_ranks(size: int, timeout: float = 120.0) -> RankGroup:
     """Ranks 1..size-1 on threads of this process, exchanging through a ThreadGroup."""
     def make(model: LlamaModel, params: ContextParams) -> tuple[Collective, list[Follower]]:
         collectives = ThreadGroup(size, timeout).ranks()
-        return collectives[0], [_Follower(model, params, c) for c in collectives[1:]]
+        return collectives[0], [ThreadFollower(model, params, c) for c in collectives[1:]]
     return make
 
 
-class _Follower:
+class ThreadFollower:
     """Rank r > 0 and its thread (for good: a rank's bound graphs replay fastest on the thread that
-    bound them)."""
+    bound them), its context made there by make (default: computed here, on its rows)."""
+    chooses_tokens = False
 
-    def __init__(self, model: LlamaModel, params: ContextParams, collective: Collective) -> None:
+    def __init__(self, model: LlamaModel, params: ContextParams, collective: Collective,
+                 make: Callable[[], RankContext] | None = None) -> None:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"tp-rank{collective.rank}")
         self.collective = collective
-        self.ctx: Future[RankContext] = self.thread.submit(RankContext, model, params, collective)
+        self.ctx: Future[RankContext] = self.thread.submit(make or partial(RankContext, model, params, collective))
 
     def call(self, fn: Callable[[RankContext], Any]) -> Future:
         return self.thread.submit(self._guarded, fn)
@@ -114,6 +125,22 @@ class _Follower:
         except BaseException:
             self.collective.close()         # the other ranks fail at their next exchange, not wait on
             raise
+
+
+def _submit_choosing(batch: Batch, sampling: list[RowSampling] | None, embeddings: bool, step: int,
+                     source: int | None, r: RankContext) -> None:
+    """A follower's part of submit step `step` where it chooses its own tokens: its submit of step
+    `source` gives this batch's tokens, as rank 0's does to rank 0's."""
+    tokens_from = None
+    if source is not None:
+        tokens_from = r.chosen.get(source)
+        if tokens_from is None:
+            raise BatchError(f"tensor-parallel rank {r.rank}: step {source}'s tokens are no longer kept")
+    out = r.submit(batch, sampling, keep_logits=sampling is None, embeddings=embeddings, tokens_from=tokens_from)
+    if sampling is not None:
+        r.chosen[step] = out
+        while len(r.chosen) > KEEP_CHOSEN:
+            r.chosen.popitem(last=False)
 
 
 def _rank_call(name: str, args: tuple, r: RankContext) -> Any:
@@ -141,9 +168,11 @@ class TensorParallelContext(RankContext):
     max_recoveries allows (module docstring), else it is not usable after."""
 
     def __init__(self, model: LlamaModel, size: int, params: ContextParams | None = None,
-                 timeout: float = 120.0, ranks: RankGroup | None = None, max_recoveries: int = 0) -> None:
+                 timeout: float = 120.0, ranks: RankGroup | None = None, max_recoveries: int = 0,
+                 pipeline: PipelineHooks | None = None) -> None:
         """ranks: where ranks 1..size-1 run (default: threads of this process); max_recoveries: how many
-        times a group that lost a rank is made anew (module docstring)."""
+        times a group that lost a rank is made anew (module docstring); pipeline: rank 0's pipeline of
+        stages (workers/tp_stages.py: every rank's context on its own)."""
         check_split(model.hp, size)
         params = params or ContextParams()
         if params.background_compile:       # every rank would start its own; the compiled kernels serve all
@@ -152,8 +181,12 @@ class TensorParallelContext(RankContext):
         own, self.followers = self.make_ranks(model, params)
         if own.size != size:
             raise ValueError(f"a group of {own.size} ranks for --tensor-parallel {size}")
-        super().__init__(model, params, GroupHandle(own))
+        super().__init__(model, params, GroupHandle(own), pipeline)
         self.group_params, self.max_recoveries, self.n_recoveries = params, max_recoveries, 0
+        self.own_tokens = bool(self.followers) and all(f.chooses_tokens for f in self.followers)
+        if self.own_tokens and max_recoveries:
+            raise ValueError("a group whose ranks choose their own tokens keeps no log to replay")
+        self.n_submits = 0
         self.log: list[tuple[str, tuple]] = []      # the calls that made the KV cells, to replay
         for f in self.followers:
             f.ready()
@@ -207,13 +240,21 @@ class TensorParallelContext(RankContext):
     def submit(self, batch: Batch, sampling: list[RowSampling] | None = None, keep_logits: bool = True,
                embeddings: bool = False, tokens_from: PendingLogits | None = None) -> PendingLogits:
         """LlamaContext.submit on every rank; rank 0 samples. A follower takes tokens_from's tokens as
-        the batch's (they are chosen: a context in this process computes as it submits)."""
+        the batch's (they are chosen: a context in this process computes as it submits), or, where the
+        followers choose their own (pipelines of stages), samples as rank 0 and takes its own submit's."""
+        step, self.n_submits = self.n_submits, self.n_submits + 1
+        own = partial(super().submit, batch, sampling, keep_logits, embeddings, tokens_from)
+        if self.own_tokens:
+            source = None if tokens_from is None else getattr(tokens_from, "tp_step", None)
+            if tokens_from is not None and source is None:
+                raise BatchError("tokens_from: not a submit of this tensor-parallel group")
+            out = self._with_followers(own, partial(_submit_choosing, batch, sampling, embeddings, step, source))
+            out.tp_step = step
+            return out
         theirs = batch
         if tokens_from is not None:
             theirs = replace(batch, tokens=np.asarray(tokens_from.tokens(), np.int32))
-        out = self._with_followers(
-            lambda: super(TensorParallelContext, self).submit(batch, sampling, keep_logits, embeddings, tokens_from),
-            lambda r: r.submit(theirs, embeddings=embeddings))
+        out = self._with_followers(own, lambda r: r.submit(theirs, embeddings=embeddings))
         self._logged("submit", theirs, None, True, embeddings)
         return out
 

@@ -55,6 +55,13 @@ class StageActor:
     def wedge(self) -> None:
         self.worker.wedge()
 
+    def tp_listen(self) -> str:
+        import ray
+        return self.worker.tp_listen(ray.util.get_node_ip_address())
+
+    def tp_connect(self, addresses: list[str], secret: bytes, timeout_s: float, exchange_timeout_s: float) -> None:
+        self.worker.tp_connect(addresses, secret, timeout_s, exchange_timeout_s)
+
     def direct_open(self, secret: str) -> str:
         """The direct transport's loop (workers/stage_loop.py): started once, reset on later opens (after a
         recovery: what was in flight is gone); returns where it listens."""

@@ -25,10 +25,11 @@ from typing import Any
 from ..backends.devices import DeviceKind, DeviceSpec, ray_resources
 from ..model.context import ContextParams, LlamaContext
 from ..model.model import LlamaModel
+from ..model.tensor_parallel import rank_model
 from .actor import StageActor, _ray_call, _stage_error
 from .compiled import CompiledChain
 from .direct import DirectChain, fall_back_line
-from .driver import default_copies, driver_context, plan_stages, stage_kinds
+from .driver import DriverPipeline, default_copies, driver_context, plan_stages, stage_kinds
 from .health import StageWatch
 from .local_ray import started_local
 from .placement import STAGE_OVERHEAD_BYTES, NodeInfo, Placement, PlacementError
@@ -37,6 +38,7 @@ from .resources import cluster_nodes, stage_options
 from .shipping import WeightManifest, manifest, ship
 from .stage_data import StageInfo, StageSpec, StageStats, recurrent_fields
 from .timeline import trace_events
+from .tp_plan import rank_placement
 
 
 class RecoveryError(RuntimeError):
@@ -93,6 +95,7 @@ class Pipeline:
     manifests: dict[int, tuple[list[str], WeightManifest]] = field(default_factory=dict)
     chain: CompiledChain | None = None     # the stage calls as a compiled graph (None: plain calls)
     direct: DirectChain | None = None      # the stage calls as frames on sockets (workers/direct.py)
+    hooks: DriverPipeline | None = None    # a tensor-parallel rank's pipeline: its context's hooks (no ctx)
 
     @classmethod
     def launch(cls, model_path: str, n_stages: int | None, params: ContextParams | None = None,
@@ -101,31 +104,38 @@ class Pipeline:
                max_restarts: int = 3, node_ids: list[str] | None = None,
                stage_model_path: str | None = None, nodes: list[NodeInfo] | None = None,
                on_plan: Callable[[Placement], None] | None = None, calls: str = "auto",
-               devices: list[DeviceKind] | None = None) -> Pipeline:
+               devices: list[DeviceKind] | None = None, rank: tuple[int, int] = (0, 1)) -> Pipeline:
         """Place the layers (n_stages None: the fewest stages that fit the cluster's nodes), start one
         actor per stage and wait until every stage holds its weights. On a cluster this process joined
         (not a local Ray it started), stages go one per node, sized by the nodes' Ray memory; node_ids
         limits them to those nodes. on_plan sees the placement before any actor starts. calls:
         "compiled" runs a step's stage calls as one execution of a Ray Compiled Graph
         (workers/compiled.py), "plain" as actor calls, "auto" picks (compiled_fits). devices: each
-        stage's device kind (one for all, or one per stage; default the CPU)."""
+        stage's device kind (one for all, or one per stage; default the CPU). rank (r, K): the pipeline of
+        rank r of K of a tensor-parallel group per stage (workers/tp_stages.py): its stages hold its rows,
+        are not restarted (their stage's mesh is not remade), and its context is the caller's to make
+        (ctx None; its hooks are)."""
         if calls not in ("auto", "direct", "compiled", "plain"):
             raise ValueError(f"calls must be 'auto', 'direct', 'compiled' or 'plain', not {calls!r}")
         import ray
         if params is None:
             params = ContextParams()
-        model = LlamaModel.load(model_path)
-        if nodes is None and not node_ids and not started_local() and budgets is None:
+        model = full = LlamaModel.load(model_path)
+        if rank[1] > 1:
+            model = rank_model(full, *rank)
+        if nodes is None and not node_ids and not started_local() and budgets is None and rank[1] == 1:
             nodes = cluster_nodes()
         # the one memory account (driver.plan_stages): what `plan` prints, and run's table and --json
-        placement = plan_stages(model, params, n_stages if nodes is not None else n_stages or 1, nodes=nodes,
+        placement = plan_stages(full, params, n_stages if nodes is not None else n_stages or 1, nodes=nodes,
                                 budgets=budgets, layers=layers, threads=threads_per_stage, kinds=devices)
+        if rank[1] > 1:
+            placement = rank_placement(placement, full, *rank)
         if nodes is None and node_ids:           # stage k on node_ids[k], as the caller says
             placement = _pinned(placement, node_ids, STAGE_OVERHEAD_BYTES)
         if on_plan is not None:
             on_plan(placement)
         n = len(placement.stages)
-        actor_cls = ray.remote(max_restarts=max_restarts, max_task_retries=0)(StageActor)
+        actor_cls = ray.remote(max_restarts=max_restarts if rank[1] == 1 else 0, max_task_retries=0)(StageActor)
         pl = cls(model, placement, [], [], None, [], [], actor_cls,  # type: ignore[arg-type]
                  threads=threads_per_stage, on_nodes=nodes is not None or bool(node_ids))
         pl.watch = StageWatch(pl._describe)
@@ -141,7 +151,8 @@ class Pipeline:
         for sp, kind in zip(placement.stages, stage_kinds(devices, n)):
             pl.specs.append(StageSpec(sp.stage, stage_model_path or str(model.path), sp.layers, sp.stage == 0,
                                       sp.stage == n - 1, params, model.hp.n_embd_k_gqa, model.hp.n_embd_v_gqa,
-                                      DeviceSpec(kind, options), **recurrent_fields(model.hp, sp.layers)))
+                                      DeviceSpec(kind, options), **recurrent_fields(model.hp, sp.layers),
+                                      tp_rank=rank[0], tp_size=rank[1], tp_hp=full.hp if rank[1] > 1 else None))
             pl.actors.append(actor_cls.options(**pl._actor_options(k=sp.stage)).remote(pl.specs[-1]))
         pl.infos = [None] * n
         pl.watch.addresses = [""] * n
@@ -152,7 +163,11 @@ class Pipeline:
             pl.proxies.append(StageProxy(sp.stage, sp.layers, pl._call(sp.stage),
                                          StageDevice(f"stage{sp.stage}", info.device)))
         pl._connect_direct()
-        pl.ctx = driver_context(model, params, placement, pl.proxies, n_copies or default_copies(n), pl.recover_stages)
+        copies = n_copies or default_copies(n)
+        if rank[1] == 1:
+            pl.ctx = driver_context(model, params, placement, pl.proxies, copies, pl.recover_stages)
+        else:
+            pl.hooks = DriverPipeline(model, params, placement, pl.proxies, copies)
         return pl
 
     def _incarnation(self, k: int) -> str | None:

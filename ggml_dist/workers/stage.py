@@ -35,8 +35,10 @@ from ..model import layout
 from ..model.gguf import load_gguf
 from ..model.kv_cache import KVCache
 from ..model.recurrent_state import RecurrentState
+from ..model.tensor_parallel import rank_weights
 from ..model.warmup import Warmup, background_compile
 from ..model.weights import MAPPED_BUFT, MappedBuffer, load_weights, upload_weights
+from .collective import MeshListener, mesh_connect
 from .plan import PlanError, RebuiltPlan, rebuild
 from .shipping import WeightManifest, WeightReceiver
 from .stage_data import StageInfo, StageSpec, StageStats, rss_bytes
@@ -129,6 +131,10 @@ class StageWorker:
         self._wedge: threading.Event | None = None         # wedge(): the next call blocks on it
 
     def _set_weights(self, weights: dict[str, Tensor]) -> None:
+        spec = self.spec
+        if spec.tp_size > 1:                  # a rank's rows (views of the same bytes); a tied head, its vocabulary's
+            assert spec.tp_hp is not None, "a tensor-parallel stage's spec carries the model's hparams"
+            weights = rank_weights(weights, spec.tp_hp, spec.tp_rank, spec.tp_size, tied_head=spec.last)
         if not self.device.supports_buft(MAPPED_BUFT):          # a device that cannot read host memory
             weights = upload_weights(weights, self.buft)
         self.weights = weights
@@ -206,6 +212,18 @@ class StageWorker:
         """Fault injection: the next call blocks (uses no CPU) until the process ends, as a compute stuck on
         a lock or a read that never returns would; the driver's watch must declare the stage lost."""
         self._wedge = threading.Event()
+
+    # -- a tensor-parallel stage's exchanges with its stage's other ranks (workers/tp_stages.py) -----
+    def tp_listen(self, host: str) -> str:
+        """Open this rank's mesh listener on host; where the stage's other ranks reach it."""
+        self._tp_listener = MeshListener(host, advertise=host)
+        return self._tp_listener.address
+
+    def tp_connect(self, addresses: list[str], secret: bytes, timeout_s: float, exchange_timeout_s: float) -> None:
+        """Join the stage's mesh (every rank calls it at once); its backend's ALL_GATHER nodes exchange there."""
+        coll = mesh_connect(self.spec.tp_rank, addresses, secret, self._tp_listener, timeout_s, exchange_timeout_s)
+        be: Any = self.backend
+        be.opts = replace(be.opts, collective=coll)
 
     # -- compute ------------------------------------------------------------------------------------
     def _plan(self, pid: str, desc: dict | None) -> StagePlan:

@@ -34,6 +34,11 @@ class StageSpec:
     recurrent: tuple[int, ...] = ()
     n_embd_r: int = 0
     n_embd_s: int = 0
+    # one rank of a tensor-parallel group per stage (workers/tp_stages.py): its rows of each matrix
+    # (model/tensor_parallel.py's rank_weights of the model's hparams), exchanging with the stage's other ranks
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_hp: LlamaHParams | None = None
 
     def weight_names(self, all_names: list[str], tied: bool) -> list[str]:
         return layout.stage_tensors(all_names, self.layers, self.first, self.last, tied)

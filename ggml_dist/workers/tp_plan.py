@@ -7,14 +7,16 @@ products) and the process are not counted here.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.tensor import nbytes
+from ..model import layout
 from ..model.context import ContextParams
 from ..model.model import LlamaModel
 from ..model.tensor_parallel import check_split, expert_bounds, rank_weights
-from .driver import kv_plan
+from .driver import kv_plan, plan_stages
 from .model_sizes import MIB
+from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,22 @@ def rank_plan(model: LlamaModel, size: int, params: ContextParams) -> list[RankA
     def mapped(r: int) -> int:          # a tied head is rows of token_embd, which every rank maps whole
         return sum(nbytes(t) for name, t in rank_weights(model.weights, hp, r, size).items() if name in model.weights)
     return [RankAccount(r, mapped(r), kv, (bounds[r], bounds[r + 1]) if hp.n_expert else None) for r in range(size)]
+
+
+def rank_placement(placement: Placement, model: LlamaModel, rank: int, size: int) -> Placement:
+    """A pipeline's placement for the whole model made rank `rank`'s (workers/tp_stages.py): each stage's
+    weights as the rank maps them (its rows of the stage's tensors), and its kv heads' share of the cache.
+    The compute buffer stays one process's (a rank's graph has the same gathers, narrower products)."""
+    mine = rank_weights(model.weights, model.hp, rank, size)
+    tied = layout.tied_head(model.file)
+    n = len(placement.stages)
+    stages = []
+    for s in placement.stages:
+        names = layout.stage_tensors(model.weights, s.layers, s.stage == 0, s.stage == n - 1, tied)
+        if tied and s.stage == n - 1 and s.stage > 0:     # the head's rows of token_embd, not all of it
+            names = [layout.HEAD if name == layout.EMBD else name for name in names]
+        stages.append(replace(s, weight_bytes=sum(nbytes(mine[name]) for name in names), kv_bytes=s.kv_bytes // size))
+    return replace(placement, stages=stages)
 
 
 def kv_bytes(model: LlamaModel, params: ContextParams) -> int:
@@ -61,7 +79,18 @@ def to_json(accounts: list[RankAccount]) -> list[dict]:
              "experts": list(a.experts) if a.experts else None} for a in accounts]
 
 
-def report(model: LlamaModel, size: int, params: ContextParams, as_json: bool) -> str:
-    """`plan --tensor-parallel K`'s output: the table, or one JSON object {"ranks": [...]}."""
+def report(model: LlamaModel, size: int, params: ContextParams, as_json: bool, n_stages: int | str | None = 1,
+           layers: list[tuple[int, int]] | None = None) -> str:
+    """`plan --tensor-parallel K`'s output: the table, or one JSON object {"ranks": [...]}; with --stages S,
+    each rank's pipeline (workers/tp_stages.py): its stages' placement, or {"ranks": [{"rank", "stages"}]}."""
     accounts = rank_plan(model, size, params)
-    return json.dumps({"ranks": to_json(accounts)}) if as_json else table(model, accounts, params)
+    if n_stages in (None, 1):
+        return json.dumps({"ranks": to_json(accounts)}) if as_json else table(model, accounts, params)
+    if not isinstance(n_stages, int):
+        raise ValueError(f"--tensor-parallel {size} with --stages {n_stages}: give the number of stages")
+    whole = plan_stages(model, params, n_stages, layers=layers)
+    plans = [rank_placement(whole, model, r, size) for r in range(size)]
+    if as_json:
+        return json.dumps({"ranks": [{"rank": r, "stages": p.to_json()} for r, p in enumerate(plans)]})
+    return "\n".join(f"tensor-parallel rank {r} of {size}, its pipeline of {n_stages} stages:\n{p.table()}"
+                     for r, p in enumerate(plans))

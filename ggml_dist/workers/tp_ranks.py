@@ -133,6 +133,7 @@ class _Answer(Future):
 
 class RayFollower:
     """The driver's handle on a rank actor (the Follower protocol): calls as frames on the rank's link."""
+    chooses_tokens = False
 
     def __init__(self, actor: Any, connected: Any, link: Link, rank: int) -> None:
         self.actor, self._connected, self.link, self.rank = actor, connected, link, rank

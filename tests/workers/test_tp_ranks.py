@@ -98,12 +98,6 @@ def test_ranks_on_given_nodes(local_ray, path):
         ctx.close()
 
 
-def test_ranks_beside_a_pipeline_are_refused(path):
-    from ggml_dist.runtime import RunConfig, open_runtime
-    with pytest.raises(ValueError, match="beside a pipeline"):
-        open_runtime(RunConfig(path, ContextParams(n_ctx=256), 2, tensor_parallel=2))
-
-
 # calls travel on the mesh's links (no Ray call a step): a call every rank refuses is refused and the group
 # stays usable; a rank that fails answers with its error, and a killed rank is an error naming it, not a hang
 def test_refusals_failures_and_a_killed_rank(local_ray, path):
