@@ -229,6 +229,7 @@ class Pipeline:
         self.watch.addresses[k] = info.health
 
     def _give_weights(self, k: int) -> None:
+        """Ship stage k its weights: self.model's (a tensor-parallel rank's: its rows, sent as they are)."""
         spec = self.specs[k]
         if k not in self.manifests:
             names = spec.weight_names(list(self.model.weights), self.model.hp.tie_word_embeddings)

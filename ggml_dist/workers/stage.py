@@ -130,9 +130,10 @@ class StageWorker:
         self.computing: tuple[float, int] | None = None   # (wall start, thread id) of the call in progress
         self._wedge: threading.Event | None = None         # wedge(): the next call blocks on it
 
-    def _set_weights(self, weights: dict[str, Tensor]) -> None:
+    def _set_weights(self, weights: dict[str, Tensor], sliced: bool = False) -> None:
+        """sliced: the weights are this rank's rows already (sent by the driver, which ships the slices)."""
         spec = self.spec
-        if spec.tp_size > 1:                  # a rank's rows (views of the same bytes); a tied head, its vocabulary's
+        if spec.tp_size > 1 and not sliced:   # a rank's rows (views of the same bytes); a tied head, its vocabulary's
             assert spec.tp_hp is not None, "a tensor-parallel stage's spec carries the model's hparams"
             weights = rank_weights(weights, spec.tp_hp, spec.tp_rank, spec.tp_size, tied_head=spec.last)
         if not self.device.supports_buft(MAPPED_BUFT):          # a device that cannot read host memory
@@ -153,7 +154,7 @@ class StageWorker:
         """True if the node's cache holds these weights (now mapped); else chunks are to follow."""
         m = WeightManifest.from_dict(manifest)
         if self._receiver.open(m):
-            self._set_weights(self._receiver.mapped())
+            self._set_weights(self._receiver.mapped(), sliced=True)
             return True
         return False
 
@@ -162,7 +163,7 @@ class StageWorker:
 
     def finish_weights(self) -> int:
         self._receiver.finish()
-        self._set_weights(self._receiver.mapped())
+        self._set_weights(self._receiver.mapped(), sliced=True)
         return sum(t.nbytes for t in self.weights.values())
 
     # -- info ---------------------------------------------------------------------------------------

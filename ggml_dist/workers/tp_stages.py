@@ -17,8 +17,9 @@ head's gather), the same bits on each, so each chooses the same tokens and feeds
 stage (followers that choose their tokens): no step waits for the driver.
 
 The layers are split alike for every rank (rank 0's placement); stage s of rank r goes on node_ids[s * K + r]
-where given. A lost stage actor is not replaced (its stage's mesh would have to be remade): the group
-fails with the error.
+where given. A stage whose node cannot read the model file is sent its rank's rows only (quantized rows
+and whole experts are contiguous in the file: workers/shipping.py sends each slice as it lies). A lost
+stage actor is not replaced (its stage's mesh would have to be remade): the group fails with the error.
 """
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ class PipelineFollower(ThreadFollower):
 def launch_stage_group(model_path: str, n_stages: int, size: int, params: ContextParams | None = None, *,
                        node_ids: list[str] | None = None, threads_per_stage: int = 1, n_copies: int | None = None,
                        layers: list[tuple[int, int]] | None = None, calls: str = "auto",
-                       on_plan: Callable[[Placement], None] | None = None,
+                       on_plan: Callable[[Placement], None] | None = None, stage_model_path: str | None = None,
                        ) -> tuple[LlamaModel, TensorParallelContext, list[Pipeline]]:
     """K pipelines of S stages, their stages' meshes, and the driver's contexts over them (module
-    docstring); on_plan sees rank 0's placement (every rank's layers) before its actors start."""
+    docstring); on_plan sees rank 0's placement (every rank's layers) before its actors start. A stage
+    that cannot read the model (at stage_model_path, default model_path) is sent its rank's rows only."""
     import ray
     params = params or ContextParams()
     model = LlamaModel.load(model_path)
@@ -84,6 +86,7 @@ def launch_stage_group(model_path: str, n_stages: int, size: int, params: Contex
         for r in range(size):
             pl = Pipeline.launch(model_path, n_stages, params, n_copies=n_copies, layers=layers,
                                  threads_per_stage=threads_per_stage, calls=calls, rank=(r, size),
+                                 stage_model_path=stage_model_path,
                                  node_ids=None if node_ids is None else node_ids[r::size],
                                  on_plan=on_plan if r == 0 else None)
             layers = [s.layers for s in pl.placement.stages]          # every rank's, as rank 0's

@@ -88,6 +88,20 @@ def test_stage_group_equals_one_process(ray_8, files, which, size):
         pipelines[0].shutdown()
 
 
+# stages whose nodes cannot read the file are sent their rank's rows (not the whole tensors to slice again)
+def test_rows_shipped_to_stages_without_the_file(ray_8, files):
+    from ggml_dist.workers.tp_stages import launch_stage_group
+    path = files["moe"]                              # a tied head: the last stages get their vocabulary rows
+    want = _steps(LlamaContext(LlamaModel.load(path), PARAMS))
+    _, ctx, pipelines = launch_stage_group(path, 2, 2, PARAMS, stage_model_path="/nonexistent/m.gguf")
+    try:
+        assert all(not i.needs_weights for p in pipelines for i in p.infos)
+        assert all(np.array_equal(a, b) for a, b in zip(want, _steps(ctx), strict=True))
+    finally:
+        ctx.close()
+        pipelines[0].shutdown()
+
+
 def test_refused_before_any_actor(ray_8, files):
     from ggml_dist.workers.tp_stages import launch_stage_group
     with pytest.raises(ValueError, match="3 nodes for 2 stages x 2 tensor-parallel ranks"):
