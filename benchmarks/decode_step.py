@@ -1,6 +1,8 @@
 """Where a decode step's time goes in one process: the step's wall time, then the bound replay's calls
 timed one by one and grouped by the call that ran (the packed matmul, an fkernels call bound by
-ops._BINDERS, a ufunc, a generic kernel). Prints one JSON object.
+ops._BINDERS, a ufunc, a generic kernel), and the products grouped by kernel and weight type with the
+bytes they read a step, their GB/s and its share of the host's read bandwidth at these threads
+(ggml_dist/bench/bandwidth.py: issue 56). Prints one JSON object.
 
     python benchmarks/decode_step.py [--model smollm2-135m] [--threads 1] [--steps 40] [--prompt-len 9] [--perf]
 
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from ggml_dist.backends.cpu import backend as cpu
     from ggml_dist.backends.cpu import threads
+    from ggml_dist.bench.bandwidth import by_weight, read_gb_s
     from ggml_dist.model.context import ContextParams, LlamaContext
     from ggml_dist.model.model import LlamaModel
     from ggml_dist.model.pull import resolve_model
@@ -107,18 +110,22 @@ def main(argv: list[str] | None = None) -> int:
 
     per: dict[str, float] = collections.defaultdict(float)
     n: collections.Counter[str] = collections.Counter()
+    each: dict[tuple[int, int], float] = collections.defaultdict(float)     # (graph, call) -> seconds
+    graphs: dict[int, Any] = {}
     plain = cpu.BoundGraph.run
 
     def timed(self: Any) -> None:
         pc = time.perf_counter
+        graphs[id(self)] = self
         for call in self.prologue:
             call()
-        for call in self.calls:
+        for i, call in enumerate(self.calls):
             t = pc()
             call()
-            k = _label(call)
-            per[k] += pc() - t
+            k, dt = _label(call), pc() - t
+            per[k] += dt
             n[k] += 1
+            each[id(self), i] += dt
     cpu.BoundGraph.run = timed                      # type: ignore[method-assign]
     try:
         for _ in range(a.steps):
@@ -130,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     out = {"model": a.model, "threads": a.threads, "prompt_len": a.prompt_len, "step_ms": round(step_s * 1e3, 3),
            "tok_s": round(1 / step_s, 2), "replay_ms_timed": round(sum(per.values()) / a.steps * 1e3, 3),
            "calls_per_step": sum(n.values()) // a.steps, "calls": calls}
+    # each product's bytes a step against the host's read bandwidth at these threads (issue 56)
+    read = read_gb_s(a.threads)
+    timed_calls = [(_label(graphs[g].calls[i]), graphs[g].call_nodes[i], s) for (g, i), s in each.items()]
+    out["read_gb_s"] = round(read, 2)
+    out["products"] = by_weight(timed_calls, a.steps, read, ctx.model.hp.n_expert_used)
+    weights_s = sum(p["ms_per_step"] for p in out["products"]) / 1e3
+    out["products_gb_s"] = round(sum(p["mb_per_step"] for p in out["products"]) * 2**20 / weights_s / 1e9, 2)
+    out["products_share_of_step"] = round(weights_s / step_s, 3)
     if a.perf:
         out["perf"] = perf_split(step, a.perf_steps)
     print(json.dumps(out))

@@ -60,7 +60,8 @@ class RunConfig:
     stage_calls: str = "auto"                    # direct | compiled | plain | auto
     on_ray: bool | None = None                   # None: as the stages and address say; True: always
     node_ids: list[str] | None = None            # stage k (or tensor-parallel rank k + 1) on node_ids[k];
-                                                 # with both, stage s of rank r on node_ids[s * K + r]
+                                                 # with both, stage s of rank r on node_ids[s * K + r] (K
+                                                 # nodes for K ranks: one stage of K rank actors)
     label: str = "ggml-dist"                     # the prefix of the lines it prints
     show_plan: bool = True                       # print the placement's table before the stages start
     devices: tuple[DeviceKind, ...] = ()         # each stage's device kind (one for all, or one per stage)
@@ -173,7 +174,9 @@ def open_runtime(cfg: RunConfig, on_plan: Callable[[Placement], None] | None = N
     if on_plan is None and cfg.show_plan:
         def on_plan(p: Placement) -> None:
             print(p.table(), file=sys.stderr, flush=True)
-    if cfg.tensor_parallel > 1 and n > 1:        # K pipelines of S stages, rank 0's context here (workers/tp_stages.py)
+    # K pipelines of S stages (workers/tp_stages.py): with stages, or with a node for every rank (one stage:
+    # every rank a stage actor, the driver apart); else rank 0 is this process (workers/tp_ranks.py)
+    if cfg.tensor_parallel > 1 and (n > 1 or len(cfg.node_ids or ()) == cfg.tensor_parallel):
         from .workers.tp_stages import launch_stage_group
         model, group, pipelines = launch_stage_group(
             str(cfg.model_path), n, cfg.tensor_parallel, cfg.params, node_ids=cfg.node_ids,

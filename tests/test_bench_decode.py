@@ -380,3 +380,26 @@ def test_run_model_explains_an_amx_crash(monkeypatch, tiny_model, capsys, paired
     err = capsys.readouterr().err
     assert "died by SIGSEGV on a CPU whose flags list AMX (amx_tile amx_int8 amx_bf16)" in err
     assert "-mno-amx-tile" in err
+
+
+# issue 56's profile: a call's weight bytes (a mixture's chosen experts only) and the products grouped by
+# kernel and weight type, with GB/s against a read bandwidth
+def test_weight_bytes_and_groups(tmp_path):
+    from ggml_dist.bench.bandwidth import by_weight, weight_bytes
+    from ggml_dist.core import ops
+    from ggml_dist.core.context import Context
+    from ggml_dist.core.types import GGMLType
+    from ggml_dist.model.model import LlamaModel
+    from ggml_dist.model.synthetic import SyntheticSpec, write_synthetic
+    m = LlamaModel.load(write_synthetic(tmp_path / "s.gguf", SyntheticSpec(n_layer=1, seed=1, wtype="Q4_0")))
+    wq, wk = m.weights["blk.0.attn_q.weight"], m.weights["blk.0.attn_k.weight"]
+    ctx = Context(1 << 20, no_alloc=True)
+    x = ctx.new_tensor(GGMLType.F32, (wq.ne[0], 1))
+    q, k = ops.mul_mat(ctx, wq, x), ops.mul_mat(ctx, wk, x)
+    assert weight_bytes([q, k]) == (wq.nbytes + wk.nbytes, "Q4_0")
+    assert weight_bytes([ops.add(ctx, x, x)]) == (0, "")
+    rows = by_weight([("matmul", [q, k], 0.002), ("matmul", [q], 0.001), ("add", [ops.add(ctx, x, x)], 1.0)],
+                     n_steps=2, read=10.0)
+    assert len(rows) == 1 and rows[0]["calls_per_step"] == 2 and rows[0]["ms_per_step"] == 1.5
+    gbs = (2 * wq.nbytes + wk.nbytes) / 0.0015 / 1e9
+    assert rows[0]["gb_s"] == round(gbs, 2) and rows[0]["read_share"] == round(gbs / 10.0, 3)

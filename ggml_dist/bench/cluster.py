@@ -268,7 +268,7 @@ def _points(c: Any, sampler: Any, build: Any, path: str, ks: list[int], fits: bo
                 m["points"] += [{**r, **tag} for r in rows]
                 if plan is not None:
                     m.setdefault("plans", {})[str(k)] = plan
-                mode = "tensor" if a.tp_stages < 2 else "tensor-stages"   # S stages of k/S ranks: S divides k, k > S
+                mode = "tensor" if not a.tp_stages else "tensor-stages"   # S stages of k/S ranks: S divides k, k > S
                 if a.tensor_parallel and k > 1 and (mode == "tensor" or k % a.tp_stages == 0 < k - a.tp_stages):
                     print(f"ggml-dist bench cluster: {Path(path).name}, ours {mode} on {k} host(s), "
                           f"link delay {d} ms", file=sys.stderr, flush=True)
@@ -378,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-tokens", type=int, default=64, help="max_tokens of each client request")
     ap.add_argument("--serve-args", default="", help="more `serve` options for the pipelined server")
     ap.add_argument("--tensor-parallel", action="store_true", help="also tensor parallelism at each k > 1 (ours-tp"
-                   " rows): rank 0 the driver on host 1, a rank on each other; --tp-stages S: S stages of k/S ranks")
-    ap.add_argument("--tp-stages", type=int, default=1, help="stages beside --tensor-parallel's ranks (default 1)")
+                   " rows): rank 0 the driver on host 1, a rank on each other; --tp-stages S: S stages of k/S actors")
+    ap.add_argument("--tp-stages", type=int, default=0, help="stages of rank actors (0: rank 0 the driver)")
     ap.add_argument("--skip", default="", help="comma list of parts to leave out: ours, llamacpp")
     ap.add_argument("--drop-caches", action="store_true", help="for a model bigger than a host: drop the page "
                     "cache first (root; machine-wide), so each host's cgroup is charged for the weights it maps")

@@ -1,5 +1,6 @@
 """CPU speed next to llama.cpp on the same file, in the same run: prompt and decode tok/s, their ratios,
-peak RSS, the decode bandwidth achieved (model.bytes_read_per_token() x tok/s) and a numpy copy bandwidth.
+peak RSS, the decode bandwidth achieved (model.bytes_read_per_token() x tok/s), a numpy copy bandwidth and the
+host's read bandwidth at the run's threads (bench/bandwidth.py), with decode's share of it.
 
     ggml-dist bench decode [--model smollm2-135m | a synthetic shape] [--tinyllama] [--threads 2] [--prompt-len 128]
                            [--gen 64] [--llamacpp-flash-attn {default,on,off}] [--rounds 1] [--paired] --json
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from .bandwidth import copy_gb_s, read_gb_s
 from .llamacpp import FLASH_ATTN_CHOICES, _LlamaCpp
 from .simd import OURS_ATTENTION, best_tier, host_info, ours_info, parse_system_info, simd_comparison
 
@@ -189,17 +191,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def copy_gb_s() -> float:
-    a = np.ones(64 * 2**20 // 4, np.float32)
-    b = np.empty_like(a)
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
-    return best
-
-
 def _child_env() -> dict[str, str]:
     """The environment of a child: this checkout's code first on PYTHONPATH (not another installed
     copy), the rest (a llama_cpp put first on PYTHONPATH, GGML_DIST_* switches) as given."""
@@ -316,7 +307,7 @@ def _explain_crash(out: dict[str, Any], name: str, res: dict[str, Any], host_fla
 
 def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, copy: float,
               flash_attn: str = "default", rounds: int = 1, paired: bool = False,
-              host_flags: Sequence[str] | None = None) -> dict[str, Any]:
+              host_flags: Sequence[str] | None = None, read: float | None = None) -> dict[str, Any]:
     """Ours and llama.cpp, each in a fresh process, alternating `rounds` times, or (paired) in one
     process taking turns every PAIRED_CHUNK tokens (measure_paired). The tok/s are the medians of the
     rounds, a ratio the median of the rounds' own ratios (on a noisy host the speed drifts between runs:
@@ -350,6 +341,8 @@ def run_model(name: str, path: str, prompt_len: int, gen: int, threads: int, cop
                 "peak_rss_mb": None if paired else round(max(o["peak_rss_mb"] for o in ours), 1),
                 "decode_gb_s": round(ours[0]["read_bytes"] * med["decode_tok_s"] / 1e9, 3),
                 "copy_gb_s": round(copy, 2), "file_mb": round(os.path.getsize(path) / 2**20, 1),
+                "read_gb_s": read and round(read, 2),      # the mark (bench/bandwidth.py), and decode's share
+                "decode_read_share": read and round(ours[0]["read_bytes"] * med["decode_tok_s"] / 1e9 / read, 3),
                 "kernels": ours[0]["ours"]["kernels"], "_ours": ours[0]["ours"]})
     ref_failed = next((r for _, r in runs if "error" in r), None)
     if ref_failed is not None:
@@ -443,15 +436,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     from ..model.synthetic import model_path
-    copy = copy_gb_s()
+    copy, read = copy_gb_s(), read_gb_s(a.threads)
     models = [(a.model, str(model_path(a.model)))]
     if a.tinyllama:
         from ..model.synthetic import TINYLLAMA_Q4_0, cached_synthetic
         models.append(("tinyllama-1.1b-q4_0-synthetic", str(cached_synthetic(TINYLLAMA_Q4_0))))
     if a.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
-    measured = [run_model(n, p, a.prompt_len, a.gen, a.threads, copy, a.llamacpp_flash_attn, a.rounds, a.paired)
-                for n, p in models]
+    measured = [run_model(n, p, a.prompt_len, a.gen, a.threads, copy, a.llamacpp_flash_attn, a.rounds, a.paired,
+                          read=read) for n, p in models]
     print(json.dumps(summarize(measured, host_info(), a.llamacpp_flash_attn)))
     return 0
 

@@ -102,6 +102,21 @@ def test_rows_shipped_to_stages_without_the_file(ray_8, files):
         pipelines[0].shutdown()
 
 
+# one stage with a node for every rank: every rank a stage actor, the driver apart (rank 0 is not this process)
+def test_one_stage_of_rank_actors(ray_8, files):
+    from ggml_dist.model.tp_local import TensorParallelContext
+    from ggml_dist.runtime import RunConfig, open_runtime
+    node = ray.get_runtime_context().get_node_id()
+    want = _steps(LlamaContext(LlamaModel.load(files["dense"]), PARAMS))
+    rt = open_runtime(RunConfig(files["dense"], PARAMS, 1, on_ray=True, node_ids=[node, node], tensor_parallel=2,
+                                show_plan=False))
+    try:
+        assert isinstance(rt.ctx, TensorParallelContext) and rt.distributed and len(rt.stage_infos()) == 1
+        assert all(np.array_equal(a, b) for a, b in zip(want, _steps(rt.ctx), strict=True))
+    finally:
+        rt.shutdown()
+
+
 def test_refused_before_any_actor(ray_8, files):
     from ggml_dist.workers.tp_stages import launch_stage_group
     with pytest.raises(ValueError, match="3 nodes for 2 stages x 2 tensor-parallel ranks"):

@@ -225,6 +225,7 @@ class BoundGraph:
                 raise UnsupportedOpError(f"CPU backend has no kernel for {t.op.name} ('{t.name}')")
         b = Binding(opts, consumers, graph.use_counts, tensor_array)
         self.calls: list[Callable[[], None]] = []      # what run() replays (ops.bind, fusion.fuse)
+        self.call_nodes: list[list[Tensor]] = []       # the nodes each call computes (for profiles)
         taken: set[int] = set()                         # nodes past i that a fused call already runs
         for i, t in enumerate(nodes):
             if i in taken:
@@ -233,8 +234,10 @@ class BoundGraph:
             if fused is None:
                 self.calls.append(bind(t, tensor_array(t), [tensor_array(x) if x is not None else None
                                                             for x in t.src], b))
+                self.call_nodes.append([t])
                 continue
             self.calls.append(fused[0])
+            self.call_nodes.append([nodes[j] for j in fused[1]])
             taken.update(fused[1])
         self.prologue = b.prologue
         self._flat: list[Flat] = []
