@@ -398,6 +398,9 @@ def test_weight_bytes_and_groups(tmp_path):
     q, k = ops.mul_mat(ctx, wq, x), ops.mul_mat(ctx, wk, x)
     assert weight_bytes([q, k]) == (wq.nbytes + wk.nbytes, "Q4_0")
     assert weight_bytes([ops.add(ctx, x, x)]) == (0, "")
+    emb = m.weights["token_embd.weight"]
+    ids = ctx.new_tensor(GGMLType.I32, (3,))
+    assert weight_bytes([ops.get_rows(ctx, emb, ids)]) == (3 * emb.nb[1], emb.type.name)
     rows = by_weight([("matmul", [q, k], 0.002), ("matmul", [q], 0.001), ("add", [ops.add(ctx, x, x)], 1.0)],
                      n_steps=2, read=10.0)
     assert len(rows) == 1 and rows[0]["calls_per_step"] == 2 and rows[0]["ms_per_step"] == 1.5
