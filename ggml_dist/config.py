@@ -76,9 +76,10 @@ def add_run_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
                    help="pipeline stages (Ray actors), or auto: the fewest that fit the cluster's nodes, "
                    "one per node; 1 without --address runs in this process")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="K",
-                   help="split every matrix of a dense model over K ranks (threads of this process; with "
-                   "--address, rank 0 here and the others Ray actors exchanging over direct links): each output "
-                   "row computed whole on one rank, so the tokens are one process's")
+                   help="split every matrix (a mixture's experts: whole) over K ranks (threads of this process; "
+                   "with --address, rank 0 here and the others Ray actors exchanging over direct links; with "
+                   "--stages S, S x K stage actors): each output row computed whole on one rank, so the tokens "
+                   "are one process's")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a "
                    "local Ray, or join the cluster of a `ray job submit` job)")
     p.add_argument("--layers", default=None, help="explicit layer ranges per stage, first:end with the end "

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.devices import DeviceKind, DeviceSpec, ray_resources
+from ..model import layout
 from ..model.context import ContextParams, LlamaContext
 from ..model.model import LlamaModel
 from ..model.tensor_parallel import rank_model
@@ -229,10 +230,12 @@ class Pipeline:
         self.watch.addresses[k] = info.health
 
     def _give_weights(self, k: int) -> None:
-        """Ship stage k its weights: self.model's (a tensor-parallel rank's: its rows, sent as they are)."""
+        """Ship stage k its weights: self.model's (a tensor-parallel rank's: its rows, sent as they are; a
+        tied head there is its own rows of token_embd, output.weight, so the last stage gets those alone)."""
         spec = self.specs[k]
         if k not in self.manifests:
-            names = spec.weight_names(list(self.model.weights), self.model.hp.tie_word_embeddings)
+            tied = self.model.hp.tie_word_embeddings and layout.HEAD not in self.model.weights
+            names = spec.weight_names(list(self.model.weights), tied)
             self.manifests[k] = (names, manifest(self.model.weights, names))
         names, m = self.manifests[k]
         ship(self.model.weights, names, m, self.actors[k], self._describe(k))

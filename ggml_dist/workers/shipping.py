@@ -122,9 +122,12 @@ def _chunks(weights: dict[str, Tensor], names: list[str], chunk: int) -> Iterato
 
 
 def ship(weights: dict[str, Tensor], names: list[str], m: WeightManifest, actor: Any, label: str,
-         chunk: int = CHUNK_BYTES, log: Any = sys.stderr) -> bool:
-    """Give a Ray stage actor its weights. Returns True if they were sent, False if it had them cached."""
+         chunk: int = CHUNK_BYTES, log: Any = None) -> bool:
+    """Give a Ray stage actor its weights. Returns True if they were sent, False if it had them cached.
+    log: where the progress lines go (None: sys.stderr as it is at the call, not at this module's import:
+    a stream bound then may be closed since, as a test's captured stderr is)."""
     import ray
+    log = sys.stderr if log is None else log
     if ray.get(actor.open_weights.remote(m.to_dict())):
         print(f"ggml-dist: {label}: weights from the node's cache ({m.total / 2**20:.1f} MiB, "
               f"checksum {m.checksum[:12]})", file=log, flush=True)

@@ -33,11 +33,15 @@ SAMPLED = SamplingParams(temperature=0.8, seed=3)
 
 @pytest.fixture(scope="module")
 def ray_8():
-    """A local Ray of 8 CPUs: 2 stages x 4 ranks of one CPU each."""
-    from ggml_dist.workers.local_ray import connect
+    """A local Ray of 8 CPUs: 2 stages x 4 ranks of one CPU each. A Ray this process still holds (an
+    in-process CLI call of an earlier module starts one of 2 CPUs and leaves it) ends first."""
+    from ggml_dist.workers.local_ray import connect, shutdown_local
+    shutdown_local()
+    if ray.is_initialized():
+        ray.shutdown()
     connect(num_cpus=8)
     yield
-    ray.shutdown()
+    shutdown_local()
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +100,9 @@ def test_rows_shipped_to_stages_without_the_file(ray_8, files):
     _, ctx, pipelines = launch_stage_group(path, 2, 2, PARAMS, stage_model_path="/nonexistent/m.gguf")
     try:
         assert all(not i.needs_weights for p in pipelines for i in p.infos)
+        # what each stage was sent is what its placement counted: the last stage, its rows of the head only
+        assert [[i.weight_bytes for i in p.infos] for p in pipelines] == \
+            [[s.weight_bytes for s in p.placement.stages] for p in pipelines]
         assert all(np.array_equal(a, b) for a, b in zip(want, _steps(ctx), strict=True))
     finally:
         ctx.close()
